@@ -1,0 +1,141 @@
+"""The one thin layer every collective goes through, with a ledger of logical volumes (DESIGN.md 5).
+
+ZeRO §5 and §7 count communication as the data a ring collective moves per rank: an all-reduce of
+Ψ elements moves 2Ψ(n-1)/n (a reduce-scatter plus an all-gather), an all-gather or a reduce-scatter
+moves Ψ(n-1)/n of the full tensor. Each call below performs the collective on its :class:`Group` and
+appends one :class:`CommRecord` to that group's :class:`CommLedger`, so "stage 3 moves 3Ψ" is a test.
+
+Every function takes ``async_op``; asynchronous calls return a handle whose ``wait()`` completes the
+collective (a no-op handle on single-rank groups, where nothing is sent).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str            # all_reduce | all_gather | reduce_scatter | broadcast
+    group: str         # tp | dp | world
+    numel: int         # elements of the full (unsharded) tensor the collective is about
+    dtype: torch.dtype
+    bytes_per_rank: float  # logical ring volume moved by each rank
+
+
+@dataclass
+class CommLedger:
+    """Append-only record of collectives; ``totals()`` sums bytes per (group, op)."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    enabled: bool = True
+
+    def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype) -> None:
+        if self.enabled and group.size > 1:
+            n = group.size
+            factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+                      "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[op]
+            nbytes = numel * _itemsize(dtype)
+            self.records.append(CommRecord(op, group.kind, numel, dtype, factor * nbytes))
+
+    def totals(self) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = defaultdict(float)
+        for r in self.records:
+            out[(r.group, r.op)] += r.bytes_per_rank
+        return dict(out)
+
+    def bytes(self, group: str | None = None, op: str | None = None) -> float:
+        return sum(r.bytes_per_rank for r in self.records
+                   if (group is None or r.group == group) and (op is None or r.op == op))
+
+    def count(self, group: str | None = None, op: str | None = None) -> int:
+        return sum(1 for r in self.records
+                   if (group is None or r.group == group) and (op is None or r.op == op))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+
+@dataclass
+class Group:
+    """A process group with its kind, this rank's index in it and the ledger it reports to.
+
+    ``pg`` is None for a single-rank group: collectives are then local copies and send nothing.
+    """
+
+    kind: str
+    ranks: list[int]
+    rank: int
+    ledger: CommLedger
+    pg: object | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class _Done:
+    """Handle of a collective that completed synchronously (single-rank groups)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``."""
+    group.ledger.record("all_reduce", group, tensor.numel(), tensor.dtype)
+    if group.size == 1:
+        return _Done() if async_op else None
+    return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
+    """Concatenate every rank's ``shard`` along dim 0 into ``output`` (``size`` times larger)."""
+    if output.numel() != shard.numel() * group.size:
+        raise ValueError(f"all-gather output has {output.numel()} elements, expected "
+                         f"{shard.numel()} x {group.size}")
+    group.ledger.record("all_gather", group, output.numel(), output.dtype)
+    if group.size == 1:
+        output.copy_(shard.view_as(output))
+        return _Done() if async_op else None
+    return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
+                        async_op: bool = False):
+    """Sum ``full`` over ``group`` and keep this rank's 1/size slice (along dim 0) in ``output``."""
+    if full.numel() != output.numel() * group.size:
+        raise ValueError(f"reduce-scatter input has {full.numel()} elements, expected "
+                         f"{output.numel()} x {group.size}")
+    group.ledger.record("reduce_scatter", group, full.numel(), full.dtype)
+    if group.size == 1:
+        output.copy_(full.view_as(output))
+        return _Done() if async_op else None
+    return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):
+    """Broadcast ``tensor`` from the group member with index ``src_index``."""
+    group.ledger.record("broadcast", group, tensor.numel(), tensor.dtype)
+    if group.size == 1:
+        return _Done() if async_op else None
+    return dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg, async_op=async_op)
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,129 @@
+"""Pure rank topology of a hybrid TP x DP job (Megatron-LM §3 "model + data parallel"; ZeRO §7).
+
+A :class:`Topology` maps every global rank to its node, its local index on the node, its tensor
+parallel (TP) rank and its data-parallel (DP) rank, with no torch.distributed involved, so a 400-GPU
+DGX-2 layout can be checked on a laptop.
+
+Rank order (DESIGN.md invariant 2): TP varies fastest. The rank grid is ``arange(world).view(dp, tp)``:
+
+    world 8, tp 2, 4 GPUs per node
+        node 0: ranks 0 1 | 2 3        TP groups: [0,1] [2,3] [4,5] [6,7]   (adjacent, inside a node)
+        node 1: ranks 4 5 | 6 7        DP groups: [0,2,4,6] [1,3,5,7]       (strided, across nodes)
+
+A TP group that is larger than a node (Megatron's 384-GPU baseline with TP 128) crosses nodes; it is
+only accepted with ``allow_tp_across_nodes=True`` and is reported by :attr:`tp_crosses_nodes`, since
+its all-reduces then run over InfiniBand instead of NVSwitch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TopologyError(ValueError):
+    """An invalid parallel layout; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int
+    node: int
+    local_rank: int
+    tp_rank: int
+    dp_rank: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    tensor_parallel_size: int = 1
+    gpus_per_node: int = 16
+    allow_tp_across_nodes: bool = False
+
+    def __post_init__(self) -> None:
+        world, tp, per_node = self.world_size, self.tensor_parallel_size, self.gpus_per_node
+        for name, value in (("world size", world), ("tensor-model-parallel size", tp),
+                            ("GPUs per node", per_node)):
+            if not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if world % tp:
+            raise TopologyError(
+                f"world size {world} is not divisible by tensor-model-parallel size {tp}; "
+                f"choose a TP degree that divides {world} (e.g. {_largest_divisor_at_most(world, tp)})")
+        if world > per_node and world % per_node:
+            raise TopologyError(
+                f"world size {world} is not a whole number of nodes of {per_node} GPUs; "
+                f"use a multiple of {per_node} ranks or set GPUs per node to match the machines")
+        if tp <= per_node and per_node % tp and world > tp:
+            raise TopologyError(
+                f"tensor-model-parallel size {tp} does not divide the {per_node} GPUs of a node, so "
+                f"TP groups would straddle nodes; use a TP degree that divides {per_node}")
+        if tp > per_node:
+            if tp % per_node:
+                raise TopologyError(
+                    f"tensor-model-parallel size {tp} spans nodes of {per_node} GPUs unevenly; "
+                    f"use a multiple of {per_node}")
+            if not self.allow_tp_across_nodes:
+                raise TopologyError(
+                    f"tensor-model-parallel size {tp} is larger than a node ({per_node} GPUs): its "
+                    f"all-reduces would cross the inter-node network; lower TP to at most {per_node} "
+                    f"or opt in with --allow-tp-across-nodes")
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.gpus_per_node)
+
+    @property
+    def tp_crosses_nodes(self) -> bool:
+        """True when a TP group spans more than one node (its traffic leaves NVSwitch)."""
+        return any(len(self.nodes_of(group)) > 1 for group in self.tp_groups())
+
+    # ---- coordinates -----------------------------------------------------------------------
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        dp_rank, tp_rank = divmod(rank, self.tensor_parallel_size)  # grid[dp, tp]
+        node, local_rank = divmod(rank, self.gpus_per_node)
+        return RankCoords(rank, node, local_rank, tp_rank, dp_rank)
+
+    def rank_of(self, tp_rank: int, dp_rank: int) -> int:
+        return dp_rank * self.tensor_parallel_size + tp_rank
+
+    # ---- groups ----------------------------------------------------------------------------
+    def tp_groups(self) -> list[list[int]]:
+        """Rows of the grid: one group per DP replica, adjacent ranks."""
+        tp = self.tensor_parallel_size
+        return [list(range(d * tp, (d + 1) * tp)) for d in range(self.dp_size)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Columns of the grid: one group per TP rank, ranks strided by the TP degree."""
+        tp = self.tensor_parallel_size
+        return [list(range(t, self.world_size, tp)) for t in range(tp)]
+
+    def tp_group_of(self, rank: int) -> list[int]:
+        return self.tp_groups()[self.coords(rank).dp_rank]
+
+    def dp_group_of(self, rank: int) -> list[int]:
+        return self.dp_groups()[self.coords(rank).tp_rank]
+
+    def nodes_of(self, ranks: list[int]) -> list[int]:
+        return sorted({r // self.gpus_per_node for r in ranks})
+
+    def describe(self) -> str:
+        crossing = "crossing nodes" if self.tp_crosses_nodes else "inside one node each"
+        return (f"{self.world_size} ranks = {self.num_nodes} node(s) x {min(self.world_size, self.gpus_per_node)}"
+                f" | TP {self.tp_size} ({self.dp_size} TP groups, {crossing})"
+                f" | DP {self.dp_size} ({self.tp_size} DP groups)")
+
+
+def _largest_divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)

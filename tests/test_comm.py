@@ -1,0 +1,58 @@
+"""Communication layer: collectives are correct and the ledger records ring volumes."""
+
+import torch
+
+from hybrid import comm
+from hybrid.parallel_state import ParallelState
+from hybrid.topology import Topology
+from tests.multirank import run_on_ranks
+
+
+def test_single_process_state_needs_no_process_group():
+    state = ParallelState.single_process()
+    t = torch.arange(4.0)
+    comm.all_reduce(t, state.dp)
+    out = torch.empty(4)
+    comm.all_gather_into(out, t, state.tp, async_op=True).wait()
+    assert torch.equal(out, t) and (state.tp_size, state.dp_size) == (1, 1)
+    assert state.ledger.records == []  # nothing is sent, so nothing is counted
+
+
+def _collectives(rank, world_size, tp):
+    state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size))
+    assert state.tp.ranks == [r for r in range(world_size) if r // tp == rank // tp]
+    n, g = 6, state.dp.size
+    x = torch.arange(n * g, dtype=torch.float32) + rank
+    comm.all_reduce(x.clone(), state.dp)
+    shard = torch.empty(n)
+    comm.reduce_scatter_into(shard, x, state.dp, async_op=True).wait()
+    expected = sum(torch.arange(n * g, dtype=torch.float32) + r for r in state.dp.ranks)
+    assert torch.equal(shard, expected.view(g, n)[state.dp_rank])
+    full = torch.empty(n * g)
+    comm.all_gather_into(full, shard, state.dp)
+    assert torch.equal(full, expected)
+    ledger = state.ledger
+    elem = 4 * n * g  # fp32 bytes of the full tensor
+    assert ledger.bytes("dp", "all_reduce") == 2 * elem * (g - 1) / g
+    assert ledger.bytes("dp", "reduce_scatter") == elem * (g - 1) / g
+    assert ledger.bytes("dp", "all_gather") == elem * (g - 1) / g
+    assert ledger.bytes("tp") == 0
+    return state.dp.ranks
+
+
+def test_collectives_and_ledger_on_four_ranks():
+    dp_groups = run_on_ranks(_collectives, 4, args=(2,))
+    assert dp_groups == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def _raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    torch.distributed.barrier()  # rank 0 waits for a peer that has died
+
+
+def test_failing_rank_is_reported_not_hung():
+    import pytest
+    from tests.multirank import RankFailure
+    with pytest.raises(RankFailure, match="(?s)rank 1 of 2 failed.*boom on purpose"):
+        run_on_ranks(_raises, 2, timeout=60)

@@ -77,6 +77,11 @@ class Group:
     def size(self) -> int:
         return len(self.ranks)
 
+    def require_process_group(self) -> None:
+        if self.pg is None and self.size > 1:
+            raise RuntimeError(f"this {self.kind} group of {self.size} ranks belongs to a dry-run "
+                               f"parallel state and cannot communicate")
+
 
 class _Done:
     """Handle of a collective that completed synchronously (single-rank groups)."""
@@ -96,6 +101,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     group.ledger.record("all_reduce", group, tensor.numel(), tensor.dtype)
     if group.size == 1:
         return _Done() if async_op else None
+    group.require_process_group()
     return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
 
@@ -108,6 +114,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
     if group.size == 1:
         output.copy_(shard.view_as(output))
         return _Done() if async_op else None
+    group.require_process_group()
     return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
 
 
@@ -121,6 +128,7 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     if group.size == 1:
         output.copy_(full.view_as(output))
         return _Done() if async_op else None
+    group.require_process_group()
     return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
 
 
@@ -129,6 +137,7 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: 
     group.ledger.record("broadcast", group, tensor.numel(), tensor.dtype)
     if group.size == 1:
         return _Done() if async_op else None
+    group.require_process_group()
     return dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg, async_op=async_op)
 
 

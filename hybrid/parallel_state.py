@@ -44,6 +44,17 @@ class ParallelState:
         return cls(Topology(1, 1, 1), 0, *groups, torch.device(device), ledger)
 
     @classmethod
+    def dry_run(cls, topology: Topology, rank: int = 0) -> "ParallelState":
+        """The state of ``rank`` in ``topology`` without any process group, for meta-device dry runs
+        of many-GPU layouts on one machine. Shapes are right; any collective raises."""
+        ledger = CommLedger()
+        c = topology.coords(rank)
+        world = Group("world", list(range(topology.world_size)), rank, ledger)
+        tp = Group("tp", topology.tp_group_of(rank), c.tp_rank, ledger)
+        dp = Group("dp", topology.dp_group_of(rank), c.dp_rank, ledger)
+        return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger)
+
+    @classmethod
     def initialize(cls, topology: Topology, *, rank: int | None = None, backend: str | None = None,
                    init_method: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
                    device: str | torch.device | None = None) -> "ParallelState":

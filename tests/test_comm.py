@@ -56,3 +56,11 @@ def test_failing_rank_is_reported_not_hung():
     from tests.multirank import RankFailure
     with pytest.raises(RankFailure, match="(?s)rank 1 of 2 failed.*boom on purpose"):
         run_on_ranks(_raises, 2, timeout=60)
+
+
+def test_dry_run_state_has_400_gpu_groups_and_refuses_to_communicate():
+    import pytest
+    state = ParallelState.dry_run(Topology(400, 16, gpus_per_node=16), rank=37)
+    assert (state.tp_rank, state.dp_rank, state.tp.ranks[0], state.dp.ranks[:3]) == (5, 2, 32, [5, 21, 37])
+    with pytest.raises(RuntimeError, match="dry-run"):
+        comm.all_reduce(torch.ones(2), state.tp)

@@ -1,0 +1,142 @@
+"""Named GPT presets: small CPU models, and the paper's experiment rows as data.
+
+- ``PRESETS``: model configs by name ("tiny", "small" for CPU runs; "gpt2-1.5B", ...).
+- ``PAPER_RUNS``: every row of ZeRO Table 5 (Figure 2 throughput comparison; a ZeRO row and a Megatron
+  baseline row per size), Table 6 (60B superlinear scaling) and Table 10 (data-parallel only) as a
+  :class:`PaperRun` with its GPU count, model-parallel degree, batch per replica and total batch.
+  Numbers are copied from PAPER.md; seq 1024 and the GPT-2 vocab 50257 are the paper's stated values.
+
+Look up with :func:`get_config` and :func:`get_paper_run`; names are listed by :func:`paper_run_names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.gpt.config import ConfigError, GPTConfig
+
+PAPER_SEQ_LENGTH = 1024
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass(frozen=True)
+class PaperRun:
+    """One row of a paper table: the model plus how it was laid out on the cluster."""
+
+    name: str             # e.g. "table5-zero-100B", "table5-megatron-40B", "table6-60B-64gpus"
+    table: str            # "table5" | "table6" | "table10"
+    size_label: str       # the paper's size label, e.g. "100B"
+    config: GPTConfig
+    gpus: int
+    tp: int               # the paper's MP degree
+    micro_batch: int      # batch per data-parallel replica
+    global_batch: int
+    zero: bool            # ZeRO run (True) or Megatron baseline (False)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def label_parameters(self) -> float:
+        """The size label as a number of parameters ("1.5B" -> 1.5e9)."""
+        return float(self.size_label.rstrip("B")) * 1e9
+
+
+def _model(layers: int, hidden: int, heads: int) -> GPTConfig:
+    return GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     vocab_size=GPT2_VOCAB_SIZE, seq_length=PAPER_SEQ_LENGTH)
+
+
+# Table 5: size -> (ZeRO row, Megatron baseline row), each GPUs/MP/layers/hidden/heads/batch/total.
+_TABLE5 = {
+    "1.5B": ((400, 1, 48, 1600, 16, 24, 9600), (400, 2, 48, 1600, 16, 16, 3200)),
+    "8B": ((400, 4, 72, 3072, 24, 64, 6400), (400, 8, 72, 3072, 24, 8, 400)),
+    "40B": ((400, 4, 88, 6144, 32, 12, 1200), (384, 32, 88, 6144, 64, 4, 48)),
+    "60B": ((400, 16, 132, 6144, 32, 64, 1600), (384, 64, 132, 6144, 64, 4, 24)),
+    "80B": ((400, 16, 100, 8192, 64, 32, 800), (384, 128, 100, 8192, 128, 4, 12)),
+    "100B": ((400, 16, 125, 8192, 64, 32, 800), (384, 128, 125, 8192, 128, 2, 6)),
+    "120B": ((400, 16, 150, 8192, 64, 24, 600), (384, 128, 150, 8192, 128, 2, 6)),
+    "140B": ((400, 16, 175, 8192, 64, 16, 400), (384, 128, 175, 8192, 128, 2, 6)),
+    "170B": ((400, 16, 212, 8192, 64, 12, 300), (256, 256, 212, 8192, 256, 2, 2)),
+}
+
+# Table 6: 60B, MP 16, 75 layers, hidden 8192, 32 heads; GPUs -> (batch per replica, total batch).
+_TABLE6 = {64: (16, 64), 128: (48, 384), 256: (48, 768), 400: (64, 1600)}
+
+# Table 10: data parallel only, 128 GPUs, MP 1: size -> (layers, hidden, heads, batch per replica).
+_TABLE10 = {
+    "1.5B": (34, 1920, 16, 24), "2.5B": (54, 1920, 16, 24), "4B": (64, 2304, 24, 16),
+    "6B": (52, 3072, 24, 12), "8B": (72, 3072, 24, 8), "10B": (50, 4096, 32, 6),
+    "11B": (54, 4096, 32, 4), "12B": (58, 4096, 32, 4), "13B": (62, 4096, 32, 2),
+}
+
+
+def _table5_runs() -> list[PaperRun]:
+    runs = []
+    for size, rows in _TABLE5.items():
+        for zero, (gpus, mp, layers, hidden, heads, mb, gb) in zip((True, False), rows):
+            kind = "zero" if zero else "megatron"
+            runs.append(PaperRun(f"table5-{kind}-{size}", "table5", size, _model(layers, hidden, heads),
+                                 gpus, mp, mb, gb, zero))
+    return runs
+
+
+def _table6_runs() -> list[PaperRun]:
+    return [PaperRun(f"table6-60B-{gpus}gpus", "table6", "60B", _model(75, 8192, 32), gpus, 16, mb, gb,
+                     True)
+            for gpus, (mb, gb) in _TABLE6.items()]
+
+
+def _table10_runs() -> list[PaperRun]:
+    return [PaperRun(f"table10-{size}", "table10", size, _model(layers, hidden, heads), 128, 1, mb,
+                     mb * 128, True)
+            for size, (layers, hidden, heads, mb) in _TABLE10.items()]
+
+
+PAPER_RUNS: dict[str, PaperRun] = {r.name: r for r in
+                                   _table5_runs() + _table6_runs() + _table10_runs()}
+
+PRESETS: dict[str, GPTConfig] = {
+    # CPU presets: quick tests and the default pretraining run on the embedded corpus.
+    "tiny": GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                      seq_length=64, make_vocab_size_divisible_by=64),
+    "small": GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=8, vocab_size=4096,
+                       seq_length=128, make_vocab_size_divisible_by=64),
+    # GPT-2 family, seq 1024 (the ZeRO paper's 1.5B is Table 5's 48 x 1600).
+    "gpt2-small": _model(12, 768, 12),
+    "gpt2-medium": _model(24, 1024, 16),
+    "gpt2-large": _model(36, 1280, 20),
+    "gpt2-1.5B": _model(48, 1600, 16),
+    # The ZeRO-100B headline model (Table 5, 125 x 8192, 64 heads) and the 170B one.
+    "zero-100B": PAPER_RUNS["table5-zero-100B"].config,
+    "zero-170B": PAPER_RUNS["table5-zero-170B"].config,
+}
+
+
+def get_config(name: str) -> GPTConfig:
+    """A model preset by name; paper run names (e.g. "table5-zero-40B") work too."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in PAPER_RUNS:
+        return PAPER_RUNS[name].config
+    raise ConfigError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)} or a paper run "
+                      f"({', '.join(paper_run_names())})")
+
+
+def get_paper_run(name: str) -> PaperRun:
+    """A paper table row by name, e.g. "table5-zero-100B", "table5-megatron-40B", "table10-13B"."""
+    try:
+        return PAPER_RUNS[name]
+    except KeyError:
+        raise ConfigError(f"unknown paper run {name!r}; choose one of {', '.join(paper_run_names())}") \
+            from None
+
+
+def paper_run_names(table: str | None = None) -> list[str]:
+    return [n for n, r in PAPER_RUNS.items() if table is None or r.table == table]
+
+
+def table5(size: str, zero: bool = True) -> PaperRun:
+    """The Table 5 row of ``size`` ("1.5B" ... "170B"): the ZeRO run or the Megatron baseline."""
+    return get_paper_run(f"table5-{'zero' if zero else 'megatron'}-{size}")

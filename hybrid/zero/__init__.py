@@ -1,0 +1,12 @@
+"""ZeRO-DP (Rajbhandari et al. 2019, §5): partition optimizer states (stage 1, Pos), gradients
+(stage 2, Pos+g) and parameters (stage 3, Pos+g+p) across the data-parallel group, on top of
+Megatron tensor parallelism (each TP rank's shard is what its DP group partitions).
+
+Shared core: :mod:`.config`, :mod:`.loss_scaler`, :mod:`.adamw`, :mod:`.clip`, :mod:`.report`.
+Stages 0-2: :mod:`.partition` (flat buffers, buckets), :mod:`.reducer` (bucketed gradient
+communication overlapped with backward), :mod:`.optimizer` (the engine). Stage 3: ``stage3*``.
+"""
+
+from hybrid.zero.config import AdamWConfig, LossScaleConfig, ZeroConfig, uses_weight_decay
+
+__all__ = ["AdamWConfig", "LossScaleConfig", "ZeroConfig", "uses_weight_decay"]

@@ -1,0 +1,73 @@
+"""AdamW over flat fp32 partitions (Loshchilov & Hutter 2019), the optimizer ZeRO partitions (§5.1).
+
+ZeRO stores the fp32 master parameters and the two Adam moments of a rank's partition as a few flat
+1-D tensors (one chunk per communication bucket). :func:`adamw_step` updates lists of such 1-D
+tensors with ``torch._foreach_*`` kernels, in the same order of floating-point operations as
+``torch.optim.AdamW`` (decoupled decay, ``lerp`` for the first moment, ``addcmul`` for the second,
+bias corrections in Python doubles), so fp32 results match a single-device torch reference to
+rounding. Weight decay is applied only to the ``decay_views`` (views of the decayed parameters'
+fragments): the flat chunks mix decayed and undecayed parameters without a mask tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid.zero.config import AdamWConfig
+
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], decay_views: list[torch.Tensor], *, step: int,
+               config: AdamWConfig, lr: float | None = None) -> None:
+    """One AdamW update in place. ``step`` is the 1-based step number after this update.
+
+    ``params``/``grads``/``exp_avgs``/``exp_avg_sqs`` are parallel lists of fp32 tensors of equal
+    shapes; ``decay_views`` are views into ``params`` that get the decoupled weight decay.
+    """
+    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs)):
+        raise ValueError("adamw_step needs parallel lists of params, grads and both moments")
+    if step < 1:
+        raise ValueError(f"AdamW step numbers start at 1, got {step}")
+    lr = config.lr if lr is None else lr
+    beta1, beta2 = config.betas
+    if decay_views and config.weight_decay != 0:
+        torch._foreach_mul_(decay_views, 1 - lr * config.weight_decay)
+    if not params:
+        return
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, config.eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias_correction1)
+
+
+class FlatAdamWState:
+    """The two Adam moments of a list of flat fp32 partitions, plus the step counter.
+
+    ``sizes`` are the numels of the partitions; moments are allocated as ONE flat tensor each
+    (so the memory report sees two storages) and handed out as views.
+    """
+
+    def __init__(self, sizes: list[int], device: torch.device | str):
+        total = sum(sizes)
+        self.exp_avg_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avgs = list(torch.split(self.exp_avg_flat, sizes)) if sizes else []
+        self.exp_avg_sqs = list(torch.split(self.exp_avg_sq_flat, sizes)) if sizes else []
+        self.step = 0
+
+    def update(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+               decay_views: list[torch.Tensor], config: AdamWConfig, lr: float | None = None) -> None:
+        self.step += 1
+        adamw_step(params, grads, self.exp_avgs, self.exp_avg_sqs, decay_views, step=self.step,
+                   config=config, lr=lr)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The storages this state owns (for the memory report)."""
+        return [self.exp_avg_flat, self.exp_avg_sq_flat]

@@ -1,0 +1,50 @@
+"""Gradient clipping by the global norm across DP and TP (Pascanu et al. 2013; Megatron-LM §3).
+
+The global norm is that of the whole model's gradient, as one device would compute it. Each rank
+sums the squares of what it holds; TP-sharded parameters contribute on every TP rank (their shards
+are disjoint), TP-replicated parameters (``tensor_model_parallel`` False) only on TP rank 0, so they
+count once. With ZeRO stages >= 1 the DP ranks hold disjoint gradient partitions and the sum runs
+over the world group; with stage 0 every DP rank holds the whole gradient and only TP is summed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid import comm
+from hybrid.comm import Group
+
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 sum of squares of all elements (one-element tensor on ``device``)."""
+    total = torch.zeros(1, dtype=torch.float32, device=device)
+    for t in tensors:
+        if t.numel():
+            total += torch.linalg.vector_norm(t, dtype=torch.float32).square().to(device)
+    return total
+
+
+def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor], *, tp: Group,
+                     reduce_group: Group, device: torch.device | str = "cpu") -> float:
+    """L2 norm of the model's gradient from this rank's pieces.
+
+    ``sharded``: gradient pieces of TP-sharded parameters; ``replicated``: pieces of TP-replicated
+    ones (counted on TP rank 0 only). ``reduce_group`` sums the squares: the world group when DP ranks
+    hold disjoint partitions, the TP group when every DP rank holds the full gradient.
+    """
+    sq = sum_of_squares(sharded, device)
+    if tp.rank == 0:
+        sq += sum_of_squares(replicated, device)
+    comm.all_reduce(sq, reduce_group)
+    return math.sqrt(float(sq.item()))
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """Factor to multiply gradients by so their global norm is at most ``max_norm`` (<= 1)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + CLIP_EPS))

@@ -1,0 +1,125 @@
+"""Configuration of ZeRO-DP (ZeRO paper §5 stages, §6.3 constant-size buffers) and of AdamW.
+
+:class:`ZeroConfig` picks the stage (0 = plain data parallel, 1 = Pos, 2 = Pos+g, 3 = Pos+g+p), the
+precision of parameters and gradients (fp32, or bf16/fp16 with an fp32 master copy, mixed-precision
+training of Micikevicius et al. 2018 as used in ZeRO §3.1), the constant bucket size of gradient
+communication (CB of ZeRO-R: independent of the model size) and dynamic loss scaling for fp16.
+Both dataclasses validate themselves with messages that name the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling (fp16 only): start at ``initial_scale``; after ``hysteresis`` overflowed
+    steps multiply by ``backoff_factor`` (never below ``min_scale``); after ``growth_interval``
+    clean steps in a row multiply by ``growth_factor``."""
+
+    initial_scale: float = 2.0 ** 16
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.min_scale > 0:
+            raise ValueError(f"loss scale min_scale must be > 0, got {self.min_scale}")
+        if not self.initial_scale >= self.min_scale:
+            raise ValueError(f"initial loss scale {self.initial_scale} is below min_scale "
+                             f"{self.min_scale}; raise initial_scale or lower min_scale")
+        if self.growth_interval < 1 or self.hysteresis < 1:
+            raise ValueError(f"growth_interval ({self.growth_interval}) and hysteresis "
+                             f"({self.hysteresis}) must be >= 1")
+        if not self.growth_factor > 1 or not 0 < self.backoff_factor < 1:
+            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                             f"{self.growth_factor} and {self.backoff_factor}")
+
+
+@dataclass
+class ZeroConfig:
+    """What ZeRO partitions and how it communicates.
+
+    ``bucket_size`` is in elements (constant, ZeRO-R CB): gradients are reduced, and stage 1/2
+    parameters all-gathered, one bucket at a time. ``gradient_accumulation_steps`` tells stages 0
+    and 1 which ``backward`` is the last micro-batch (they communicate only then); stage 2 reduces
+    every micro-batch, as it keeps no full gradient.
+    """
+
+    stage: int = 0
+    precision: str = "fp32"
+    bucket_size: int = 50_000_000
+    overlap_communication: bool = True
+    gradient_accumulation_steps: int = 1
+    clip_grad: float = 0.0
+    stage3_prefetch: bool = True
+    stage3_param_persistence_threshold: int = 0
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    alignment_bytes: int = 16  # every partition chunk starts on this boundary (GPU vector loads)
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3 (0 = plain data parallel), got "
+                             f"{self.stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if int(self.bucket_size) < 1:
+            raise ValueError(f"bucket_size is a number of elements >= 1, got {self.bucket_size}")
+        self.bucket_size = int(self.bucket_size)
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got "
+                             f"{self.gradient_accumulation_steps}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad is a maximum global norm (0 = off), got {self.clip_grad}")
+        if self.stage3_param_persistence_threshold < 0:
+            raise ValueError("stage3_param_persistence_threshold is a number of elements >= 0")
+        if self.alignment_bytes < 1 or self.alignment_bytes & (self.alignment_bytes - 1):
+            raise ValueError(f"alignment_bytes must be a power of two, got {self.alignment_bytes}")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the model's parameters and gradients (the '16-bit' copies of the paper)."""
+        return PRECISIONS[self.precision]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """True when an fp32 master copy is kept beside 16-bit parameters."""
+        return self.precision != "fp32"
+
+    @property
+    def alignment_elements(self) -> int:
+        return max(1, self.alignment_bytes // torch.empty((), dtype=self.param_dtype).element_size())
+
+
+@dataclass
+class AdamWConfig:
+    """AdamW (Loshchilov & Hutter 2019) hyper-parameters, same meaning as torch.optim.AdamW.
+
+    Weight decay applies only to parameters with ``ndim >= 2`` (matrices, embeddings); biases and
+    norm weights are left undecayed (see :func:`uses_weight_decay`)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        if not self.lr >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not self.eps > 0 or not self.weight_decay >= 0:
+            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
+
+
+def uses_weight_decay(param: torch.Tensor) -> bool:
+    """The param-group rule: decay matrices and embeddings, not biases or norm weights."""
+    return param.ndim >= 2

@@ -1,0 +1,139 @@
+"""Measured model-state memory and DP communication beside the ZeRO paper's formulas (§5, §7).
+
+Memory is measured from the real storages a rank holds (DESIGN.md 6): every tensor's untyped storage
+is counted once, by its data pointer, in the first category that claims it - so an fp32 master that
+IS the parameter partition adds nothing, and views into one flat buffer count that buffer once.
+Categories: ``param16`` (the model's parameters, "16-bit" even when fp32), ``grad16``, ``master32``,
+``adam_moments``, ``buffers`` (constant-size communication buffers of ZeRO-R's CB, outside the
+paper's model-state formula). The formula side is ZeRO §5 with Ψ = this TP rank's parameter count.
+
+Communication comes from the ledger of :mod:`hybrid.comm`: bytes a ring collective moves per rank,
+summed per group and op over one optimizer step, beside the paper's 2Ψ(n-1)/n (stages 0-2) or
+3Ψ(n-1)/n (stage 3), Ψ in bytes of the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+from hybrid.comm import CommRecord
+
+CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "buffers")
+MODEL_STATE_CATEGORIES = CATEGORIES[:4]
+
+
+def measure_storages(categories: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+    """Bytes per category from real storages, deduplicated by untyped-storage data pointer."""
+    seen: set[tuple[str, int]] = set()
+    out = {name: 0 for name in CATEGORIES}
+    for name, tensors in categories.items():
+        if name not in out:
+            raise ValueError(f"unknown memory category {name!r}; use one of {CATEGORIES}")
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if t.device.type == "meta" or key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            out[name] += storage.nbytes()
+    return out
+
+
+def formula_bytes(psi: int, stage: int, dp: int, *, param_bytes: int, mixed_precision: bool
+                  ) -> dict[str, float]:
+    """ZeRO §5 model states per device for Ψ = ``psi`` parameters (already divided by TP).
+
+    Mixed precision: 16-bit params and grads (``param_bytes`` each) + K = 12 (fp32 master 4, moments
+    8). Plain fp32: params and grads 4 bytes, the master IS the parameter (0), moments 8.
+    """
+    try:  # the shared pure model (engineer C); the same formula written out below otherwise
+        from hybrid.perf.model_states import model_state_bytes
+    except ImportError:
+        model_state_bytes = None
+    master = 4 if mixed_precision else 0
+    if model_state_bytes is not None:
+        m = model_state_bytes(float(psi), stage, dp, param_bytes=param_bytes, grad_bytes=param_bytes,
+                              optimizer_bytes_per_param=master + 8, master_bytes_per_param=master)
+        return {"param16": m.params_16bit, "grad16": m.grads_16bit, "master32": m.master_fp32,
+                "adam_moments": m.adam_moments}
+    opt_share = psi / dp if stage >= 1 else psi
+    return {"param16": param_bytes * (psi / dp if stage >= 3 else psi),
+            "grad16": param_bytes * (psi / dp if stage >= 2 else psi),
+            "master32": master * opt_share, "adam_moments": 8 * opt_share}
+
+
+@dataclass
+class MemoryReport:
+    stage: int
+    dp: int
+    tp: int
+    precision: str
+    psi: int                       # parameters held by this TP rank (unpadded)
+    measured: dict[str, int]       # bytes per category, real storages
+    formula: dict[str, float]      # bytes per model-state category, ZeRO §5
+
+    @property
+    def measured_model_states(self) -> int:
+        return sum(self.measured[c] for c in MODEL_STATE_CATEGORIES)
+
+    @property
+    def formula_model_states(self) -> float:
+        return sum(self.formula.values())
+
+    def __str__(self) -> str:
+        rows = [f"ZeRO stage {self.stage} model states per rank ({self.precision}, DP {self.dp}, "
+                f"TP {self.tp}, psi = {self.psi:,} params on this TP rank)",
+                f"  {'category':<14}{'measured MB':>14}{'paper MB':>14}"]
+        for c in CATEGORIES:
+            paper = f"{self.formula[c] / 2**20:14.3f}" if c in self.formula else f"{'-':>14}"
+            rows.append(f"  {c:<14}{self.measured[c] / 2**20:14.3f}{paper}")
+        rows.append(f"  {'model states':<14}{self.measured_model_states / 2**20:14.3f}"
+                    f"{self.formula_model_states / 2**20:14.3f}")
+        return "\n".join(rows)
+
+
+def expected_dp_bytes(psi: int, stage: int, dp: int, param_bytes: int) -> float:
+    """ZeRO §7: 2Ψ (stages 0-2) or 3Ψ (stage 3) elements, ring factor (n-1)/n, in bytes."""
+    return (3.0 if stage == 3 else 2.0) * psi * param_bytes * (dp - 1) / dp
+
+
+@dataclass
+class CommReport:
+    stage: int
+    dp: int
+    psi: int
+    param_bytes: int
+    by_group_op: dict[tuple[str, str], float] = field(default_factory=dict)  # bytes per rank per step
+
+    @property
+    def dp_bytes(self) -> float:
+        return sum(v for (g, _), v in self.by_group_op.items() if g == "dp")
+
+    @property
+    def tp_bytes(self) -> float:
+        return sum(v for (g, _), v in self.by_group_op.items() if g == "tp")
+
+    @property
+    def expected_dp_bytes(self) -> float:
+        return expected_dp_bytes(self.psi, self.stage, self.dp, self.param_bytes)
+
+    def __str__(self) -> str:
+        rows = [f"communication per rank per optimizer step (stage {self.stage}, DP {self.dp})"]
+        for (g, op), v in sorted(self.by_group_op.items()):
+            rows.append(f"  {g:<6}{op:<16}{v / 2**20:12.3f} MB")
+        rows.append(f"  DP total {self.dp_bytes / 2**20:.3f} MB, paper "
+                    f"{'3' if self.stage == 3 else '2'}psi(n-1)/n = {self.expected_dp_bytes / 2**20:.3f} MB")
+        return "\n".join(rows)
+
+
+def comm_report(records: list[CommRecord], steps: int, *, stage: int, dp: int, psi: int,
+                param_bytes: int) -> CommReport:
+    """Average bytes per rank per step over ``records`` covering ``steps`` optimizer steps."""
+    totals: dict[tuple[str, str], float] = {}
+    for r in records:
+        totals[(r.group, r.op)] = totals.get((r.group, r.op), 0.0) + r.bytes_per_rank
+    steps = max(steps, 1)
+    return CommReport(stage, dp, psi, param_bytes, {k: v / steps for k, v in totals.items()})

@@ -1,0 +1,101 @@
+"""ZeRO shared core without process groups: AdamW parity with torch, loss scaling, config checks,
+storage-deduplicated memory measurement and the paper's formulas."""
+
+import pytest
+import torch
+
+from hybrid.parallel_state import ParallelState
+from hybrid.zero.adamw import FlatAdamWState
+from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.config import AdamWConfig, LossScaleConfig, ZeroConfig
+from hybrid.zero.loss_scaler import DynamicLossScaler, build_loss_scaler, found_overflow
+from hybrid.zero.report import expected_dp_bytes, formula_bytes, measure_storages
+
+
+def test_flat_adamw_matches_torch_adamw_with_param_groups():
+    torch.manual_seed(0)
+    w, b = torch.randn(5, 3), torch.randn(7)
+    cfg = AdamWConfig(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ref = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+    opt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    flat = torch.cat([w.flatten(), b])                      # one flat fp32 partition, split in 2
+    chunks = list(torch.split(flat, [10, 12]))              # chunk boundary inside w
+    state = FlatAdamWState([10, 12], "cpu")
+    for _ in range(4):
+        grads = [torch.randn(5, 3), torch.randn(7)]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        g_chunks = list(torch.split(torch.cat([grads[0].flatten(), grads[1]]), [10, 12]))
+        state.update(chunks, g_chunks, [chunks[0], chunks[1][:5]], cfg)
+    torch.testing.assert_close(flat, torch.cat([ref[0].detach().flatten(), ref[1].detach()]),
+                               rtol=1e-6, atol=1e-7)
+    assert state.step == 4
+
+
+def test_dynamic_loss_scaler_hysteresis_growth_and_floor():
+    s = DynamicLossScaler(LossScaleConfig(initial_scale=8, growth_interval=3, hysteresis=2,
+                                          min_scale=2))
+    s.update(True)
+    assert s.scale == 8            # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 4            # second halves
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 8            # grows after growth_interval clean steps, hysteresis refilled
+    s.update(True), s.update(True), s.update(True)
+    assert s.scale == 2            # 8 -> (hyst) 8 -> 4 -> 2
+    with pytest.raises(FloatingPointError, match="minimum loss scale 2"):
+        s.update(True)
+    restored = DynamicLossScaler(s.config)
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
+    assert build_loss_scaler(ZeroConfig(precision="bf16")).scale == 1.0
+
+
+def test_overflow_and_grad_norm_on_single_process_groups():
+    state = ParallelState.single_process()
+    assert not found_overflow([torch.ones(3)], state.world)
+    assert found_overflow([torch.ones(3), torch.tensor([1.0, float("nan")])], state.world)
+    norm = global_grad_norm([torch.full((4,), 1.0)], [torch.full((5,), 2.0)], tp=state.tp,
+                            reduce_group=state.world)
+    assert norm == pytest.approx(24 ** 0.5)
+    assert clip_coefficient(norm, 1.0) == pytest.approx(1 / (24 ** 0.5 + 1e-6))
+    assert clip_coefficient(norm, 100.0) == 1.0 and clip_coefficient(norm, 0.0) == 1.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stage": 4}, "stage must be 0, 1, 2 or 3"), ({"precision": "fp8"}, "precision must be"),
+    ({"bucket_size": 0}, "bucket_size"), ({"gradient_accumulation_steps": 0}, "accumulation"),
+    ({"clip_grad": -1.0}, "clip_grad")])
+def test_zero_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(**kwargs)
+
+
+def test_adamw_and_loss_scale_configs_validate():
+    with pytest.raises(ValueError, match="betas"):
+        AdamWConfig(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="below min_scale"):
+        LossScaleConfig(initial_scale=0.5)
+    assert ZeroConfig(precision="bf16").alignment_elements == 8
+
+
+def test_measure_storages_deduplicates_views_and_aliases():
+    flat = torch.zeros(100)
+    views = [flat[:40], flat[40:]]
+    other = torch.zeros(10, dtype=torch.bfloat16)
+    got = measure_storages({"param16": views, "master32": views + [other]})
+    assert got["param16"] == 400 and got["master32"] == 20 and got["buffers"] == 0
+
+
+def test_formulas_are_the_papers():
+    psi, nd = 1000, 4
+    f = {s: sum(formula_bytes(psi, s, nd, param_bytes=2, mixed_precision=True).values())
+         for s in range(4)}
+    assert f == {0: 16 * psi, 1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd,
+                 3: 16 * psi / nd}
+    fp32 = formula_bytes(psi, 1, nd, param_bytes=4, mixed_precision=False)
+    assert fp32 == {"param16": 4 * psi, "grad16": 4 * psi, "master32": 0, "adam_moments": 8 * psi / nd}
+    assert expected_dp_bytes(psi, 2, nd, 2) == 2 * psi * 2 * 3 / 4

@@ -1,0 +1,283 @@
+"""Tensor-parallel layers (Megatron-LM §3, Fig. 3; sequence parallelism: Korthikanti et al. 2022 §4.2.2).
+
+Activations use Megatron's ``[s, b, h]`` layout (sequence first), so the sequence-parallel shards are
+slices of dim 0.
+
+* :class:`ColumnParallelLinear` - ``Y_i = X A_i``: weight split along the output features. Its input
+  enters through ``f`` (or ``g-bar`` with SP); its output stays sharded ``[s, b, out/tp]``.
+* :class:`RowParallelLinear` - ``Y = sum_i X_i A_i``: weight split along the input features; the
+  partial sums leave through ``g`` (all-reduce) or, with SP, a reduce-scatter to ``[s/tp, b, out]``.
+* :class:`VocabParallelEmbedding` - rows of the (padded) vocabulary split across ranks; ids owned by
+  another rank look up zeros, and the partial embeddings are summed across TP.
+* :class:`LayerNorm` - replicated; under SP each rank sees a sequence shard, so its weight and bias go
+  through ``f`` and autograd sums their gradients across the TP group.
+
+Every parameter carries ``tensor_model_parallel`` (sharded across TP, whatever the degree),
+``partition_dim`` (-1 when replicated) and ``sequence_parallel`` (replicated but applied to a sequence
+shard: LayerNorm and the row-parallel bias under SP, whose gradients ``f`` sums over TP); the attributes survive ``.to()``/``.to_empty()``. Layers built
+with ``device="meta"`` allocate nothing; :meth:`init_weights` fills materialised parameters from
+:func:`~hybrid.tensor_parallel.init.full_init`, so values do not depend on the TP degree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.comm import Group
+from hybrid.tensor_parallel import init as tp_init
+from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
+                                             reduce_from_tp, reduce_scatter_to_sequence)
+
+DEFAULT_INIT_STD = 0.02  # GPT-2 / Megatron default for normal(0, std) weights
+
+
+def set_tp_attributes(param: nn.Parameter, *, tensor_model_parallel: bool, partition_dim: int,
+                      sequence_parallel: bool = False) -> None:
+    """Mark ``param`` for optimizers, checkpoints and ZeRO (see module docstring)."""
+    param.tensor_model_parallel = tensor_model_parallel
+    param.partition_dim = partition_dim
+    param.sequence_parallel = sequence_parallel
+
+
+def _divide(total: int, group: Group, what: str) -> int:
+    if total % group.size:
+        raise ValueError(f"{what} {total} is not divisible by the tensor-parallel size {group.size}; "
+                         f"choose a multiple of {group.size}")
+    return total // group.size
+
+
+class _TPModule(nn.Module):
+    """Shared bookkeeping: creates parameters with their TP attributes and re-applies them after
+    ``_apply`` (``to``/``to_empty``/``cuda`` may replace the Parameter objects)."""
+
+    def __init__(self, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self._partition_dims: dict[str, int] = {}
+        self._on_sequence_shard: set[str] = set()
+
+    def _new_param(self, name: str, shape: tuple[int, ...], partition_dim: int, device, dtype,
+                   on_sequence_shard: bool = False) -> None:
+        """``on_sequence_shard``: a replicated parameter applied to a sequence shard, whose gradient
+        autograd sums over TP through ``f`` (marked ``sequence_parallel`` like Megatron does)."""
+        tensor = torch.empty(shape, device=device, dtype=dtype)
+        self.register_parameter(name, nn.Parameter(tensor))
+        self._partition_dims[name] = partition_dim
+        if on_sequence_shard:
+            self._on_sequence_shard.add(name)
+        self._mark(name)
+
+    def _mark(self, name: str) -> None:
+        param = getattr(self, name)
+        if param is not None:
+            dim = self._partition_dims[name]
+            set_tp_attributes(param, tensor_model_parallel=dim >= 0, partition_dim=dim,
+                              sequence_parallel=name in self._on_sequence_shard)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for name in self._partition_dims:
+            self._mark(name)
+        return out
+
+    @torch.no_grad()
+    def load_full_(self, **full: torch.Tensor | None) -> None:
+        """Copy this rank's shard of full (unsharded) tensors into the parameters, e.g.
+        ``layer.load_full_(weight=w, bias=b)``; casts to the parameters' dtype and device."""
+        for name, tensor in full.items():
+            if name not in self._partition_dims:
+                raise KeyError(f"{type(self).__name__} has no parameter {name!r}; it has "
+                               f"{sorted(self._partition_dims)}")
+            param = getattr(self, name)
+            if tensor is None or param is None:
+                continue
+            if param.is_meta:
+                raise RuntimeError(f"{type(self).__name__}.{name} is on the meta device; call "
+                                   f"module.to_empty(device=...) before loading values into it")
+            piece = tp_init.shard(tensor, self._partition_dims[name], self.group.rank, self.group.size)
+            if piece.shape != param.shape:
+                raise ValueError(f"{type(self).__name__}.{name}: full tensor {tuple(tensor.shape)} "
+                                 f"gives a shard {tuple(piece.shape)}, expected {tuple(param.shape)}")
+            param.copy_(piece)
+
+    def _init_weight_and_bias(self, seed: int, std: float, prefix: str) -> None:
+        weight = self.weight
+        full_shape = list(weight.shape)
+        dim = self._partition_dims["weight"]
+        if dim >= 0:
+            full_shape[dim] *= self.group.size
+        full = tp_init.full_init(prefix + "weight", tuple(full_shape), std, seed)
+        bias = getattr(self, "bias", None)
+        self.load_full_(weight=full)
+        if bias is not None:
+            with torch.no_grad():
+                bias.zero_()
+
+
+class ColumnParallelLinear(_TPModule):
+    """``Y = X A + b`` with ``A`` split by output features: weight ``[out/tp, in]``, bias ``[out/tp]``.
+
+    Input ``[s, b, in]`` (``[s/tp, b, in]`` with ``sequence_parallel``: all-gathered along the
+    sequence by ``g-bar``); output ``[s, b, out/tp]``, or ``[s, b, out]`` with ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, device=None,
+                 dtype=None):
+        super().__init__(group, sequence_parallel)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        local_out = _divide(out_features, group, "ColumnParallelLinear output size")
+        self._new_param("weight", (local_out, in_features), 0, device, dtype)
+        if bias:
+            self._new_param("bias", (local_out,), 0, device, dtype)
+        else:
+            self.register_parameter("bias", None)
+        if not self.weight.is_meta:
+            self.init_weights(0)
+
+    def init_weights(self, seed: int, *, std: float = DEFAULT_INIT_STD, prefix: str = "") -> None:
+        """weight ~ normal(0, std) of the full ``[out, in]`` matrix named ``prefix + "weight"``; bias 0."""
+        self._init_weight_and_bias(seed, std, prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.group)   # [s/tp, b, in] -> [s, b, in]
+        else:
+            x = copy_to_tp(x, self.group)             # f: grad of x is summed over TP
+        y = F.linear(x, self.weight, self.bias)       # [s, b, out/tp]
+        if self.gather_output:
+            y = gather_from_tp(y, self.group)         # [s, b, out]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.group.size}, "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_TPModule):
+    """``Y = sum_i X_i A_i + b`` with ``A`` split by input features: weight ``[out, in/tp]``,
+    bias ``[out]`` replicated and added after the reduction.
+
+    Input ``[s, b, in/tp]`` (already split, e.g. the output of a ColumnParallelLinear); output
+    ``[s, b, out]`` all-reduced by ``g``, or ``[s/tp, b, out]`` reduce-scattered with
+    ``sequence_parallel`` (the bias then goes through ``f`` so its gradient sums over TP).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = True,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(group, sequence_parallel)
+        self.in_features, self.out_features = in_features, out_features
+        local_in = _divide(in_features, group, "RowParallelLinear input size")
+        self._new_param("weight", (out_features, local_in), 1, device, dtype)
+        if bias:
+            self._new_param("bias", (out_features,), -1, device, dtype, sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+        if not self.weight.is_meta:
+            self.init_weights(0)
+
+    def init_weights(self, seed: int, *, std: float = DEFAULT_INIT_STD, prefix: str = "") -> None:
+        """weight ~ normal(0, std) of the full ``[out, in]`` matrix named ``prefix + "weight"``; bias 0.
+        (Megatron scales ``std`` by 1/sqrt(2 * layers) for output projections: the caller's choice.)"""
+        self._init_weight_and_bias(seed, std, prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)                            # [s, b, out], partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(partial, self.group)       # [s/tp, b, out]
+            bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+        else:
+            y = reduce_from_tp(partial, self.group)                   # g: [s, b, out]
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.group.size}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Embedding table ``[V, h]`` split by rows: rank ``r`` owns ids ``[r V/tp, (r+1) V/tp)``.
+
+    ``num_embeddings`` is the padded vocabulary (divisible by tp). Input ids of any shape ``[*]``,
+    output ``[*, h]``. With ``reduce_scatter_output`` (sequence parallelism) the ids must be
+    ``[s, b]`` (sequence first) and the output is this rank's sequence shard ``[s/tp, b, h]``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
+                 reduce_scatter_output: bool = False, device=None, dtype=None):
+        super().__init__(group, reduce_scatter_output)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_scatter_output = reduce_scatter_output
+        self.per_rank = _divide(num_embeddings, group, "padded vocabulary size")
+        self.vocab_start = group.rank * self.per_rank
+        self._new_param("weight", (self.per_rank, embedding_dim), 0, device, dtype)
+        if not self.weight.is_meta:
+            self.init_weights(0)
+
+    def init_weights(self, seed: int, *, std: float = DEFAULT_INIT_STD, prefix: str = "") -> None:
+        """weight ~ normal(0, std) of the full ``[V, h]`` table named ``prefix + "weight"``."""
+        self._init_weight_and_bias(seed, std, prefix)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_ids(ids)
+        if self.group.size == 1:
+            partial = F.embedding(ids, self.weight)
+        else:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_output:
+            return reduce_scatter_to_sequence(partial, self.group)    # [s/tp, b, h]
+        return reduce_from_tp(partial, self.group)                    # [*, h]
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"token ids must be int64 or int32, got {ids.dtype}")
+        # A host-side range check is free on CPU; on accelerators it would force a sync per step.
+        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0
+                                                         or int(ids.max()) >= self.num_embeddings):
+            raise ValueError(f"token ids must lie in [0, {self.num_embeddings}); got "
+                             f"[{int(ids.min())}, {int(ids.max())}] - does the tokenizer match the "
+                             f"model's vocabulary size?")
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.group.size}, "
+                f"reduce_scatter_output={self.reduce_scatter_output}")
+
+
+class LayerNorm(_TPModule):
+    """Layer norm over the last dim with replicated weight (ones) and bias (zeros).
+
+    With ``sequence_parallel`` each TP rank normalises a different sequence shard, so weight and bias
+    pass through ``f`` (copy_to_tp) and their gradients are summed over the TP group by autograd.
+    """
+
+    def __init__(self, hidden: int, group: Group, *, eps: float = 1e-5,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(group, sequence_parallel)
+        self.hidden, self.eps = hidden, eps
+        self._new_param("weight", (hidden,), -1, device, dtype, sequence_parallel)
+        self._new_param("bias", (hidden,), -1, device, dtype, sequence_parallel)
+        if not self.weight.is_meta:
+            self.init_weights(0)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, *, std: float = 0.0, prefix: str = "") -> None:
+        """weight 1, bias 0 (arguments accepted for a uniform interface; they do not matter)."""
+        self.weight.fill_(1.0)
+        self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel:
+            weight, bias = copy_to_tp(weight, self.group), copy_to_tp(bias, self.group)
+        return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

@@ -1,0 +1,44 @@
+"""Train / valid / test GPT datasets from Megatron-style ``--data-path`` and ``--split`` arguments
+(the data side of the training setup; see Megatron-LM's BlendedMegatronDatasetBuilder).
+
+With one prefix each split is a :class:`GPTDataset` over its document range; with weighted prefixes
+each split is a :class:`BlendedDataset` of the per-prefix splits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from hybrid.data.blending import BlendedDataset, parse_data_path, samples_per_dataset
+from hybrid.data.gpt_dataset import GPTDataset, check_vocab, parse_split
+from hybrid.data.indexed_dataset import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int,
+                       num_samples: Sequence[int], seed: int, *, vocab_size: int | None = None,
+                       cache_dir: str | Path | None = None) -> list:
+    """``num_samples`` = (train, valid, test) sample counts; a split with weight 0 or 0 samples
+    gives ``None``. Returns ``[train, valid, test]``."""
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples needs 3 counts (train, valid, test), got {list(num_samples)}")
+    blend = parse_data_path(data_path)
+    indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    if vocab_size is not None:
+        for ds in indexed:
+            check_vocab(ds, vocab_size)
+    ranges = [parse_split(split, ds.num_documents) for ds in indexed]
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = int(num_samples[s])
+        if n <= 0 or all(r[s][0] == r[s][1] for r in ranges):
+            out.append(None)
+            continue
+        counts = samples_per_dataset([w for w, _ in blend], n) if len(blend) > 1 else [n]
+        parts = [GPTDataset(ds, r[s], seq_length, c, seed, cache_dir=cache_dir, name=name)
+                 for ds, r, c in zip(indexed, ranges, counts)]
+        out.append(parts[0] if len(parts) == 1 else
+                   BlendedDataset(parts, [w for w, _ in blend], n))
+    return out

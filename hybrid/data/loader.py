@@ -1,0 +1,100 @@
+"""Micro-batch loader with background prefetch, so reading the memory-mapped data never stalls the
+training step (the role of Megatron-LM's DataLoader with workers and pinned memory).
+
+A daemon thread walks the sampler, gathers each micro-batch of ``[b, s + 1]`` token samples and
+queues ``tokens = x[:, :-1]`` / ``labels = x[:, 1:]`` as int64 tensors ``[b, s]``. On CUDA the batch
+is pinned in the thread and copied to the device asynchronously by the consumer. Errors in the
+thread are re-raised in the consumer; the loader never blocks forever on a dead thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+_END = object()
+
+
+def collate(samples: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+    batch = torch.from_numpy(np.stack(samples).astype(np.int64))  # [b, s + 1]
+    return {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+
+
+class PrefetchLoader:
+    """Iterate micro-batches ``{"tokens": [b, s], "labels": [b, s]}`` of ``dataset`` in the order of
+    ``batch_sampler`` (lists of sample indices), ``prefetch`` micro-batches ahead.
+
+    Indices past the end of the dataset wrap around (an unbounded sampler cycles the data).
+    """
+
+    def __init__(self, dataset, batch_sampler: Iterable[list[int]], *, prefetch: int = 4,
+                 device: str | torch.device = "cpu"):
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if len(dataset) == 0:
+            raise ValueError("cannot load from an empty dataset")
+        self.dataset, self.sampler = dataset, batch_sampler
+        self.device = torch.device(device)
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._produce, name="data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            n = len(self.dataset)
+            for indices in self.sampler:
+                batch = collate([self.dataset[i % n] for i in indices])
+                if self.device.type == "cuda":
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                if not self._put(batch):
+                    return
+            self._put(_END)
+        except BaseException as e:  # forwarded to the consumer, which re-raises it
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the data prefetch thread died without a result") from None
+        if item is _END or isinstance(item, BaseException):
+            self._done = True
+            self._stop.set()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"loading a micro-batch failed: {item}") from item
+        return {k: v.to(self.device, non_blocking=True) for k, v in item.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "PrefetchLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,135 @@
+"""Text / JSONL -> Megatron indexed dataset (the preprocessing step of Megatron-LM's pipeline).
+
+Every document is tokenized, followed by the end-of-document id, and stored as one sequence of a
+``prefix.bin`` / ``prefix.idx`` pair (see :mod:`hybrid.data.indexed_dataset`). Tokenization runs in
+a pool of worker processes; results are consumed in input order, so the output bytes do not depend
+on the number of workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+from hybrid.data.indexed_dataset import IndexedDatasetWriter, best_token_dtype
+
+log = logging.getLogger(__name__)
+
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+def read_documents(paths: Sequence[str | Path], json_key: str = "text") -> Iterator[str]:
+    """Documents of ``paths`` in order: each line of a .jsonl/.json file is a JSON object whose
+    ``json_key`` holds one document; any other file is one document as a whole."""
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+        if path.suffix not in JSON_SUFFIXES:
+            yield path.read_text(encoding="utf-8", errors="replace")
+            continue
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield _json_text(line, json_key, path, lineno)
+
+
+def _json_text(line: str, key: str, path: Path, lineno: int) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); expect one object per line") from e
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{path}:{lineno} has no key {key!r}; choose the text field with --json-key")
+    return str(obj[key])
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(model_path: str) -> spm.SentencePieceProcessor:
+    # one loaded model per process and path; workers load it on their first batch
+    return spm.SentencePieceProcessor(model_file=model_path)
+
+
+@dataclass(frozen=True)
+class _BatchEncoder:
+    """Picklable encoder: only the model path crosses the process boundary."""
+    model_path: str
+    append_eod: bool
+
+    def __call__(self, docs: list[str]) -> list[np.ndarray]:
+        sp = _processor(self.model_path)
+        out = []
+        for ids in sp.encode(docs):
+            if self.append_eod:
+                ids.append(sp.eos_id())
+            out.append(np.asarray(ids, dtype=np.int64))
+        return out
+
+
+def _batches(docs: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for d in docs:
+        if d.strip():  # blank documents carry no tokens; Megatron skips them too
+            batch.append(d)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+@dataclass
+class PreprocessStats:
+    documents: int
+    tokens: int
+    seconds: float
+    dtype: str
+
+
+def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer_model: str | Path,
+               *, workers: int = 1, json_key: str = "text", append_eod: bool = True,
+               batch_docs: int = 64, token_dtype: str | None = None) -> PreprocessStats:
+    """Tokenize ``paths`` into ``output_prefix.bin/.idx``. Tokens are ``token_dtype`` if given,
+    else uint16 when the vocab fits and int32 otherwise."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    model = str(tokenizer_model)
+    vocab = _processor(model).vocab_size()
+    if append_eod and _processor(model).eos_id() < 0:
+        raise ValueError(f"tokenizer {model!r} has no end-of-document id; retrain it with "
+                         "tools/train_tokenizer.py")
+    encoder = _BatchEncoder(model, append_eod)
+    batches = _batches(read_documents(paths, json_key), batch_docs)
+    t0, docs, tokens = time.perf_counter(), 0, 0
+    dtype = np.dtype(token_dtype) if token_dtype else best_token_dtype(vocab)
+    with IndexedDatasetWriter(output_prefix, dtype) as writer:
+        for arrays in _encoded(batches, encoder, workers):
+            for arr in arrays:
+                writer.add_document(arr)
+                docs, tokens = docs + 1, tokens + arr.size
+        if docs == 0:
+            raise ValueError(f"no non-blank documents in {list(map(str, paths))}: empty corpus "
+                             "(for JSONL check --json-key)")
+    stats = PreprocessStats(docs, tokens, time.perf_counter() - t0, np.dtype(writer.dtype).name)
+    log.info("preprocessed %d documents, %d tokens (%s) in %.1fs with %d workers -> %s",
+             docs, tokens, stats.dtype, stats.seconds, workers, output_prefix)
+    return stats
+
+
+def _encoded(batches: Iterator[list[str]], encoder: _BatchEncoder,
+             workers: int) -> Iterator[list[np.ndarray]]:
+    if workers == 1:
+        yield from map(encoder, batches)
+        return
+    # imap keeps input order: identical output for any worker count
+    with mp.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap(encoder, batches, chunksize=1)

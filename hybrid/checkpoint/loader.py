@@ -1,0 +1,163 @@
+"""Checkpoint reader with resharding: load at any TP/DP degree and ZeRO stage (DESIGN.md 8).
+
+:class:`CheckpointReader` verifies the manifest, reads the piece index of every rank file (safetensors
+headers only), and fills *target* pieces - the ranges the loading rank owns in its own layout:
+
+    saved pieces of (kind, name)  --per saved tp_rank-->  flat TP-local buffers (coverage checked)
+        --concat along partition_dim-->  canonical full tensor  --pad/trim vocab padding-->
+        --slice for the target tp_rank, flatten-->  copy [offset, offset + numel) into the target
+
+Only one parameter is assembled at a time, and tensors are read lazily with ``safe_open``, so peak
+extra memory is one full parameter. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybrid.checkpoint.format import (FORMAT_VERSION, LATEST_FILE, METADATA_FILE, CheckpointError,
+                                      Piece, local_shape)
+from hybrid.checkpoint.manifest import read_manifest, verify_files
+
+log = logging.getLogger(__name__)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` is a save directory (its ``latest`` is used) or one ``iter_*`` directory."""
+    path = Path(path)
+    if (path / LATEST_FILE).is_file():
+        return path / (path / LATEST_FILE).read_text().strip()
+    if (path / METADATA_FILE).is_file() or path.name.startswith("iter_"):
+        return path
+    raise CheckpointError(f"{path} holds no checkpoint (no '{LATEST_FILE}' marker and no "
+                          f"{METADATA_FILE}); check --load")
+
+
+class CheckpointReader:
+    def __init__(self, path: str | Path, verify: bool = True):
+        self.directory = resolve_checkpoint_dir(path)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} does not exist; "
+                                  f"'{LATEST_FILE}' points to a deleted checkpoint")
+        entries = read_manifest(self.directory)
+        if verify:
+            verify_files(self.directory, entries)
+        with open(self.directory / METADATA_FILE) as f:
+            self.metadata = json.load(f)
+        if self.metadata.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(f"{self.directory} uses checkpoint format "
+                                  f"{self.metadata['format_version']}, newer than {FORMAT_VERSION}; "
+                                  f"update the code to load it")
+        self._rank_files = sorted(n for n in entries if n.startswith("rank_"))
+        self._index: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        self._extra: dict[int, dict[str, tuple[str, str]]] = defaultdict(dict)
+        self._read_headers()
+        self._cache: tuple[tuple, torch.Tensor] | None = None
+
+    def _read_headers(self) -> None:
+        for fname in self._rank_files:
+            with safe_open(str(self.directory / fname), framework="pt") as f:
+                header = f.metadata()
+                for entry in json.loads(header["pieces"]):
+                    entry["file"] = fname
+                    self._index[(entry["kind"], entry["name"])].append(entry)
+                for key in f.keys():
+                    if key.startswith("extra:"):
+                        self._extra[int(header["rank"])][key[len("extra:"):]] = (fname, key)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def names(self, kind: str) -> list[str]:
+        return sorted(name for (k, name) in self._index if k == kind)
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self._index
+
+    def extra(self, rank: int) -> dict[str, torch.Tensor]:
+        """Per-rank extra tensors (RNG states) written by ``rank``."""
+        out = {}
+        for name, (fname, key) in self._extra.get(rank, {}).items():
+            with safe_open(str(self.directory / fname), framework="pt") as f:
+                out[name] = f.get_tensor(key)
+        return out
+
+    # ---- assembly ----------------------------------------------------------------------------
+    def full_tensor(self, kind: str, name: str) -> torch.Tensor:
+        """The canonical (TP-unsharded) tensor of one parameter, assembled from all pieces."""
+        if self._cache is not None and self._cache[0] == (kind, name):
+            return self._cache[1]
+        entries = self._index.get((kind, name))
+        if not entries:
+            raise CheckpointError(f"checkpoint {self.directory} has no {kind} state for parameter "
+                                  f"{name!r}; the model has a parameter the checkpoint lacks (other "
+                                  f"model dims?)")
+        first = entries[0]
+        full_shape, pdim, tp = tuple(first["full_shape"]), first["partition_dim"], first["tp_size"]
+        shape = local_shape(full_shape, pdim, tp)
+        numel = torch.Size(shape).numel()
+        ranks = range(tp) if pdim >= 0 else range(1)
+        buffers = {t: torch.empty(numel, dtype=getattr(torch, first["dtype"])) for t in ranks}
+        covered = {t: torch.zeros(numel, dtype=torch.bool) for t in ranks}
+        for e in entries:
+            t = e["tp_rank"] if pdim >= 0 else 0
+            lo, hi = e["offset"], e["offset"] + e["numel"]
+            with safe_open(str(self.directory / e["file"]), framework="pt") as f:
+                key = f"{kind}:{name}:tp{e['tp_rank']}:{e['offset']}"
+                buffers[t][lo:hi] = f.get_tensor(key)
+            covered[t][lo:hi] = True
+        for t, mask in covered.items():
+            if not bool(mask.all()):
+                missing = int((~mask).sum())
+                raise CheckpointError(f"missing shard: {kind} of {name!r} (TP rank {t} of {tp}) lacks "
+                                      f"{missing} of {numel} elements in {self.directory}; a rank file "
+                                      f"is missing from the checkpoint")
+        parts = [buffers[t].view(shape) for t in ranks]
+        full = torch.cat(parts, dim=pdim) if pdim >= 0 else parts[0]
+        self._cache = ((kind, name), full)
+        return full
+
+    def fill(self, target: Piece) -> None:
+        """Copy the saved values of ``target``'s range (in the target layout) into ``target.tensor``."""
+        saved_rows = self._index[(target.kind, target.name)][0].get("valid_rows") \
+            if (target.kind, target.name) in self._index else None
+        full = _fit_shape(self.full_tensor(target.kind, target.name), target, saved_rows,
+                          self.directory)
+        if target.partition_dim >= 0:
+            local = full.chunk(target.tp_size, dim=target.partition_dim)[target.tp_rank]
+        else:
+            local = full
+        flat = local.reshape(-1)
+        n = target.tensor.numel()
+        if target.offset + n > flat.numel():
+            raise CheckpointError(f"{target.kind} range [{target.offset}, {target.offset + n}) of "
+                                  f"{target.name!r} exceeds its {flat.numel()} elements")
+        with torch.no_grad():
+            target.tensor.view(-1).copy_(flat[target.offset:target.offset + n])
+
+
+def _fit_shape(full: torch.Tensor, target: Piece, saved_rows: int | None,
+               directory: Path) -> torch.Tensor:
+    """Reconcile saved and target full shapes. Only padding rows of dim 0 may differ (the vocab is
+    padded to a multiple of 128 x TP): both sides must declare the same number of real rows; extra
+    rows are zeros, padding never reaches the loss."""
+    saved, wanted = tuple(full.shape), target.full_shape
+    if saved == wanted:
+        return full
+    pdim = 0
+    padding_only = (len(saved) == len(wanted) and saved[1:] == wanted[1:]
+                    and target.valid_rows is not None and saved_rows == target.valid_rows
+                    and target.valid_rows <= min(saved[0], wanted[0]))
+    if not padding_only:
+        raise CheckpointError(f"parameter {target.name!r} has shape {list(saved)} in {directory} but "
+                              f"{list(wanted)} in this model: the model dims differ (num layers, hidden "
+                              f"size, heads?); load with the config stored in the checkpoint")
+    if wanted[pdim] < saved[pdim]:
+        return full.narrow(pdim, 0, wanted[pdim])
+    pad_shape = list(saved)
+    pad_shape[pdim] = wanted[pdim] - saved[pdim]
+    return torch.cat([full, full.new_zeros(pad_shape)], dim=pdim)

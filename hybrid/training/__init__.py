@@ -1,0 +1,1 @@
+"""Training: config and command line, learning-rate schedule, metrics and the training loop."""

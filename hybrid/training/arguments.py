@@ -1,0 +1,124 @@
+"""Command line of ``launch/pretrain_gpt.py``: a YAML/TOML config file plus Megatron-named overrides.
+
+Precedence: dataclass defaults < ``--config FILE`` (YAML or TOML, nested by section) < flags.
+Every flag is generated from a field of :mod:`hybrid.training.config` (``--tensor-model-parallel-size``
+sets ``parallel.tensor_model_parallel_size``), so there is no flag without a field behind it and no
+field that cannot be set. Booleans take ``--flag`` / ``--no-flag`` so a flag can undo a preset.
+An unknown flag is an error that suggests the nearest known one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+import yaml
+
+from hybrid.training import config as config_module
+from hybrid.training.config import SECTIONS, TrainConfig, TrainConfigError
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "launch" / "presets"
+
+
+@dataclass
+class LaunchOptions:
+    """What to do with the config (not part of it, not stored in checkpoints)."""
+
+    dry_run: bool = False
+    dry_run_rank: int = 0
+
+
+def load_config_file(path: str | Path) -> dict:
+    """Read a nested ``{section: {key: value}}`` dict from ``.yaml``/``.yml`` or ``.toml``."""
+    path = Path(path)
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
+        raise TrainConfigError(f"config file {str(path)!r} does not exist; presets in {PRESET_DIR}: "
+                               f"{', '.join(names)}")
+    if path.suffix == ".toml":
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    elif path.suffix in (".yaml", ".yml"):
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    else:
+        raise TrainConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
+    if not isinstance(data, dict):
+        raise TrainConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return data
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """A file path, or the name of a preset in launch/presets/ (``tiny-cpu`` -> tiny-cpu.yaml)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml", ".toml"):
+        return path
+    return PRESET_DIR / f"{name_or_path}.yaml"
+
+
+def _field_type(section_cls: type, name: str):
+    hints = get_type_hints(section_cls, vars(config_module))
+    return hints[name]
+
+
+def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type) -> None:
+    hint = _field_type(section_cls, f.name)
+    flag = "--" + f.name.replace("_", "-")
+    kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=f.metadata.get("help"))
+    if hint is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+    elif hint == list[str]:
+        group.add_argument(flag, nargs="+", metavar="ITEM", **kw)
+    else:
+        base = next(t for t in (*get_args(hint), hint) if t in (int, float, str))  # X | None -> X
+        group.add_argument(flag, type=base, metavar=base.__name__.upper(), **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
+        description="GPT pretraining with tensor parallelism x ZeRO data parallelism.")
+    parser.add_argument("--config", help="YAML/TOML config file or a preset name in launch/presets/")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the layout at its full GPU count on this machine, no communication")
+    parser.add_argument("--dry-run-rank", type=int, default=0, help="which rank --dry-run reports")
+    for section, section_cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(section_cls):
+            _add_field_flag(group, section, f, section_cls)
+    return parser
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    known = [s for a in parser._actions for s in a.option_strings]
+    msgs = []
+    for arg in unknown:
+        if not arg.startswith("-"):
+            msgs.append(f"unexpected value {arg!r}")
+            continue
+        close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+        msgs.append(f"unknown flag {arg!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+    raise TrainConfigError("; ".join(msgs) + "; run with --help for the list of flags")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, LaunchOptions]:
+    """Parse ``argv`` into a validated :class:`TrainConfig` and the :class:`LaunchOptions`."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _reject_unknown(parser, unknown)
+    nested = load_config_file(resolve_preset(ns.config)) if ns.config else {}
+    for dest, value in vars(ns).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            nested.setdefault(section, {})
+            if nested[section] is None:
+                nested[section] = {}
+            nested[section][key] = value
+    cfg = TrainConfig.from_dict(nested)
+    return cfg, LaunchOptions(dry_run=ns.dry_run, dry_run_rank=ns.dry_run_rank)

@@ -1,0 +1,162 @@
+"""Save and resume a training run with the layout-independent checkpoint format (DESIGN.md 8).
+
+What a checkpoint holds, and where it comes from:
+
+    model parameters        model.named_parameters() (stage 0-2: DP rank 0 writes; TP-replicated
+                            tensors only from TP rank 0) or optimizer.named_local_params() (stage 3)
+    fp32 master + moments   optimizer.owned_fragments(): the DP range each rank owns (ZeRO §5)
+    loss scaler, step count optimizer.state_dict_extra() / optimizer.step_count
+    RNG states              every rank's default and TP-region streams
+    data position           TrainState.consumed_train_samples (the sampler resumes there)
+    config                  the resolved TrainConfig (so a run can rebuild itself)
+
+Loading builds the same list of pieces for the *loading* layout and fills each from the checkpoint
+(:class:`hybrid.checkpoint.loader.CheckpointReader` reassembles the canonical tensors). RNG states
+are restored only when the layout is unchanged; otherwise each rank reseeds from (seed, iteration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from hybrid.checkpoint.format import CheckpointError, Piece, full_shape_of, partition_dim_of
+from hybrid.checkpoint.loader import CheckpointReader
+from hybrid.checkpoint.writer import save_checkpoint
+from hybrid.parallel_state import ParallelState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Progress of a run: what a resume must continue from."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+
+
+def _layout(state: ParallelState, zero_stage: int) -> dict:
+    return {"world_size": state.world_size, "tensor_model_parallel_size": state.tp_size,
+            "data_parallel_size": state.dp_size, "zero_stage": zero_stage}
+
+
+def model_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save: bool) -> list[Piece]:
+    """Pieces of the 16-bit (or fp32) model parameters this rank writes (for_save) or must load."""
+    params = dict(model.named_parameters())
+    tp = state.tp_size
+    if hasattr(optimizer, "named_local_params"):      # ZeRO stage 3: parameters are DP-partitioned
+        items = [(name, offset, t) for name, (t, offset) in optimizer.named_local_params().items()]
+        for_save_here = True
+    else:
+        items = [(name, 0, p.data.view(-1)) for name, p in params.items()]
+        for_save_here = state.dp_rank == 0
+    out = []
+    for name, offset, tensor in items:
+        p = params[name]
+        pdim = partition_dim_of(p)
+        if for_save and (not for_save_here or (pdim < 0 and state.tp_rank != 0)):
+            continue
+        out.append(Piece(name, "model", full_shape_of(p, tp), pdim, state.tp_rank, tp, offset, tensor))
+    return out
+
+
+def optimizer_pieces(model: nn.Module, optimizer, state: ParallelState, *,
+                     for_save: bool) -> tuple[list[Piece], list]:
+    """Pieces of fp32 master weights and Adam moments (and the raw fragments, for load_fragments)."""
+    params = dict(model.named_parameters())
+    fragments = optimizer.owned_fragments()
+    dp_replicated = getattr(optimizer, "fragments_replicated_over_dp", False)
+    out = []
+    for f in fragments:
+        p = params[f.param_name]
+        pdim = partition_dim_of(p)
+        if for_save and ((dp_replicated and state.dp_rank != 0) or (pdim < 0 and state.tp_rank != 0)):
+            continue
+        out.append(Piece(f.param_name, f.kind, full_shape_of(p, state.tp_size), pdim, state.tp_rank,
+                         state.tp_size, f.offset, f.tensor))
+    return out, fragments
+
+
+def rng_tensors(rng) -> dict[str, torch.Tensor]:
+    if rng is None:
+        return {"cpu": torch.get_rng_state()}
+    s = rng.get_states()
+    out = {"cpu": s.cpu, "tp": s.tp}
+    if s.cuda is not None:
+        out["cuda"] = s.cuda
+    return out
+
+
+def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer, state: ParallelState,
+         config, *, rng=None, keep_last: int = 2) -> Path:
+    """Collective over ``state.world``: write one checkpoint of the current iteration."""
+    pieces = model_pieces(model, optimizer, state, for_save=True)
+    pieces += optimizer_pieces(model, optimizer, state, for_save=True)[0]
+    metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
+                "layout": _layout(state, config.parallel.zero_stage),
+                "optimizer": {"step_count": optimizer.step_count, **optimizer.state_dict_extra()}}
+    return save_checkpoint(path, train_state.iteration, pieces, rng_tensors(rng), metadata, state.world,
+                           keep_last=keep_last)
+
+
+def check_model_compatible(saved_config: dict, config) -> None:
+    """The model dims must match; parallel layout, batch sizes and precision may change."""
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+            "max_position_embeddings", "vocab_size")
+    mine = dataclasses.asdict(config.model)
+    diffs = [f"{k}: checkpoint {saved_config['model'].get(k)!r} vs this run {mine[k]!r}"
+             for k in keys if mine[k] is not None and saved_config["model"].get(k) is not None
+             and saved_config["model"].get(k) != mine[k]]
+    if diffs:
+        raise CheckpointError("the checkpoint was written by a model with other dims (" +
+                              "; ".join(diffs) + "); use the same --num-layers/--hidden-size/... or "
+                              "another checkpoint")
+
+
+def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, config, *, rng=None,
+         load_optimizer: bool = True) -> TrainState:
+    """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState."""
+    reader = CheckpointReader(path)
+    check_model_compatible(reader.metadata["config"], config)
+    for piece in model_pieces(model, optimizer, state, for_save=False):
+        reader.fill(piece)
+    meta_opt = reader.metadata["optimizer"]
+    if load_optimizer:
+        pieces, fragments = optimizer_pieces(model, optimizer, state, for_save=False)
+        for piece in pieces:
+            reader.fill(piece)
+        optimizer.load_fragments(fragments, meta_opt["step_count"])
+        optimizer.load_state_dict_extra({k: v for k, v in meta_opt.items() if k != "step_count"})
+    train_state = TrainState(**reader.metadata["train_state"])
+    _restore_rng(reader, state, config, rng, train_state.iteration)
+    log.info("loaded checkpoint %s (iteration %d, written at TP %d x DP %d, ZeRO stage %d)",
+             reader.directory, train_state.iteration, reader.metadata["layout"]["tensor_model_parallel_size"],
+             reader.metadata["layout"]["data_parallel_size"], reader.metadata["layout"]["zero_stage"])
+    return train_state
+
+
+def _restore_rng(reader: CheckpointReader, state: ParallelState, config, rng, iteration: int) -> None:
+    saved = reader.metadata["layout"]
+    same = (saved["world_size"] == state.world_size
+            and saved["tensor_model_parallel_size"] == state.tp_size)
+    if same:
+        t = reader.extra(state.rank)
+        if rng is not None and "tp" in t:
+            from hybrid.tensor_parallel.random import RNGStates
+            rng.set_states(RNGStates(t["cpu"], t.get("cuda"), t["tp"]))
+        else:
+            torch.set_rng_state(t["cpu"])
+        return
+    log.info("layout changed since the checkpoint: reseeding RNG streams from seed + iteration")
+    torch.manual_seed(config.training.seed + iteration)
+    if rng is not None:
+        rng.seed = config.training.seed + iteration
+        rng.seed_all()

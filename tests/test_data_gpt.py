@@ -8,7 +8,7 @@ from hybrid.data.blending import BlendedDataset, build_blending_indices, parse_d
 from hybrid.data.builder import build_gpt_datasets
 from hybrid.data.gpt_dataset import GPTDataset, parse_split
 from hybrid.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
-from hybrid.data.loader import PrefetchLoader
+from hybrid.data.loader import PrefetchLoader, build_pretraining_loader
 from hybrid.data.sampler import PretrainingSampler
 
 EOD = 0
@@ -155,6 +155,15 @@ def test_loader_prefetches_tokens_and_labels(tmp_path):
         assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (4, 8)
         np.testing.assert_array_equal(batch["tokens"].numpy(), ref[:, :-1])
         np.testing.assert_array_equal(batch["labels"].numpy(), ref[:, 1:])
+        assert torch.all(batch["loss_mask"] == 1)
+    # the same micro-batches from the one-call builder, with EOD inputs masked out of the loss
+    with build_pretraining_loader(gpt, consumed_samples=8, micro_batch_size=4, data_parallel_rank=1,
+                                  data_parallel_size=2, total_samples=40, eod_mask_loss=EOD) as loader:
+        again = list(loader)
+    assert len(again) == len(batches)
+    for batch, ref in zip(again, batches):
+        assert torch.equal(batch["tokens"], ref["tokens"])
+        assert torch.equal(batch["loss_mask"] == 0, ref["tokens"] == EOD)
 
 
 def test_loader_reraises_dataset_errors():

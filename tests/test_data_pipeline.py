@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybrid.data.default_corpus import ensure_default_dataset, stdlib_sources
+from hybrid.data.default_corpus import _build, ensure_default_dataset, stdlib_sources
 from hybrid.data.gpt_dataset import GPTDataset
 from hybrid.data.indexed_dataset import IndexedDataset
 from hybrid.data.preprocess import preprocess
@@ -108,4 +108,7 @@ def test_default_corpus_builds_once_and_is_cached(tmp_path):
     assert ds.num_documents == len(sources) == json.loads(manifest.read_text())["documents"]
     rel, path, _ = sources[0]
     assert tok.decode(ds[0][:-1]) == f"# {rel}\n{path.read_text()}"
+    # a second builder racing the first (another rank) finds the finished build and keeps it
+    _build(sources, Path(prefix).parent, 500, workers=1)
+    assert manifest.stat().st_mtime_ns == stamp
     assert not any(p.name.startswith(".tmp") for p in Path(prefix).parent.parent.iterdir())

@@ -2,7 +2,9 @@
 training step (the role of Megatron-LM's DataLoader with workers and pinned memory).
 
 A daemon thread walks the sampler, gathers each micro-batch of ``[b, s + 1]`` token samples and
-queues ``tokens = x[:, :-1]`` / ``labels = x[:, 1:]`` as int64 tensors ``[b, s]``. On CUDA the batch
+queues ``tokens = x[:, :-1]`` / ``labels = x[:, 1:]`` as int64 tensors ``[b, s]`` and a float
+``loss_mask [b, s]`` (ones; zero where the input is the end-of-document token if ``eod_mask_loss``,
+Megatron's ``--eod-mask-loss``). On CUDA the batch
 is pinned in the thread and copied to the device asynchronously by the consumer. Errors in the
 thread are re-raised in the consumer; the loader never blocks forever on a dead thread.
 """
@@ -16,12 +18,18 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from hybrid.data.sampler import PretrainingSampler
+
 _END = object()
 
 
-def collate(samples: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+def collate(samples: Sequence[np.ndarray], eod: int | None = None) -> dict[str, torch.Tensor]:
     batch = torch.from_numpy(np.stack(samples).astype(np.int64))  # [b, s + 1]
-    return {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+    tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # [b, s] each
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    if eod is not None:
+        loss_mask[tokens == eod] = 0.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
 class PrefetchLoader:
@@ -32,13 +40,14 @@ class PrefetchLoader:
     """
 
     def __init__(self, dataset, batch_sampler: Iterable[list[int]], *, prefetch: int = 4,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", eod_mask_loss: int | None = None):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if len(dataset) == 0:
             raise ValueError("cannot load from an empty dataset")
         self.dataset, self.sampler = dataset, batch_sampler
         self.device = torch.device(device)
+        self.eod_mask_loss = eod_mask_loss
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._done = False
@@ -49,7 +58,7 @@ class PrefetchLoader:
         try:
             n = len(self.dataset)
             for indices in self.sampler:
-                batch = collate([self.dataset[i % n] for i in indices])
+                batch = collate([self.dataset[i % n] for i in indices], self.eod_mask_loss)
                 if self.device.type == "cuda":
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 if not self._put(batch):
@@ -98,3 +107,14 @@ class PrefetchLoader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def build_pretraining_loader(dataset, *, consumed_samples: int, micro_batch_size: int,
+                             data_parallel_rank: int, data_parallel_size: int,
+                             total_samples: int | None = None, device: str | torch.device = "cpu",
+                             prefetch: int = 4, eod_mask_loss: int | None = None) -> PrefetchLoader:
+    """The training loader of one DP rank, resuming at the global ``consumed_samples``."""
+    sampler = PretrainingSampler(total_samples, consumed_samples, micro_batch_size,
+                                 data_parallel_rank, data_parallel_size)
+    return PrefetchLoader(dataset, sampler, prefetch=prefetch, device=device,
+                          eod_mask_loss=eod_mask_loss)

@@ -1,0 +1,34 @@
+"""Memory, FLOPs and throughput models (ZeRO §3, §5-§7, §10; Megatron-LM; selective recompute).
+
+Pure functions of numbers (DESIGN.md invariant 7), shared by the runtime's start-up memory report,
+tools/paper_tables.py, tools/dry_run.py and the tests:
+
+- :mod:`~hybrid.perf.model_states` - model-state bytes per device per ZeRO stage (Figure 1, Tables 1-2)
+- :mod:`~hybrid.perf.activations`  - activation bytes per layer, ZeRO-R checkpoints (Pa, Pa+cpu), buffers
+- :mod:`~hybrid.perf.flops`        - parameter counts and FLOPs per iteration
+- :mod:`~hybrid.perf.memory`       - the sum of the above for one GPU of a run
+- :mod:`~hybrid.perf.hardware`     - the cluster description (DGX-2 V100 by default)
+- :mod:`~hybrid.perf.throughput`   - iteration time and TFLOP/s on that cluster (Figure 2)
+"""
+
+from hybrid.perf.activations import (activation_bytes_per_layer, checkpoint_bytes,
+                                     constant_buffer_bytes, fused_gradient_buffer_bytes,
+                                     logits_bytes, zero_paper_activation_bytes)
+from hybrid.perf.flops import (flops_per_gpu, gpt_param_count, megatron_param_count,
+                               model_flops_per_iteration, pad_vocab)
+from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
+from hybrid.perf.memory import MemoryEstimate, device_memory
+from hybrid.perf.model_states import (GB, STAGE_NAMES, ModelStateBytes, bytes_per_param,
+                                      dp_communication_elements, max_params_for_memory,
+                                      model_state_bytes)
+from hybrid.perf.throughput import (IterationEstimate, ThroughputAssumptions, estimate_iteration,
+                                    sustained_efficiency)
+
+__all__ = [
+    "activation_bytes_per_layer", "checkpoint_bytes", "constant_buffer_bytes",
+    "fused_gradient_buffer_bytes", "logits_bytes", "zero_paper_activation_bytes", "flops_per_gpu",
+    "gpt_param_count", "megatron_param_count", "model_flops_per_iteration", "pad_vocab", "Cluster",
+    "dgx2_v100_cluster", "MemoryEstimate", "device_memory", "GB", "STAGE_NAMES", "ModelStateBytes",
+    "bytes_per_param", "dp_communication_elements", "max_params_for_memory", "model_state_bytes",
+    "IterationEstimate", "ThroughputAssumptions", "estimate_iteration", "sustained_efficiency",
+]

@@ -1,0 +1,86 @@
+"""Parameter counts and model FLOPs of a dense GPT (Megatron-LM, Narayanan et al. 2021, §5.1 / App. A).
+
+Pure arithmetic on model dimensions (DESIGN.md invariant 7): no torch, no configs, no process groups.
+
+Parameters (PAPER.md):      Ψ ≈ 12 l h² (1 + 13/(12h) + (V + s)/(12 l h))
+Model FLOPs per iteration:  F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
+With full activation recompute the hardware executes one more forward pass of every layer:
+                            F_hw = 96 B s l h² (1 + s/(6h) + V/(16 l h))
+B is the global batch (sequences per iteration), s the sequence length, l layers, h hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def pad_vocab(vocab: int, tp: int = 1, multiple: int = 128) -> int:
+    """Megatron's padded vocab: rounded up to a multiple of ``multiple * tp`` so each TP rank holds an
+    equal, GEMM-friendly slice of the embedding."""
+    _positive(vocab=vocab, tp=tp, multiple=multiple)
+    step = multiple * tp
+    return math.ceil(vocab / step) * step
+
+
+def megatron_param_count(layers: int, hidden: int, vocab: int, seq: int) -> float:
+    """Ψ ≈ 12 l h² (1 + 13/(12h) + (V + s)/(12 l h)) - the formula of the Megatron-LM paper."""
+    _positive(layers=layers, hidden=hidden, vocab=vocab, seq=seq)
+    l, h = layers, hidden
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
+
+
+def layer_param_count(hidden: int, ffn_hidden: int | None = None) -> int:
+    """One pre-LN GPT-2 layer: 2 LayerNorms 4h, QKV 3h² + 3h, projection h² + h, MLP 2hf + f + h."""
+    h = hidden
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    return 4 * h * h + 2 * h * f + 9 * h + f
+
+
+def gpt_param_count(layers: int, hidden: int, vocab_padded: int, positions: int, *,
+                    ffn_hidden: int | None = None, tp: int = 1) -> int:
+    """Exact parameters held by ONE of ``tp`` tensor-parallel ranks (tp=1: the whole model).
+
+    Sharded across TP: QKV and MLP-in weights and biases, projection and MLP-out weights, the word
+    embedding (tied with the output layer, counted once). Replicated: LayerNorms, the two row-parallel
+    biases, position embeddings and the final LayerNorm.
+    """
+    _positive(layers=layers, hidden=hidden, vocab_padded=vocab_padded, positions=positions, tp=tp)
+    h = hidden
+    f = 4 * h if ffn_hidden is None else ffn_hidden
+    replicated_per_layer = 4 * h + 2 * h               # 2 LayerNorms + 2 row-parallel biases
+    sharded_per_layer = layer_param_count(h, f) - replicated_per_layer
+    for name, value in (("hidden", h), ("ffn hidden", f), ("padded vocab", vocab_padded)):
+        if value % tp:
+            raise ValueError(f"{name} {value} is not divisible by TP degree {tp}; pick a TP degree "
+                             f"that divides it")
+    per_layer = sharded_per_layer // tp + replicated_per_layer
+    return vocab_padded * h // tp + positions * h + layers * per_layer + 2 * h
+
+
+def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
+                              full_recompute: bool = False) -> float:
+    """FLOPs of one training iteration over ``batch`` sequences (all GPUs together).
+
+    ``full_recompute=False``: model FLOPs 72 B s l h² (1 + s/(6h) + V/(12 l h)) - forward + backward
+    (3 x forward). ``True``: hardware FLOPs with one extra forward of the transformer layers, 96 B s l h²
+    (1 + s/(6h) + V/(16 l h)) (the output layer is not recomputed, hence the 16).
+    """
+    _positive(batch=batch, seq=seq, layers=layers, hidden=hidden, vocab=vocab)
+    b, s, l, h = batch, seq, layers, hidden
+    if full_recompute:
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
+    return 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
+
+
+def flops_per_gpu(batch: int, seq: int, layers: int, hidden: int, vocab: int, gpus: int, *,
+                  full_recompute: bool = False) -> float:
+    """An iteration's FLOPs divided evenly across ``gpus`` (TP splits a replica's work, DP its batch)."""
+    _positive(gpus=gpus)
+    return model_flops_per_iteration(batch, seq, layers, hidden, vocab,
+                                     full_recompute=full_recompute) / gpus
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,62 @@
+"""Description of the cluster the throughput model runs on (ZeRO §10.1: 400 V100 32 GB GPUs in 25
+NVIDIA DGX-2 nodes; NVSwitch inside a node, 8 x 100 Gbps InfiniBand EDR between nodes).
+
+Every number is a named field with its source; the benchmark plugs this machine's measured GEMM rate
+and gloo bandwidth into the same dataclass (benchmarks/calibrate_perf_model.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Per-GPU rates of a homogeneous cluster. Bandwidths are bytes/s, compute FLOP/s."""
+
+    name: str
+    gpus_per_node: int = 16
+    peak_flops: float = 125e12            # V100 fp16 tensor-core peak
+    memory_bytes: float = 32e9            # V100 32 GB
+    hbm_bandwidth: float = 900e9          # V100 HBM2, bounds the optimizer step
+    intra_node_bandwidth: float = 300e9   # NVSwitch per GPU, both directions together
+    intra_node_efficiency: float = 0.5    # a ring sends one way: 150 GB/s usable
+    ib_link_bandwidth: float = 12.5e9     # one InfiniBand EDR link (100 Gbps)
+    ib_links_per_node: int = 8            # DGX-2: 8 links = 800 Gbps per node
+    ib_efficiency: float = 1.0            # fraction of link bandwidth a collective achieves
+    collective_latency: float = 20e-6     # fixed cost per collective call (launch + sync), seconds
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "peak_flops", "memory_bytes", "hbm_bandwidth",
+                     "intra_node_bandwidth", "ib_link_bandwidth", "ib_links_per_node"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"cluster {self.name!r}: {name} must be positive, got {getattr(self, name)}")
+        for name in ("intra_node_efficiency", "ib_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+
+    @property
+    def intra_node_ring_bandwidth(self) -> float:
+        """Bytes/s one GPU pushes into a ring that stays inside its node."""
+        return self.intra_node_bandwidth * self.intra_node_efficiency
+
+    @property
+    def inter_node_ring_bandwidth(self) -> float:
+        """Bytes/s one GPU pushes into a ring that leaves its node: its share of the node's links.
+
+        All GPUs of a node communicate across nodes at once (every DP group spans nodes; a TP group
+        wider than a node keeps all 16 GPUs of each node busy in the same collective), so each gets
+        links x link bandwidth / GPUs per node (8 x 12.5 / 16 = 6.25 GB/s on a DGX-2)."""
+        node = self.ib_links_per_node * self.ib_link_bandwidth * self.ib_efficiency
+        return node / self.gpus_per_node
+
+    def ring_bandwidth(self, crosses_nodes: bool) -> float:
+        return self.inter_node_ring_bandwidth if crosses_nodes else self.intra_node_ring_bandwidth
+
+    def with_changes(self, **changes) -> "Cluster":
+        return replace(self, **changes)
+
+
+def dgx2_v100_cluster() -> Cluster:
+    """The paper's cluster: DGX-2 nodes of 16 V100 32 GB (ZeRO §10.1)."""
+    return Cluster(name="DGX-2 V100 32GB")

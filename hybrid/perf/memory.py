@@ -1,0 +1,83 @@
+"""Per-device memory of one training configuration: model states + activations + buffers
+(ZeRO §3 "where did all the memory go", §5 ZeRO-DP, §6 ZeRO-R).
+
+Combines :mod:`hybrid.perf.model_states` and :mod:`hybrid.perf.activations` for a GPT given by its
+dimensions and layout. With full recompute the device holds the checkpoints of every layer plus the
+working activations of the one layer being recomputed (and, with Pa, that layer's all-gathered
+checkpoint); without it, every layer's activations. Fragmentation (ZeRO-R MD) and the CUDA context are
+not modelled: :data:`DEFAULT_RESERVED_BYTES` stands for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.perf import activations as act
+from hybrid.perf.flops import gpt_param_count, pad_vocab
+from hybrid.perf.model_states import ModelStateBytes, model_state_bytes
+
+DEFAULT_RESERVED_BYTES = 1.0e9   # CUDA context + allocator slack per GPU (an assumption, not measured)
+DEFAULT_BUCKET_ELEMENTS = 200_000_000  # ZeRO-R constant buffer: 2e8 elements per bucket
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one device."""
+
+    model_states: ModelStateBytes
+    checkpoints: float       # activation checkpoints (all layers)
+    working: float           # activations of the layer(s) live during backward
+    logits: float
+    buffers: float           # fused gradient buffer (baseline) or ZeRO-R constant buffers
+    reserved: float
+
+    @property
+    def activations(self) -> float:
+        return self.checkpoints + self.working + self.logits
+
+    @property
+    def total(self) -> float:
+        return self.model_states.total + self.activations + self.buffers + self.reserved
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.total <= device_bytes
+
+
+def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int, micro_batch: int,
+                  tp: int, dp: int, stage: int, recompute: str = "full",
+                  sequence_parallel: bool = False, partition_activations: bool = False,
+                  cpu_offload: bool = False, bucket_elements: int | None = DEFAULT_BUCKET_ELEMENTS,
+                  reserved_bytes: float = DEFAULT_RESERVED_BYTES) -> MemoryEstimate:
+    """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
+
+    ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
+    an integer models ZeRO-R's constant buffers (CB) of that many elements.
+    """
+    psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp)
+    states = model_state_bytes(psi_rank, stage, dp)
+    checkpoints, working = _activations(layers, hidden, heads, seq, micro_batch, tp, recompute,
+                                        sequence_parallel, partition_activations, cpu_offload)
+    logits = act.logits_bytes(seq, micro_batch, pad_vocab(vocab, tp), tp=tp)
+    if bucket_elements is None:
+        buffers = act.fused_gradient_buffer_bytes(psi_rank)
+    else:
+        buffers = act.constant_buffer_bytes(bucket_elements)
+    return MemoryEstimate(states, checkpoints, working, logits, buffers, reserved_bytes)
+
+
+def _activations(layers, hidden, heads, seq, micro_batch, tp, recompute, sequence_parallel,
+                 partitioned, cpu_offload) -> tuple[float, float]:
+    one_layer = act.activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp=tp,
+                                               sequence_parallel=sequence_parallel,
+                                               recompute="none" if recompute == "full" else recompute)
+    if recompute != "full":
+        if partitioned or cpu_offload:
+            raise ValueError("Pa / Pa+cpu partition activation checkpoints: they need "
+                             "recompute='full'")
+        return 0.0, layers * one_layer
+    checkpoints = act.checkpoint_bytes(seq, micro_batch, hidden, layers, mp=tp,
+                                       partitioned=partitioned, cpu_offload=cpu_offload)
+    if sequence_parallel and not partitioned:
+        checkpoints /= tp   # with SP each rank keeps its own sequence shard of the layer input
+    gathered = 2 * seq * micro_batch * hidden if partitioned else 0.0  # Pa's all-gathered checkpoint
+    return checkpoints, one_layer + gathered

@@ -1,0 +1,111 @@
+"""Model-state memory per device under ZeRO-DP (ZeRO paper §5, Figure 1, Tables 1 and 2).
+
+Mixed-precision Adam keeps, per parameter: a 16-bit parameter (2 bytes), a 16-bit gradient (2 bytes)
+and K = 12 bytes of optimizer state (fp32 master parameter, Adam momentum and variance, 4 bytes each).
+With data parallelism of degree Nd, ZeRO partitions them:
+
+    stage 0 (baseline DP)  (2 + 2 + K) Ψ
+    stage 1 (Pos)          2Ψ + 2Ψ + K Ψ / Nd
+    stage 2 (Pos+g)        2Ψ + (2 + K) Ψ / Nd
+    stage 3 (Pos+g+p)      (2 + 2 + K) Ψ / Nd
+
+With model (tensor) parallelism of degree Nm, Ψ is the per-MP-rank share Ψ / Nm. Pure functions of
+numbers (DESIGN.md invariant 7): the runtime's start-up memory report, tools/paper_tables.py and the
+tests call these same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+STAGE_NAMES = {0: "baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
+GB = 1e9  # the paper's GB
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model states held by ONE device, per category (ZeRO §3.1)."""
+
+    params_16bit: float
+    grads_16bit: float
+    master_fp32: float
+    adam_moments: float     # momentum + variance
+
+    @property
+    def optimizer(self) -> float:
+        return self.master_fp32 + self.adam_moments
+
+    @property
+    def total(self) -> float:
+        return self.params_16bit + self.grads_16bit + self.master_fp32 + self.adam_moments
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params_16bit": self.params_16bit, "grads_16bit": self.grads_16bit,
+                "master_fp32": self.master_fp32, "adam_moments": self.adam_moments,
+                "total": self.total}
+
+
+def model_state_bytes(num_params: float, stage: int, dp: int, *, mp: int = 1, param_bytes: int = 2,
+                      grad_bytes: int = 2, optimizer_bytes_per_param: int = 12,
+                      master_bytes_per_param: int = 4) -> ModelStateBytes:
+    """Model-state bytes per device for a model of ``num_params`` parameters.
+
+    ``num_params`` is the whole model (Ψ); it is divided by ``mp`` first (Ψ / Nm). ``stage`` 0-3 is the
+    ZeRO stage (0 = plain data parallel); ``dp`` the data-parallel degree Nd. The K bytes of optimizer
+    state split into ``master_bytes_per_param`` (fp32 copy) and the rest (Adam moments).
+    """
+    _check(num_params, stage, dp, mp)
+    if not 0 <= master_bytes_per_param <= optimizer_bytes_per_param:
+        raise ValueError(f"master bytes per parameter {master_bytes_per_param} must lie between 0 "
+                         f"and the optimizer bytes per parameter {optimizer_bytes_per_param}")
+    psi = num_params / mp
+    opt_share = psi / dp if stage >= 1 else psi
+    grad_share = psi / dp if stage >= 2 else psi
+    param_share = psi / dp if stage >= 3 else psi
+    return ModelStateBytes(params_16bit=param_bytes * param_share,
+                           grads_16bit=grad_bytes * grad_share,
+                           master_fp32=master_bytes_per_param * opt_share,
+                           adam_moments=(optimizer_bytes_per_param - master_bytes_per_param) * opt_share)
+
+
+def bytes_per_param(stage: int, dp: int, *, param_bytes: int = 2, grad_bytes: int = 2,
+                    optimizer_bytes_per_param: int = 12) -> float:
+    """Model-state bytes per device per (per-MP-rank) parameter: the coefficient of Ψ in the table."""
+    return model_state_bytes(1.0, stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                             optimizer_bytes_per_param=optimizer_bytes_per_param).total
+
+
+def max_params_for_memory(memory_bytes: float, stage: int, dp: int, *, mp: int = 1,
+                          reserved_bytes: float = 0.0, **dtype_bytes: int) -> float:
+    """Largest Ψ whose model states fit ``memory_bytes - reserved_bytes`` per device (Table 2)."""
+    _check(1.0, stage, dp, mp)
+    free = memory_bytes - reserved_bytes
+    if free <= 0:
+        raise ValueError(f"reserved bytes {reserved_bytes:.3g} leave no room in {memory_bytes:.3g} bytes")
+    return free / bytes_per_param(stage, dp, **dtype_bytes) * mp
+
+
+def paper_table2_params(memory_bytes: float, stage: int, dp: int, mp: int) -> float:
+    """Table 2's formula column as the paper prints it: the largest Ψ for ONE MP rank, rounded to
+    0.1B, times MP (7.64B -> 7.6B -> 15.2B at MP 2; the unrounded value would be 15.3B)."""
+    per_rank = max_params_for_memory(memory_bytes, stage, dp, mp=1)
+    return round(per_rank / 1e8) * 1e8 * mp
+
+
+def dp_communication_elements(num_params: float, stage: int, *, mp: int = 1) -> float:
+    """Elements each device moves per step in the DP group, in the paper's units (ZeRO §7):
+    2Ψ for stages 0-2 (all-reduce = reduce-scatter + all-gather), 3Ψ for stage 3 (§7.2.2).
+    Multiply by (Nd - 1) / Nd and the element size for a ring's bytes."""
+    _check(num_params, stage, 1, mp)
+    return (3.0 if stage == 3 else 2.0) * num_params / mp
+
+
+def _check(num_params: float, stage: int, dp: int, mp: int) -> None:
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3 (0 = plain data parallel), got {stage!r}")
+    for name, value in (("data-parallel degree", dp), ("model-parallel degree", mp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not num_params > 0 or math.isinf(num_params):
+        raise ValueError(f"parameter count must be a positive finite number, got {num_params!r}")

@@ -1,0 +1,144 @@
+"""Throughput model of one training iteration of a TP x ZeRO-DP GPT run (ZeRO §10, Figure 2;
+Megatron-LM §3 for the tensor-parallel communication).
+
+time = compute + exposed TP communication + exposed DP communication + optimizer step, per GPU:
+
+- compute: hardware FLOPs of the iteration (Megatron's formula, with the extra forward of full
+  recompute) / GPUs / (peak x :func:`sustained_efficiency`);
+- TP: Megatron's all-reduces of the b s h activations - 2 in forward and 2 in backward per layer, 2
+  more when the forward is recomputed (+ Pa's all-gather of the checkpoint) - ring volume
+  2 (t-1)/t x 2 b s h bytes each, over NVSwitch when the TP group stays in a node, otherwise over the
+  GPU's share of the node's InfiniBand links; on the critical path (not overlapped);
+- DP: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements of the MP rank's parameters, ring factor
+  (Nd-1)/Nd, a named fraction overlapped with the backward pass;
+- optimizer: the Adam step streams the fp32 states of the parameters this GPU updates through HBM.
+
+Every assumption is a field of :class:`ThroughputAssumptions` or of the :class:`Cluster`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybrid.perf.flops import gpt_param_count, model_flops_per_iteration, pad_vocab
+from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
+from hybrid.perf.model_states import dp_communication_elements
+from hybrid.topology import Topology
+
+
+@dataclass(frozen=True)
+class ThroughputAssumptions:
+    # Sustained fraction of peak of a whole training step with large GEMMs. Megatron-LM (2019) ran
+    # its 1.2B model at 39 TFLOP/s on one V100 (30% of peak); the best ZeRO runs reach ~33%.
+    max_efficiency: float = 0.40
+    # Micro-batch tokens (b s) at which the efficiency halves: small batches make thin GEMMs and
+    # leave kernel-launch and memory-bound ops (softmax, LayerNorm, dropout) exposed.
+    half_efficiency_tokens: float = 2048.0
+    # Hidden columns per TP rank (h / t) at which the efficiency halves: the GEMMs' inner width.
+    half_efficiency_hidden: float = 64.0
+    tp_allreduces_per_layer: int = 4          # Megatron: f and g in attention and MLP, fwd + bwd
+    recompute_allreduces_per_layer: int = 2   # the recomputed forward repeats the 2 forward ones
+    activation_bytes: int = 2                 # 16-bit activations on the wire
+    grad_bytes: int = 2                       # 16-bit gradients / parameters on the DP wire
+    zero_dp_overlap: float = 0.5              # ZeRO overlaps its reduce-scatter with backward
+    baseline_dp_overlap: float = 0.0          # Megatron-LM (2019) all-reduces after backward
+    optimizer_bytes_per_param: float = 28.0   # Adam: read grad 2, r/w master, m, v (24), write 2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_efficiency <= 1:
+            raise ValueError(f"max_efficiency must be in (0, 1], got {self.max_efficiency}")
+        for name in ("zero_dp_overlap", "baseline_dp_overlap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+def sustained_efficiency(tokens: float, hidden_per_rank: float,
+                         assumptions: ThroughputAssumptions = ThroughputAssumptions()) -> float:
+    """Fraction of peak FLOP/s a GPU sustains on the compute of a training step.
+
+    eff = max_efficiency x T / (T + T_half) x H / (H + H_half), T = micro-batch tokens b s and
+    H = hidden per TP rank h / t: saturating in both GEMM dimensions a GPU sees.
+    """
+    if tokens <= 0 or hidden_per_rank <= 0:
+        raise ValueError(f"tokens ({tokens}) and hidden per rank ({hidden_per_rank}) must be positive")
+    a = assumptions
+    return (a.max_efficiency * tokens / (tokens + a.half_efficiency_tokens)
+            * hidden_per_rank / (hidden_per_rank + a.half_efficiency_hidden))
+
+
+@dataclass(frozen=True)
+class IterationEstimate:
+    gpus: int
+    model_flops_per_gpu: float   # without recompute: what "TFLOP/s per GPU" is reported in
+    hardware_flops_per_gpu: float
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float             # exposed part only
+    optimizer_s: float
+    details: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.optimizer_s
+
+    def tflops_per_gpu(self, hardware: bool = True) -> float:
+        flops = self.hardware_flops_per_gpu if hardware else self.model_flops_per_gpu
+        return flops / self.time_s / 1e12
+
+    def pflops_aggregate(self, hardware: bool = True) -> float:
+        return self.tflops_per_gpu(hardware) * self.gpus / 1e3
+
+
+def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_batch: int, tp: int,
+                       dp: int, stage: int, grad_accumulation: int = 1, full_recompute: bool = True,
+                       partition_activations: bool = False, cluster: Cluster | None = None,
+                       assumptions: ThroughputAssumptions = ThroughputAssumptions()
+                       ) -> IterationEstimate:
+    """Time of one iteration of ``grad_accumulation`` micro-batches of ``micro_batch`` sequences per
+    replica on ``tp`` x ``dp`` GPUs (TP fastest, DESIGN.md invariant 2)."""
+    cluster = cluster or dgx2_v100_cluster()
+    topo = Topology(tp * dp, tp, cluster.gpus_per_node, allow_tp_across_nodes=True)
+    gpus, a = topo.world_size, assumptions
+    batch = micro_batch * grad_accumulation * dp
+    hw = model_flops_per_iteration(batch, seq, layers, hidden, vocab, full_recompute=full_recompute)
+    model = model_flops_per_iteration(batch, seq, layers, hidden, vocab)
+    eff = sustained_efficiency(micro_batch * seq, hidden / tp, a)
+    compute = hw / gpus / (cluster.peak_flops * eff)
+    tp_comm = grad_accumulation * _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp,
+                                                          full_recompute, partition_activations,
+                                                          topo.tp_crosses_nodes, cluster, a)
+    psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp)
+    dp_total = _dp_time(psi_rank, stage, dp, _dp_crosses_nodes(topo), cluster, a)
+    overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
+    dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
+    updated = psi_rank / dp if stage >= 1 else psi_rank
+    optimizer = updated * a.optimizer_bytes_per_param / cluster.hbm_bandwidth
+    return IterationEstimate(gpus, model / gpus, hw / gpus, compute, tp_comm, dp_exposed, optimizer,
+                             details={"efficiency": eff, "dp_total_s": dp_total,
+                                      "tp_crosses_nodes": topo.tp_crosses_nodes,
+                                      "params_per_rank": psi_rank})
+
+
+def _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp, full_recompute, partitioned,
+                            crosses_nodes, cluster: Cluster, a: ThroughputAssumptions) -> float:
+    if tp == 1:
+        return 0.0
+    message = micro_batch * seq * hidden * a.activation_bytes          # one b s h tensor
+    calls = a.tp_allreduces_per_layer + (a.recompute_allreduces_per_layer if full_recompute else 0)
+    ring = 2 * (tp - 1) / tp * message * calls
+    if partitioned:
+        ring += (tp - 1) / tp * message                                # Pa: all-gather the checkpoint
+        calls += 1
+    bandwidth = cluster.ring_bandwidth(crosses_nodes)
+    return layers * (ring / bandwidth + calls * cluster.collective_latency)
+
+
+def _dp_time(psi_rank, stage, dp, crosses_nodes, cluster: Cluster, a: ThroughputAssumptions) -> float:
+    if dp == 1:
+        return 0.0
+    volume = dp_communication_elements(psi_rank, stage) * a.grad_bytes * (dp - 1) / dp
+    return volume / cluster.ring_bandwidth(crosses_nodes)
+
+
+def _dp_crosses_nodes(topo: Topology) -> bool:
+    return any(len(topo.nodes_of(group)) > 1 for group in topo.dp_groups())

@@ -1,0 +1,78 @@
+"""Throughput model against the ZeRO paper's stated figures (tools/paper_claims.py), an independent
+anchor (Megatron-LM 2019, one V100) and its own topology logic; the paper-tables tool end to end."""
+
+import json
+
+import pytest
+
+from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
+from hybrid.perf.throughput import ThroughputAssumptions, estimate_iteration, sustained_efficiency
+from tools import paper_claims, paper_tables
+
+RUN_100B = dict(layers=125, hidden=8192, seq=1024, vocab=50257, micro_batch=32, tp=16, dp=25, stage=2)
+
+
+def test_every_claim_has_its_documented_status():
+    claims = paper_claims.claims()
+    assert len(claims) >= 12
+    for c in claims:
+        assert c.status == c.documented_status, (c.key, c.predicted, c.paper, c.status)
+    assert set(paper_claims.KNOWN_MISSES) <= {c.key for c in claims}
+
+
+def test_headline_zero_100B_within_20_percent():
+    e = estimate_iteration(**RUN_100B, partition_activations=True)
+    assert e.tflops_per_gpu() == pytest.approx(38, rel=0.2)
+    assert e.pflops_aggregate() == pytest.approx(15, rel=0.2)
+    assert not e.details["tp_crosses_nodes"]
+
+
+def test_efficiency_anchor_megatron_1_2B_on_one_v100():
+    # Megatron-LM (2019): 1.2B (40 layers, hidden 1536) sustains 39 TFLOP/s on one V100.
+    e = estimate_iteration(layers=40, hidden=1536, seq=1024, vocab=50257, micro_batch=8, tp=1, dp=1,
+                           stage=0)
+    assert e.tflops_per_gpu() == pytest.approx(39, rel=0.1)
+    assert e.tp_comm_s == 0 and e.dp_comm_s == 0
+
+
+def test_tp_across_nodes_uses_infiniband_share():
+    cluster = dgx2_v100_cluster()
+    assert cluster.inter_node_ring_bandwidth == pytest.approx(6.25e9)
+    assert cluster.intra_node_ring_bandwidth == pytest.approx(150e9)
+    dims = dict(layers=8, hidden=8192, seq=1024, vocab=50257, micro_batch=2, dp=1, stage=0)
+    inside = estimate_iteration(**dims, tp=16)
+    across = estimate_iteration(**dims, tp=32)
+    assert not inside.details["tp_crosses_nodes"] and across.details["tp_crosses_nodes"]
+    assert across.tp_comm_s > 10 * inside.tp_comm_s
+
+
+def test_faster_network_and_more_overlap_never_slow_down():
+    base = estimate_iteration(**RUN_100B)
+    fast = estimate_iteration(**RUN_100B, cluster=dgx2_v100_cluster().with_changes(ib_links_per_node=16))
+    hidden = estimate_iteration(**RUN_100B, assumptions=ThroughputAssumptions(zero_dp_overlap=1.0))
+    assert fast.time_s < base.time_s and hidden.time_s <= base.time_s
+    stage3 = estimate_iteration(**(RUN_100B | {"stage": 3}))
+    assert stage3.details["dp_total_s"] == pytest.approx(1.5 * base.details["dp_total_s"])
+
+
+def test_efficiency_saturates_and_rejects_bad_input():
+    small, large = sustained_efficiency(1024, 128), sustained_efficiency(65536, 4096)
+    assert 0 < small < large < ThroughputAssumptions().max_efficiency
+    with pytest.raises(ValueError, match="positive"):
+        sustained_efficiency(0, 128)
+    with pytest.raises(ValueError, match="ib_efficiency"):
+        Cluster("bad", ib_efficiency=1.5)
+
+
+def test_paper_tables_tool_writes_every_output(tmp_path, capsys):
+    assert paper_tables.main(["--out", str(tmp_path)]) == 0
+    for name in ("tables.md", "predictions.md", "figure1.png", "figure2.png", "figure3.png",
+                 "table1.csv", "table2.csv", "table5.csv", "table6.csv", "predictions.csv"):
+        assert (tmp_path / name).stat().st_size > 100, name
+    text = (tmp_path / "predictions.md").read_text()
+    assert "known miss" in text and "up to 10x" in text
+    capsys.readouterr()
+    assert paper_tables.main(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"figure1", "table1", "table2", "table5", "table6", "predictions"} <= set(data)
+    assert len(data["table5"]) == 18 and all(r["fits_32gb"] for r in data["table5"])

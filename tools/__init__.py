@@ -1,0 +1,1 @@
+"""Command-line tools: tokenizer, data preprocessing, the paper's tables, dry runs."""

@@ -1,0 +1,144 @@
+"""Predictions of hybrid.perf's models beside the ZeRO paper's stated figures (ZeRO §3.2, §6, §10).
+
+Each :class:`Claim` pairs a figure the paper states with the model's prediction. A claim is "ok"
+when the prediction is within :data:`TOLERANCE` (20%) of the paper's figure ("about X"), at most 20%
+below it ("over X"), strictly above it ("more than X", e.g. superlinear scaling) or not above it
+("under X"); otherwise it must be listed in :data:`KNOWN_MISSES` with the reason
+the model cannot reproduce it - the test asserts each claim's documented status, so a model change
+that silently moves a claim in or out of tolerance fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.perf import activations as act
+from hybrid.perf.hardware import dgx2_v100_cluster
+from hybrid.perf.model_states import GB, model_state_bytes
+from hybrid.perf.throughput import estimate_iteration
+from tools.paper_numbers import table5, table6
+
+TOLERANCE = 0.20
+
+KNOWN_MISSES = {
+    "baseline-40B-tflops":
+        "The model charges each GPU's whole TP ring volume (6 all-reduces of b s h per layer with "
+        "recompute) to its 1/16 share of the node's 8 EDR links (6.25 GB/s), which puts the 2-node "
+        "MP-32 baseline at ~3.9 TFLOP/s; the paper's ~5 implies ~8 GB/s. A 2-node ring has only two "
+        "node-crossing edges, so the true rate lies between this share and the node's 100 GB/s; we "
+        "keep the simple, documented assumption rather than fit it to one point.",
+    "speedup-100B":
+        "Same mechanism, larger effect: the MP-128 baseline over 8 nodes has 3.2x fewer FLOPs per GPU "
+        "than the 40B one for the same TP volume per GPU, so the model predicts ~1.4 TFLOP/s per GPU "
+        "and a ~26x speedup. The paper's 'up to 10x' implies its 8-node TP rings were ~2.5x faster "
+        "per GPU than its 2-node ones, which a bandwidth-share model cannot produce.",
+    "60B-128-to-256-doubling":
+        "Table 6 keeps batch 48 per replica at 128 and 256 GPUs, so the model's per-GPU rate is "
+        "unchanged and the DP ring factor (n-1)/n grows: aggregate scales 2.00x, not more. The "
+        "model's superlinearity comes only from the larger per-GPU batch (64->128 and 256->400).",
+    "pa-example-checkpoints":
+        "The paper's 33 GB equals b s h l = 32 x 1024 x 8192 x 125 = 33.5e9 checkpoint ELEMENTS; "
+        "16-bit checkpoints take twice that, 67 GB (and 4.2 GB with Pa instead of ~2). The 16x "
+        "reduction by Pa matches.",
+    "pa-example-partitioned":
+        "Same factor of 2 as the unpartitioned example (bytes vs elements).",
+}
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    text: str
+    paper: float
+    predicted: float
+    unit: str
+    kind: str = "about"   # about: within 20% | over: >= 80% of it | more_than: > | under: <=
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.paper
+
+    @property
+    def within_tolerance(self) -> bool:
+        checks = {"about": abs(self.ratio - 1) <= TOLERANCE, "over": self.ratio >= 1 - TOLERANCE,
+                  "more_than": self.predicted > self.paper, "under": self.predicted <= self.paper}
+        return checks[self.kind]
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.within_tolerance else "known miss"
+
+    @property
+    def documented_status(self) -> str:
+        return "known miss" if self.key in KNOWN_MISSES else "ok"
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "claim": self.text, "paper": self.paper, "kind": self.kind,
+                "predicted": self.predicted, "unit": self.unit, "ratio": self.ratio,
+                "status": self.status, "documented_status": self.documented_status,
+                "reason": KNOWN_MISSES.get(self.key, "")}
+
+
+def claims() -> list[Claim]:
+    return _throughput_claims() + _scaling_claims() + _memory_claims()
+
+
+def _throughput_claims() -> list[Claim]:
+    rows = {r["name"]: r for r in table5()}
+    zero100, base100 = rows["table5-zero-100B"], rows["table5-megatron-100B"]
+    mid = [rows[f"table5-zero-{s}"]["pflops"] for s in ("8B", "40B", "60B", "80B", "100B")]
+    return [
+        Claim("zero-100B-tflops", "ZeRO 100B, TFLOP/s per GPU (over 38)", 38,
+              zero100["tflops_per_gpu"], "TFLOP/s", kind="over"),
+        Claim("zero-100B-pflops", "ZeRO 100B, aggregate PFLOP/s on 400 GPUs (over 15)", 15,
+              zero100["pflops"], "PFLOP/s", kind="over"),
+        Claim("zero-8B-100B-average", "ZeRO 8B-100B, average aggregate PFLOP/s", 15,
+              sum(mid) / len(mid), "PFLOP/s"),
+        Claim("baseline-40B-tflops", "Megatron 40B (MP 32, two DGX-2 nodes), TFLOP/s per GPU", 5,
+              rows["table5-megatron-40B"]["tflops_per_gpu"], "TFLOP/s"),
+        Claim("speedup-100B", "ZeRO over Megatron at 100B, aggregate throughput ratio (up to 10x)",
+              10, zero100["pflops"] / base100["pflops"], "x"),
+        Claim("zero-170B-fits", "ZeRO 170B fits 32 GB per GPU on 400 GPUs (1 = yes)", 1,
+              float(rows["table5-zero-170B"]["fits_32gb"]), "bool"),
+    ]
+
+
+def _scaling_claims() -> list[Claim]:
+    agg = {r["gpus"]: r["pflops"] for r in table6()}
+    return [
+        Claim("60B-64-to-128-doubling", "60B: aggregate 128 GPUs / 64 GPUs (more than 2)", 2,
+              agg[128] / agg[64], "x", kind="more_than"),
+        Claim("60B-128-to-256-doubling", "60B: aggregate 256 GPUs / 128 GPUs (more than 2)", 2,
+              agg[256] / agg[128], "x", kind="more_than"),
+        Claim("60B-superlinear-64-to-400", "60B: aggregate 400 / 64 GPUs (more than 6.25)", 6.25,
+              agg[400] / agg[64], "x", kind="more_than"),
+    ]
+
+
+def _memory_claims() -> list[Claim]:
+    gpt2 = dict(hidden=1600, batch=32, seq=1024, layers=48)
+    full = act.zero_paper_activation_bytes(**gpt2) / GB
+    ckpt = (act.checkpoint_bytes(1024, 32, 1600, 48)
+            + act.activation_bytes_per_layer(1024, 32, 1600, 16)) / GB
+    pa = dict(seq=1024, micro_batch=32, hidden=8192, layers=125, mp=16)
+    return [
+        Claim("gpt2-1.5B-activations", "1.5B GPT-2, seq 1K, batch 32: activations (GB)", 60, full, "GB"),
+        Claim("gpt2-1.5B-checkpointed", "... with activation checkpointing (GB): checkpoints + one "
+              "recomputed layer", 8, ckpt, "GB"),
+        Claim("pa-example-checkpoints", "100B, MP 16, batch 32: checkpoints per GPU (GB)", 33,
+              act.checkpoint_bytes(**pa) / GB, "GB"),
+        Claim("pa-example-partitioned", "... with Pa (GB)", 2,
+              act.checkpoint_bytes(**pa, partitioned=True) / GB, "GB"),
+        Claim("pa-comm-overhead", "Pa's extra all-gather vs Megatron's TP traffic (under 10%)", 0.1,
+              _pa_overhead(), "fraction", kind="under"),
+        Claim("1T-on-1024", "1T parameters, Pos+g+p on 1024 GPUs: GB per GPU", 16,
+              model_state_bytes(1e12, 3, 1024).total / GB, "GB"),
+    ]
+
+
+def _pa_overhead() -> float:
+    """Extra TP-link time of Pa's checkpoint all-gather on the ZeRO-100B run (latency excluded)."""
+    dims = dict(layers=125, hidden=8192, seq=1024, vocab=50257, micro_batch=32, tp=16, dp=25,
+                stage=2, cluster=dgx2_v100_cluster().with_changes(collective_latency=0.0))
+    with_pa = estimate_iteration(**dims, partition_activations=True).tp_comm_s
+    return with_pa / estimate_iteration(**dims).tp_comm_s - 1

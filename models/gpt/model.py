@@ -1,0 +1,154 @@
+"""Tensor-parallel GPT-2 (Megatron-LM §3; ZeRO paper §10 trains this model at 1.5B-170B).
+
+    tokens [b, s] -> word (vocab-parallel) + position embeddings -> dropout   [s, b, h]
+                  -> num_layers x TransformerLayer (models/gpt/layer.py)       [s, b, h]
+                  -> final LayerNorm -> logits = h @ E_r^T (tied, this rank's vocab rows)  [s, b, V_p/tp]
+                  -> vocab-parallel cross-entropy over the true vocab         [s, b] -> loss [b, s]
+
+The output layer never gathers the logits: ``copy_to_tp`` (Megatron's ``f``) in front of the tied
+matmul makes the backward sum the input gradient over TP, and the cross-entropy all-reduces only three
+numbers per token. With sequence parallelism activations between the TP blocks are sequence shards
+``[s/tp, b, h]``; the embedding reduce-scatters and the output layer all-gathers instead.
+
+Build on ``device="meta"`` (nothing allocated), then :meth:`GPTModel.init_weights` materialises each
+parameter from its canonical full value (:func:`models.gpt.sharding.canonical_init`) and keeps this
+rank's shard, so every TP degree and the single-device reference start identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbedding, copy_to_tp,
+                                    gather_from_sequence, set_tp_attributes,
+                                    vocab_parallel_cross_entropy)
+from models.gpt.config import GPTConfig
+from models.gpt.layer import TransformerLayer, dropout
+from models.gpt.sharding import canonical_init, shard_tensor
+
+
+class PositionEmbedding(nn.Module):
+    """Learned positions ``[max_positions, h]``, replicated on every TP rank."""
+
+    def __init__(self, max_positions: int, hidden: int, sequence_parallel: bool, device, dtype):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(max_positions, hidden, device=device, dtype=dtype))
+        self._mark()
+
+    def _mark(self) -> None:
+        set_tp_attributes(self.weight, tensor_model_parallel=False, partition_dim=-1,
+                          sequence_parallel=self.sequence_parallel)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._mark()  # to()/to_empty() may replace the Parameter object and drop its attributes
+        return out
+
+
+class GPTEmbedding(nn.Module):
+    """Word + position embeddings and embedding dropout: tokens [b, s] -> [s, b, h] ([s/tp, b, h] SP)."""
+
+    def __init__(self, config: GPTConfig, state: ParallelState, sequence_parallel: bool, rng,
+                 device, dtype):
+        super().__init__()
+        self.group, self.sequence_parallel, self.rng = state.tp, sequence_parallel, rng
+        self.p = config.hidden_dropout
+        self.word = VocabParallelEmbedding(config.padded_vocab_size(state.tp_size), config.hidden_size,
+                                           state.tp, reduce_scatter_output=sequence_parallel,
+                                           device=device, dtype=dtype)
+        self.position = PositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                                          sequence_parallel, device, dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.size(1)
+        x = self.word(tokens.t())                                   # [s, b, h] or [s/tp, b, h]
+        pos = self.position.weight[:s]                              # [s, h]
+        if self.sequence_parallel:
+            # replicated weight applied to one sequence shard: f sums its gradient over TP
+            pos = copy_to_tp(pos, self.group)
+            chunk = s // self.group.size
+            pos = pos[self.group.rank * chunk:(self.group.rank + 1) * chunk]  # [s/tp, h]
+        x = x + pos.unsqueeze(1)
+        return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.group.size)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: GPTConfig, state: ParallelState, *, sequence_parallel: bool = False,
+                 device=None, dtype: torch.dtype = torch.float32, rng: RNGTracker | None = None):
+        super().__init__()
+        config.validate_for_tp(state.tp_size)
+        self.config, self.state, self.rng = config, state, rng
+        self.group = state.tp
+        self.sequence_parallel = sequence_parallel and state.tp_size > 1
+        self.device = torch.device(device) if device is not None else state.device
+        sp = self.sequence_parallel
+        # Built on meta, then materialised once by init_weights: no throw-away initialisation.
+        meta = dict(device="meta", dtype=dtype)
+        self.embedding = GPTEmbedding(config, state, sp, rng, **meta)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta)
+            for _ in range(config.num_layers))
+        self.final_norm = LayerNorm(config.hidden_size, state.tp, eps=config.layernorm_epsilon,
+                                    sequence_parallel=sp, **meta)
+        if self.device.type != "meta":
+            self.init_weights(0)
+
+    # ---- construction ----------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Materialise every parameter on ``self.device`` with its shard of the canonical initial
+        value for ``seed`` (one full tensor in memory at a time)."""
+        if self.device.type == "meta":
+            self.device = self.state.device
+        if any(p.is_meta for p in self.parameters()):
+            self.to_empty(device=self.device)
+        tp_rank, tp = self.state.tp_rank, self.state.tp_size
+        for name, p in self.named_parameters():
+            p.copy_(shard_tensor(self.config, name, canonical_init(self.config, name, seed), tp_rank, tp))
+
+    def sharding_units(self) -> list[nn.Module]:
+        """Submodules that ZeRO stage 3 gathers one at a time, in forward order."""
+        return [self.embedding, *self.layers, self.final_norm]
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] int64 -> per-token loss [b, s] (fp32) given labels [b, s], else this rank's
+        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding)."""
+        self._check_input(tokens, labels)
+        x = self.embedding(tokens)                                  # [s, b, h] ([s/tp, b, h] SP)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self._output_logits(self.final_norm(x))            # [s, b, V_p/tp]
+        if labels is None:
+            return logits.transpose(0, 1)                           # [b, s, V_p/tp]
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.group,
+                                            vocab_size=self.config.vocab_size)  # [s, b]
+        return loss.t()                                             # [b, s]
+
+    def _output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Tied output layer, column-parallel over the vocab: [s(/tp), b, h] -> [s, b, V_p/tp]."""
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.group)                 # g-bar: [s, b, h]
+        else:
+            x = copy_to_tp(x, self.group)                           # f: grad summed over TP
+        return F.linear(x, self.embedding.word.weight)
+
+    def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        s = tokens.size(1)
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {s} tokens is longer than max position embeddings "
+                             f"{self.config.max_position_embeddings}; shorten it or raise "
+                             f"--max-position-embeddings")
+        if self.sequence_parallel and s % self.group.size:
+            raise ValueError(f"sequence parallelism splits the sequence across {self.group.size} TP "
+                             f"ranks, but the sequence has {s} tokens; use a multiple of "
+                             f"{self.group.size}")
+        if labels is not None and labels.shape != tokens.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of tokens "
+                             f"{tuple(tokens.shape)}")

@@ -1,0 +1,109 @@
+"""Dry run of the paper's Table 5 runs at full size on the meta device (ZeRO §10; torchtitan-style
+dry run): for every row, build the real tensor-parallel GPT of one TP rank with the real TP layers
+(nothing allocated), count its parameters and model-state bytes under the row's ZeRO stage and DP
+degree, and compare with the formulas of hybrid.perf; then show which TP groups of the 400-GPU (and
+384/256-GPU baseline) layouts stay inside a DGX-2 node.
+
+    python -m tools.dry_run            # table + topology summary
+    python -m tools.dry_run --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hybrid.parallel_state import ParallelState
+from hybrid.perf.flops import gpt_param_count, megatron_param_count
+from hybrid.perf.model_states import GB, model_state_bytes
+from hybrid.topology import Topology
+from models.gpt.model import GPTModel
+from models.gpt.presets import PAPER_RUNS, PaperRun
+from tools.paper_numbers import run_layout, run_memory
+
+GPUS_PER_NODE = 16
+
+
+def count_rank_parameters(run: PaperRun, rank: int = 0) -> int:
+    """Parameters of ``rank``'s TP shard of the run's GPT, built on meta (tied weights once)."""
+    topo = Topology(run.gpus, run.tp, GPUS_PER_NODE, allow_tp_across_nodes=True)
+    state = ParallelState.dry_run(topo, rank)
+    model = GPTModel(run.config, state, device="meta", dtype=torch.bfloat16)
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for p in unique.values())
+
+
+def dry_run_row(run: PaperRun) -> dict:
+    c = run.config
+    counted = count_rank_parameters(run)
+    exact = gpt_param_count(c.num_layers, c.hidden_size, c.padded_vocab_size(run.tp),
+                            c.max_position_embeddings, tp=run.tp)
+    megatron = megatron_param_count(c.num_layers, c.hidden_size, c.vocab_size, c.seq_length) / run.tp
+    stage = 2 if run.zero else 0
+    states = model_state_bytes(counted, stage, run.dp)
+    config, partition, cpu = run_layout(run)
+    memory = run_memory(run, partition=partition, cpu=cpu)
+    return {"name": run.name, "gpus": run.gpus, "tp": run.tp, "dp": run.dp, "stage": stage,
+            "config": config, "params_per_rank": counted, "formula_exact": exact,
+            "megatron_formula_per_rank": megatron, "megatron_rel_diff": counted / megatron - 1,
+            "model_states_gb": states.total / GB,
+            "formula_model_states_gb": model_state_bytes(megatron * run.tp, stage, run.dp,
+                                                         mp=run.tp).total / GB,
+            "total_gb": memory.total / GB, "fits_32gb": memory.fits(32e9)}
+
+
+def topology_summary(gpus: int, tp: int) -> dict:
+    topo = Topology(gpus, tp, GPUS_PER_NODE, allow_tp_across_nodes=True)
+    groups = topo.tp_groups()
+    inside = sum(len(topo.nodes_of(g)) == 1 for g in groups)
+    dp_nodes = {len(topo.nodes_of(g)) for g in topo.dp_groups()}
+    return {"gpus": gpus, "tp": tp, "describe": topo.describe(), "tp_groups": len(groups),
+            "tp_groups_inside_a_node": inside, "nodes_per_tp_group": len(topo.nodes_of(groups[0])),
+            "nodes_per_dp_group": sorted(dp_nodes)}
+
+
+def rows() -> list[dict]:
+    return [dry_run_row(r) for r in PAPER_RUNS.values() if r.table == "table5"]
+
+
+def layouts() -> list[dict]:
+    seen = sorted({(r.gpus, r.tp) for r in PAPER_RUNS.values() if r.table == "table5"},
+                  key=lambda gt: (-gt[0], gt[1]))
+    return [topology_summary(g, t) for g, t in seen]
+
+
+def _print(table: list[dict], topo: list[dict]) -> None:
+    print(f"{'run':24s} {'GPUs':>4s} {'TP':>3s} {'DP':>3s} st cfg  {'params/rank':>14s} "
+          f"{'exact formula':>14s} {'vs Megatron':>11s} {'states GB':>9s} {'formula':>7s} "
+          f"{'total GB':>8s} fits")
+    for r in table:
+        print(f"{r['name']:24s} {r['gpus']:4d} {r['tp']:3d} {r['dp']:3d} {r['stage']:2d} "
+              f"{r['config'][:4]:4s} {r['params_per_rank']:14,d} {r['formula_exact']:14,d} "
+              f"{r['megatron_rel_diff']:+11.2e} {r['model_states_gb']:9.2f} "
+              f"{r['formula_model_states_gb']:7.2f} {r['total_gb']:8.1f} "
+              f"{'yes' if r['fits_32gb'] else 'NO'}")
+    print("\nLayouts (DGX-2: 16 GPUs per node, TP fastest):")
+    for t in topo:
+        print(f"  {t['describe']}\n    TP groups inside one node: {t['tp_groups_inside_a_node']}"
+              f"/{t['tp_groups']} (each spans {t['nodes_per_tp_group']} node(s)); DP groups span "
+              f"{t['nodes_per_dp_group']} node(s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    table, topo = rows(), layouts()
+    if args.json:
+        json.dump({"runs": table, "layouts": topo}, sys.stdout, indent=1)
+        print()
+    else:
+        _print(table, topo)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,7 +5,7 @@ What a checkpoint holds, and where it comes from:
     model parameters        model.named_parameters() (stage 0-2: DP rank 0 writes; TP-replicated
                             tensors only from TP rank 0) or optimizer.named_local_params() (stage 3)
     fp32 master + moments   optimizer.owned_fragments(): the DP range each rank owns (ZeRO §5)
-    loss scaler, step count optimizer.state_dict_extra() / optimizer.step_count
+    loss scaler, step count optimizer.scaler.state_dict() / optimizer.step_count
     RNG states              every rank's default and TP-region streams
     data position           TrainState.consumed_train_samples (the sampler resumes there)
     config                  the resolved TrainConfig (so a run can rebuild itself)
@@ -53,7 +53,7 @@ def model_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save:
     params = dict(model.named_parameters())
     tp = state.tp_size
     if hasattr(optimizer, "named_local_params"):      # ZeRO stage 3: parameters are DP-partitioned
-        items = [(name, offset, t) for name, (t, offset) in optimizer.named_local_params().items()]
+        items = [(name, offset, t) for name, (offset, t) in optimizer.named_local_params().items()]
         for_save_here = True
     else:
         items = [(name, 0, p.data.view(-1)) for name, p in params.items()]
@@ -85,6 +85,11 @@ def optimizer_pieces(model: nn.Module, optimizer, state: ParallelState, *,
     return out, fragments
 
 
+def _scaler_state(optimizer) -> dict:
+    scaler = getattr(optimizer, "scaler", None)
+    return scaler.state_dict() if scaler is not None else {}
+
+
 def rng_tensors(rng) -> dict[str, torch.Tensor]:
     if rng is None:
         return {"cpu": torch.get_rng_state()}
@@ -102,7 +107,7 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
     pieces += optimizer_pieces(model, optimizer, state, for_save=True)[0]
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "layout": _layout(state, config.parallel.zero_stage),
-                "optimizer": {"step_count": optimizer.step_count, **optimizer.state_dict_extra()}}
+                "optimizer": {"step_count": optimizer.step_count, "loss_scaler": _scaler_state(optimizer)}}
     return save_checkpoint(path, train_state.iteration, pieces, rng_tensors(rng), metadata, state.world,
                            keep_last=keep_last)
 
@@ -133,8 +138,10 @@ def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, co
         pieces, fragments = optimizer_pieces(model, optimizer, state, for_save=False)
         for piece in pieces:
             reader.fill(piece)
-        optimizer.load_fragments(fragments, meta_opt["step_count"])
-        optimizer.load_state_dict_extra({k: v for k, v in meta_opt.items() if k != "step_count"})
+        optimizer.step_count = meta_opt["step_count"]
+        optimizer.load_fragments(fragments)   # in place already; refreshes the 16-bit copies
+        if getattr(optimizer, "scaler", None) is not None and meta_opt["loss_scaler"]:
+            optimizer.scaler.load_state_dict(meta_opt["loss_scaler"])
     train_state = TrainState(**reader.metadata["train_state"])
     _restore_rng(reader, state, config, rng, train_state.iteration)
     log.info("loaded checkpoint %s (iteration %d, written at TP %d x DP %d, ZeRO stage %d)",

@@ -5,8 +5,8 @@ by checkpoint tests that must not depend on the ZeRO engine. fp32 only: gradient
 the DP group with one all-reduce per parameter (baseline DP, 2Ψ per step, ZeRO §5), clipped by the
 global norm across DP and TP (TP-replicated parameters counted once), then stepped by AdamW with
 no weight decay on biases and norms. It exposes the same surface the trainer and the checkpoint code
-use from the ZeRO optimizer (``backward``, ``step``, ``zero_grad``, ``set_lr``, ``owned_fragments``,
-``load_fragments``, ``step_count``, ``state_dict_extra``).
+use from the ZeRO optimizer (``backward``, ``step(lr)``, ``zero_grad``, ``owned_fragments``,
+``load_fragments``, ``step_count``).
 """
 
 from __future__ import annotations
@@ -58,11 +58,10 @@ class ReplicatedAdamW:
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-
-    def step(self) -> FallbackStepResult:
+    def step(self, lr: float | None = None) -> FallbackStepResult:
+        if lr is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.named.values()]
         for p, g in zip(self.named.values(), grads):
             comm.all_reduce(g, self.state.dp)
@@ -100,14 +99,14 @@ class ReplicatedAdamW:
             out.append(FallbackFragment(name, "exp_avg_sq", 0, st["exp_avg_sq"].view(-1)))
         return out
 
-    def load_fragments(self, fragments: list[FallbackFragment], step_count: int) -> None:
-        """The fragments were filled in place; set AdamW's step counters to match."""
-        self.step_count = step_count
+    def load_fragments(self, fragments: list[FallbackFragment]) -> None:
+        """Copy given fragments into the owned ones (a no-op for the owned views themselves) and
+        set AdamW's step counters to ``step_count``."""
+        owned = {(f.param_name, f.kind): f for f in self.owned_fragments()}
+        with torch.no_grad():
+            for f in fragments:
+                mine = owned[(f.param_name, f.kind)].tensor
+                if mine.data_ptr() != f.tensor.data_ptr():
+                    mine[f.offset:f.offset + f.tensor.numel()].copy_(f.tensor)
         for p in self.named.values():
-            self.opt.state[p]["step"] = torch.tensor(float(step_count))
-
-    def state_dict_extra(self) -> dict:
-        return {"loss_scaler": {}}
-
-    def load_state_dict_extra(self, extra: dict) -> None:
-        pass
+            self.opt.state[p]["step"] = torch.tensor(float(self.step_count))

@@ -1,0 +1,184 @@
+"""Named ``build_*`` steps that turn a :class:`TrainConfig` into a running job (torchtitan-style).
+
+    state     = build_parallel_state(cfg)          # Topology -> TP and DP groups (DESIGN.md 1, 2)
+    data      = build_data(cfg, state)             # tokenizer, train/valid GPT datasets (Megatron)
+    model     = build_model(cfg, state, vocab)     # TP GPT; meta device for ZeRO stage 3
+    optimizer = build_optimizer(cfg, model, state) # ZeRO-DP stage 0-3 (AdamW, mixed precision)
+    trainer   = Trainer(...); trainer.train()
+
+:func:`run` is the whole program behind ``launch/pretrain_gpt.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hybrid import comm
+from hybrid.parallel_state import ParallelState
+from hybrid.topology import Topology
+from hybrid.training import checkpointing
+from hybrid.training.config import TrainConfig
+from hybrid.training.lr_schedule import build_lr_schedule
+from hybrid.training.metrics import MetricsWriter, ThroughputModel, gpt_flops_per_iteration
+from hybrid.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def build_parallel_state(cfg: TrainConfig) -> ParallelState:
+    """Join the torchrun job (or run as one process) and create the TP and DP groups."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate_for_world(world)
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return ParallelState.single_process("cuda" if torch.cuda.is_available() else "cpu")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.gpus_per_node))
+    topology = Topology(world, cfg.parallel.tensor_model_parallel_size, gpus_per_node=per_node,
+                        allow_tp_across_nodes=cfg.parallel.allow_tp_across_nodes)
+    return ParallelState.initialize(topology)
+
+
+@dataclass
+class DataBundle:
+    train: object
+    valid: object | None
+    vocab_size: int
+    eod: int
+
+
+def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
+    """Datasets from --data-path/--split, or the embedded default corpus (built once, by rank 0)."""
+    from hybrid.data import Tokenizer, build_gpt_datasets, ensure_default_dataset
+    d = cfg.data
+    data_path, tokenizer_model = list(d.data_path), d.tokenizer_model
+    if not data_path:
+        vocab = cfg.model.vocab_size or 4096
+        if state.rank == 0:
+            ensure_default_dataset(d.data_cache_dir, vocab)
+        comm.barrier(state.world)
+        prefix, default_tokenizer = ensure_default_dataset(d.data_cache_dir, vocab)
+        data_path, tokenizer_model = [prefix], tokenizer_model or default_tokenizer
+    if tokenizer_model is None:
+        raise ValueError("--data-path was given without --tokenizer-model; pass the sentencepiece "
+                         "model the data was tokenized with")
+    tokenizer = Tokenizer(tokenizer_model)
+    t = cfg.training
+    global_batch = cfg.global_batch(state.world_size)
+    evals = t.train_iters // t.eval_interval + 1
+    counts = (t.train_iters * global_batch, evals * t.eval_iters * global_batch, 0)
+    if state.rank == 0:   # build (and cache) the sample indices once
+        build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
+                           vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)
+    comm.barrier(state.world)
+    train, valid, _ = build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
+                                         vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)
+    return DataBundle(train, valid, tokenizer.vocab_size, tokenizer.eod)
+
+
+def gpt_config(cfg: TrainConfig, vocab_size: int):
+    from models.gpt import GPTConfig
+    m = cfg.model
+    return GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                     num_attention_heads=m.num_attention_heads, vocab_size=m.vocab_size or vocab_size,
+                     seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
+                     ffn_hidden_size=m.ffn_hidden_size,
+                     make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+                     hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                     init_method_std=m.init_method_std)
+
+
+def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
+    """The TP GPT and its RNG tracker; materialised in fp32 (ZeRO casts), on meta for stage 3."""
+    from hybrid.tensor_parallel import RNGTracker
+    from models.gpt.model import GPTModel
+    rng = RNGTracker(cfg.training.seed, state.tp_rank, state.device)
+    rng.seed_all()
+    gcfg = gpt_config(cfg, vocab_size)
+    gcfg.validate_for_tp(state.tp_size)
+    meta = cfg.parallel.zero_stage == 3
+    model = GPTModel(gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
+                     device="meta" if meta else state.device, dtype=torch.float32, rng=rng)
+    if not meta:
+        model.init_weights(cfg.training.seed)
+    return model, rng
+
+
+def build_optimizer(cfg: TrainConfig, model, state: ParallelState):
+    """The ZeRO engine of --zero-stage; the fp32 replicated fallback only if hybrid.zero is absent."""
+    o = cfg.optimizer
+    try:
+        from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
+        from hybrid.zero.optimizer import build_zero_optimizer
+    except ImportError:
+        from hybrid.training.fallback_optimizer import ReplicatedAdamW
+        log.warning("hybrid.zero is unavailable: FALLBACK replicated fp32 AdamW (no ZeRO)")
+        return ReplicatedAdamW(model, state, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                               eps=o.adam_eps, weight_decay=o.weight_decay, clip_grad=o.clip_grad)
+    zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
+                      bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
+                      gradient_accumulation_steps=cfg.grad_accumulation_steps(state.world_size),
+                      loss_scale=LossScaleConfig(initial_scale=o.initial_loss_scale,
+                                                 min_scale=o.min_loss_scale,
+                                                 growth_interval=o.loss_scale_window,
+                                                 hysteresis=o.hysteresis))
+    acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                       weight_decay=o.weight_decay)
+    if zcfg.stage == 3:
+        from hybrid.zero.stage3 import Stage3Optimizer
+        from models.gpt.sharding import canonical_init, shard_tensor
+        g, seed = model.config, cfg.training.seed
+        init_fn = lambda name: shard_tensor(g, name, canonical_init(g, name, seed),  # noqa: E731
+                                            state.tp_rank, state.tp_size)
+        return Stage3Optimizer(model, state, zcfg, acfg, init_fn=init_fn)
+    return build_zero_optimizer(model, state, zcfg, acfg)
+
+
+def make_loader_factory(data: DataBundle, cfg: TrainConfig, state: ParallelState):
+    from hybrid.data.loader import build_pretraining_loader
+
+    def make(split: str, consumed: int):
+        dataset = data.train if split == "train" else data.valid
+        if dataset is None:
+            raise ValueError(f"no {split} data: give the split a share in --split (e.g. 969,30,1)")
+        return build_pretraining_loader(dataset, consumed_samples=consumed,
+                                        micro_batch_size=cfg.data.micro_batch_size,
+                                        data_parallel_rank=state.dp_rank,
+                                        data_parallel_size=state.dp_size, device="cpu")
+    return make
+
+
+def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | None = None,
+                  make_loader=None) -> Trainer:
+    """Everything but the loop; tests inject ``data`` (and a recording ``make_loader``)."""
+    data = data if data is not None else build_data(cfg, state)
+    model, rng = build_model(cfg, state, data.vocab_size)
+    optimizer = build_optimizer(cfg, model, state)
+    train_state = None
+    if cfg.checkpoint.load:
+        train_state = checkpointing.load(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
+    m = cfg.model
+    flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
+                                    m.hidden_size, model.config.padded_vocab_size(state.tp_size))
+    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank)
+    metrics.log_text("config", cfg.describe())
+    return Trainer(cfg, state, model, optimizer, schedule=build_lr_schedule(cfg.optimizer,
+                   cfg.training.train_iters),
+                   make_loader=make_loader or make_loader_factory(data, cfg, state),
+                   metrics=metrics, throughput=ThroughputModel(flops, state.world_size,
+                                                               cfg.logging.peak_tflops),
+                   rng=rng, train_state=train_state)
+
+
+def run(cfg: TrainConfig) -> Trainer:
+    """The whole pretraining program; returns the finished trainer."""
+    state = build_parallel_state(cfg)
+    log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
+    trainer = build_trainer(cfg, state)
+    try:
+        trainer.train()
+    finally:
+        trainer.metrics.close()
+    return trainer

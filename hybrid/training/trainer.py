@@ -1,0 +1,205 @@
+"""The GPT pretraining loop (Megatron-LM's ``pretrain``), written to read like pseudocode.
+
+    while iteration < train_iters:
+        lr = schedule(iteration)
+        for each of the accumulation steps:  optimizer.backward(mean loss of a micro-batch / steps)
+        optimizer.step(lr)                                      # ZeRO-DP reduce, clip, AdamW
+        every log_interval:   console line + TensorBoard scalars
+        every eval_interval:  validation loss and perplexity
+        on SIGTERM / --exit-duration-in-mins:  save and stop (all ranks agree)
+        every save_interval:  layout-independent checkpoint
+
+Global batch = micro batch x DP x accumulation steps; each DP rank reads its slice of every micro-step
+from a sampler driven by the consumed-samples count, which the checkpoint stores, so a resumed run
+continues at exactly the next sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid import comm
+from hybrid.parallel_state import ParallelState
+from hybrid.training import checkpointing
+from hybrid.training.checkpointing import TrainState
+from hybrid.training.exit import ExitCondition
+from hybrid.training.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations since the last console line."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    skipped: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    last_grad_norm: float = float("nan")
+    last_loss_scale: float = 1.0
+    ledger_mark: int = 0
+
+
+class Trainer:
+    def __init__(self, cfg, state: ParallelState, model, optimizer, *, schedule, make_loader,
+                 metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
+                 train_state: TrainState | None = None):
+        """``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank."""
+        self.cfg, self.state, self.model, self.optimizer = cfg, state, model, optimizer
+        self.schedule, self.make_loader, self.metrics = schedule, make_loader, metrics
+        self.throughput, self.rng = throughput, rng
+        self.ts = train_state or TrainState()
+        self.accum = cfg.grad_accumulation_steps(state.world_size)
+        self.global_batch = cfg.global_batch(state.world_size)
+        self.train_iters = cfg.training.train_iters
+        self._step_takes_lr = "lr" in inspect.signature(optimizer.step).parameters
+        self.last_saved_iteration: int | None = None
+        self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self) -> TrainState:
+        loader = self.make_loader("train", self.ts.consumed_train_samples)
+        stats = self._new_interval()
+        self._log_model_states()
+        with ExitCondition(self.state.world, self.cfg.training.exit_duration_in_mins,
+                           device=self.state.device) as stop:
+            while self.ts.iteration < self.train_iters:
+                loss, result = self.train_step(loader, self.schedule(self.ts.iteration))
+                self._advance(stats, loss, result)
+                if self._due(self.cfg.logging.log_interval):
+                    self._log_interval(stats)
+                    stats = self._new_interval()
+                if self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
+                    self.evaluate()
+                if stop.should_exit():
+                    self.save()
+                    break
+                if self.cfg.checkpoint.save_interval and self._due(self.cfg.checkpoint.save_interval):
+                    self.save()
+        if self.ts.iteration >= self.train_iters and self.last_saved_iteration != self.ts.iteration:
+            self.save()
+        self.metrics.flush()
+        return self.ts
+
+    def train_step(self, loader, lr: float):
+        """One optimizer step over ``accum`` micro-batches; returns (DP-mean loss, StepResult)."""
+        self.model.train()
+        self.optimizer.zero_grad()
+        total = 0.0
+        for _ in range(self.accum):
+            loss = self._micro_batch_loss(next(loader))
+            self.optimizer.backward(loss / self.accum)
+            total += loss.item() / self.accum
+        result = self._optimizer_step(lr)
+        return self._dp_mean(total), result
+
+    def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
+        """Mean per-token loss of a micro-batch over the tokens the loss mask keeps."""
+        device = self.state.device
+        per_token = self.model(batch["tokens"].to(device), batch["labels"].to(device))   # [b, s]
+        mask = batch["loss_mask"].to(device=device, dtype=per_token.dtype)
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def _optimizer_step(self, lr: float):
+        if self._step_takes_lr:
+            return self.optimizer.step(lr=lr)
+        self.optimizer.lr = lr
+        return self.optimizer.step()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over ``eval_iters`` global batches, continuing the validation stream."""
+        self.model.eval()
+        loader = self.make_loader("valid", self.ts.consumed_valid_samples)
+        total, n = 0.0, self.cfg.training.eval_iters * self.accum
+        for _ in range(n):
+            total += self._micro_batch_loss(next(loader)).item() / n
+        self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.global_batch
+        close = getattr(loader, "close", None)
+        if close:
+            close()
+        loss = self._dp_mean(total)
+        ppl = math.exp(min(loss, 20.0))
+        self.metrics.log({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.ts.iteration)
+        log.info("validation at iteration %d | lm loss %.4f | ppl %.3f", self.ts.iteration, loss, ppl)
+        return loss
+
+    def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        checkpointing.save(self.cfg.checkpoint.save, self.ts, self.model, self.optimizer, self.state,
+                           self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
+        self.last_saved_iteration = self.ts.iteration
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _due(self, interval: int) -> bool:
+        return self.ts.iteration % interval == 0
+
+    def _advance(self, stats: IntervalStats, loss: float, result) -> None:
+        self.ts.iteration += 1
+        self.ts.consumed_train_samples += self.global_batch
+        self.losses.append(loss)
+        stats.iterations += 1
+        stats.last_loss_scale = result.loss_scale
+        if result.skipped:
+            stats.skipped += 1
+            self.ts.skipped_iterations += 1
+        else:
+            stats.loss_sum += loss
+            stats.last_grad_norm = result.grad_norm
+
+    def _dp_mean(self, value: float) -> float:
+        """Average a Python float over the DP group (bookkeeping: kept out of the comm ledger)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.state.device)
+        ledger = self.state.ledger
+        enabled, ledger.enabled = ledger.enabled, False
+        try:
+            comm.all_reduce(t, self.state.dp)
+        finally:
+            ledger.enabled = enabled
+        return float(t.item()) / self.state.dp_size
+
+    def _new_interval(self) -> IntervalStats:
+        return IntervalStats(ledger_mark=len(self.state.ledger.records))
+
+    def _log_interval(self, stats: IntervalStats) -> None:
+        seconds = (time.perf_counter() - stats.start) / stats.iterations
+        good = stats.iterations - stats.skipped
+        m = {"lm loss": stats.loss_sum / good if good else float("nan"),
+             "learning-rate": self.schedule(self.ts.iteration - 1),
+             "loss-scale": stats.last_loss_scale, "grad-norm": stats.last_grad_norm,
+             "batch-size": float(self.global_batch), "iteration-time": seconds,
+             "throughput": self.global_batch * self.cfg.model.seq_length / seconds,
+             "tflops-per-rank": self.throughput.tflops_per_rank(seconds),
+             "mfu": self.throughput.mfu(seconds),
+             "skipped-iterations": float(self.ts.skipped_iterations),
+             "consumed-samples": float(self.ts.consumed_train_samples),
+             **memory_bytes(self.state.device), **self._comm_per_step(stats)}
+        self.metrics.log(m, self.ts.iteration)
+        eta = seconds * (self.train_iters - self.ts.iteration)
+        log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))
+
+    def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
+        """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger)."""
+        out = {"comm/dp-bytes-per-step": 0.0, "comm/tp-bytes-per-step": 0.0}
+        for r in self.state.ledger.records[stats.ledger_mark:]:
+            if r.group in ("dp", "tp"):
+                out[f"comm/{r.group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
+        return out
+
+    def _log_model_states(self) -> None:
+        report = getattr(self.optimizer, "memory_report", None)
+        if report is None:
+            return
+        r = report()
+        self.metrics.log({f"model-state/{c}-bytes": float(v) for c, v in r.measured.items()},
+                         self.ts.iteration)
+        self.metrics.log({f"model-state/{c}-paper-bytes": float(v) for c, v in r.formula.items()},
+                         self.ts.iteration)

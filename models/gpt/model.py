@@ -152,3 +152,10 @@ class GPTModel(nn.Module):
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of tokens "
                              f"{tuple(tokens.shape)}")
+        for what, ids in (("token", tokens), ("label", labels)):
+            # ids in the padding rows would silently train them; the check is free on the host only
+            if ids is not None and ids.device.type == "cpu" and ids.numel() and (
+                    int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+                raise ValueError(f"{what} ids must lie in [0, {self.config.vocab_size}) (the model's "
+                                 f"vocab size); got [{int(ids.min())}, {int(ids.max())}] - does the "
+                                 f"tokenizer match --vocab-size?")

@@ -8,5 +8,8 @@ communication overlapped with backward), :mod:`.optimizer` (the engine). Stage 3
 """
 
 from hybrid.zero.config import AdamWConfig, LossScaleConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.optimizer import ZeroOptimizer, build_zero_optimizer
+from hybrid.zero.results import Fragment, StepResult
 
-__all__ = ["AdamWConfig", "LossScaleConfig", "ZeroConfig", "uses_weight_decay"]
+__all__ = ["AdamWConfig", "Fragment", "LossScaleConfig", "StepResult", "ZeroConfig",
+           "ZeroOptimizer", "build_zero_optimizer", "uses_weight_decay"]

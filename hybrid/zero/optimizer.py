@@ -1,0 +1,269 @@
+"""The ZeRO-DP engine for stages 0, 1 and 2 (ZeRO paper §5.1 Pos, §5.2 Pos+g; stage 0 = plain DP).
+
+Every stage keeps this TP rank's parameters in one flat buffer of the training dtype (see
+:mod:`.partition` for the bucket/chunk layout); ``param.data`` are views into it.
+
+* stage 0: full fp32 master and moments on every rank; gradients all-reduced bucket by bucket.
+* stage 1: this DP rank owns chunk ``dp_rank`` of every bucket: its master (fp32, or the parameter
+  chunk itself in plain fp32) and moments cover only those chunks. Gradients (a full buffer, as
+  ``param.grad`` views) are reduce-scattered per bucket; after the update each bucket's parameters
+  are all-gathered. Volume: Ψ + Ψ, times (n-1)/n (§7.2.1).
+* stage 2: as stage 1, but each gradient is moved into a constant-size staging bucket as backward
+  produces it and reduce-scattered at once; the rank keeps only its gradient partition.
+
+The step: wait for communication -> unscale and average over DP (in fp32) -> agree on overflow
+(fp16) -> global norm over DP and TP -> clip -> AdamW on the owned chunks -> write the 16-bit
+chunk -> all-gather. An overflowed step returns before touching parameters or optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hybrid import comm
+from hybrid.parallel_state import ParallelState
+from hybrid.zero.adamw import FlatAdamWState
+from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.loss_scaler import build_loss_scaler, found_overflow
+from hybrid.zero.partition import FlatLayout
+from hybrid.zero.reducer import GradReducer
+from hybrid.zero.report import (CommReport, MemoryReport, comm_report, formula_bytes,
+                                measure_storages)
+from hybrid.zero.results import Fragment, StepResult, copy_overlaps
+
+log = logging.getLogger(__name__)
+REDUCER_MODES = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_partition"}
+
+
+class ZeroOptimizer:
+    """Stages 0-2. Use: ``opt.backward(loss)`` per micro-batch, ``opt.step()``, ``opt.zero_grad()``."""
+
+    def __init__(self, model: nn.Module, state: ParallelState, config: ZeroConfig,
+                 adamw: AdamWConfig):
+        if config.stage not in REDUCER_MODES:
+            raise ValueError(f"ZeroOptimizer implements stages 0-2, got {config.stage}; "
+                             f"build stage 3 with build_zero_optimizer")
+        self.state, self.config, self.adamw = state, config, adamw
+        self.lr = adamw.lr
+        self.names, self.params = _trainable(model)
+        self.dtype, self.device = config.param_dtype, state.device
+        self.partitions = state.dp_size if config.stage >= 1 else 1
+        self.part_rank = state.dp_rank if config.stage >= 1 else 0
+        self.layout = FlatLayout([p.numel() for p in self.params], config.bucket_size,
+                                 self.partitions, config.alignment_elements)
+        self._build_buffers()
+        self.adam = FlatAdamWState(self.layout.chunk_sizes(), self.device)
+        self.scaler = build_loss_scaler(config)
+        self.reducer = GradReducer(self.params, self.layout, state.dp, REDUCER_MODES[config.stage],
+                                   dtype=self.dtype, device=self.device,
+                                   overlap=config.overlap_communication, grad_flat=self.grad_flat,
+                                   grad_chunks=self.grad_chunks)
+        self._micro_batches = 0
+        self._ledger_mark, self._last_step_records = len(state.ledger.records), []
+        if state.rank == 0:
+            log.info("%s", self.memory_report())
+
+    # ---- construction ----------------------------------------------------------------------
+    def _chunk_of(self, flat: torch.Tensor, bucket) -> torch.Tensor:
+        lo, hi = bucket.chunk_range(self.part_rank)
+        return flat[bucket.start + lo:bucket.start + hi]
+
+    def _build_buffers(self) -> None:
+        """Flat 16-bit params (+ full grads for stages 0/1), master chunks, gradient chunks."""
+        layout, mixed = self.layout, self.config.mixed_precision
+        self.flat_param = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
+        sizes = layout.chunk_sizes()
+        self.master_flat = (torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
+                            if mixed else None)
+        self.master = (list(torch.split(self.master_flat, sizes)) if mixed
+                       else [self._chunk_of(self.flat_param, b) for b in layout.buckets])
+        for p, slot in zip(self.params, layout.slots):
+            if p.is_meta:
+                raise ValueError("ZeRO stages 0-2 need materialised parameters; call "
+                                 "model.init_weights(seed) before building the optimizer")
+            self.flat_param[slot.start:slot.start + slot.numel].copy_(p.detach().reshape(-1))
+        if mixed:  # the master starts from the ORIGINAL values (exact when the model was fp32)
+            for b, piece in layout.owned_pieces(self.part_rank):
+                src = self.params[piece.index].detach().reshape(-1)
+                self.master[b][piece.chunk_offset:piece.chunk_offset + piece.numel].copy_(
+                    src[piece.param_offset:piece.param_offset + piece.numel])
+        for p, slot in zip(self.params, layout.slots):
+            p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
+        self.grad_flat, self.grad_chunks = None, None
+        if self.config.stage < 2:
+            self.grad_flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
+            for p, slot in zip(self.params, layout.slots):
+                p.grad = self.grad_flat[slot.start:slot.start + slot.numel].view(p.shape)
+            self.grad_part = None
+        else:
+            self.grad_part = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
+            self.grad_chunks = list(torch.split(self.grad_part, sizes))
+
+    # ---- training-loop API -----------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch (the caller divides the loss by the number of them)."""
+        if self.config.stage == 2 and self._micro_batches:
+            self.reducer.finish()   # previous micro-batch's reduce-scatters land before new ones
+        self._micro_batches += 1
+        last = self._micro_batches % self.config.gradient_accumulation_steps == 0
+        self.reducer.enabled = self.config.stage == 2 or last
+        scale = self.scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def zero_grad(self) -> None:
+        if self.grad_flat is not None:
+            self.grad_flat.zero_()
+        else:
+            self.grad_part.zero_()
+        self._micro_batches = 0
+
+    def _owned_grads_fp32(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks in fp32, divided by DP size and loss scale."""
+        if self.grad_flat is not None:
+            chunks = [self._chunk_of(self.grad_flat, b) for b in self.layout.buckets]
+        else:
+            chunks = self.grad_chunks
+        grads = [c.float() for c in chunks] if self.config.mixed_precision else chunks
+        torch._foreach_mul_(grads, 1.0 / (self.state.dp_size * self.scaler.scale))
+        return grads
+
+    def step(self) -> StepResult:
+        """Update the parameters from the gradients of the micro-batches since ``zero_grad``."""
+        accum = self.config.gradient_accumulation_steps
+        if self._micro_batches != accum:
+            raise RuntimeError(f"step() after {self._micro_batches} backward() calls but "
+                               f"ZeroConfig.gradient_accumulation_steps is {accum}; call "
+                               f"opt.backward once per micro-batch and zero_grad after step")
+        self.reducer.enabled = True
+        self.reducer.finish()
+        scale = self.scaler.scale
+        grads = self._owned_grads_fp32()
+        if self.scaler.dynamic and found_overflow(grads, self.state.world, self.device):
+            self.scaler.update(True)
+            self._mark_step()
+            return StepResult(True, float("nan"), scale)
+        norm = self._grad_norm(grads)
+        coef = clip_coefficient(norm, self.config.clip_grad)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        self.adam.update(self.master, grads, self._views(self.master, decay=True), self.adamw,
+                         lr=self.lr)
+        self._publish_params()
+        self.scaler.update(False)
+        self._mark_step()
+        return StepResult(False, norm, scale)
+
+    # ---- pieces of the step ----------------------------------------------------------------
+    def _views(self, chunks: list[torch.Tensor], *, decay: bool | None = None,
+               tp_sharded: bool | None = None) -> list[torch.Tensor]:
+        """Views of owned parameter pieces inside per-bucket ``chunks``, filtered by kind."""
+        out = []
+        for b, piece in self.layout.owned_pieces(self.part_rank):
+            p = self.params[piece.index]
+            if decay is not None and uses_weight_decay(p) != decay:
+                continue
+            if tp_sharded is not None and bool(getattr(p, "tensor_model_parallel", False)) != tp_sharded:
+                continue
+            out.append(chunks[b][piece.chunk_offset:piece.chunk_offset + piece.numel])
+        return out
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        reduce_group = self.state.world if self.config.stage >= 1 else self.state.tp
+        return global_grad_norm(self._views(grads, tp_sharded=True),
+                                self._views(grads, tp_sharded=False), tp=self.state.tp,
+                                reduce_group=reduce_group, device=self.device)
+
+    def _publish_params(self) -> None:
+        """Write the updated master into this rank's 16-bit chunks and all-gather every bucket."""
+        for bucket, master in zip(self.layout.buckets, self.master):
+            own = self._chunk_of(self.flat_param, bucket)
+            if self.config.mixed_precision:
+                own.copy_(master)
+            if self.partitions > 1:
+                full = self.flat_param[bucket.start:bucket.start + bucket.numel]
+                comm.all_gather_into(full, own.clone(), self.state.dp)
+
+    def _mark_step(self) -> None:
+        records = self.state.ledger.records
+        start = self._ledger_mark if self._ledger_mark <= len(records) else 0
+        self._last_step_records = list(records[start:])
+        self._ledger_mark = len(records)
+
+    # ---- reports and checkpoint support ----------------------------------------------------
+    @property
+    def num_local_params(self) -> int:
+        """Ψ of this TP rank: parameters it trains, without padding."""
+        return self.layout.num_params
+
+    def memory_report(self) -> MemoryReport:
+        categories = {"param16": [self.flat_param] + [p.data for p in self.params],
+                      "grad16": [self.grad_flat if self.grad_flat is not None else self.grad_part],
+                      "master32": [self.master_flat] if self.master_flat is not None else self.master,
+                      "adam_moments": self.adam.tensors(), "buffers": self.reducer.buffers()}
+        itemsize = self.flat_param.element_size()
+        formula = formula_bytes(self.num_local_params, self.config.stage, self.state.dp_size,
+                                param_bytes=itemsize, mixed_precision=self.config.mixed_precision)
+        return MemoryReport(self.config.stage, self.state.dp_size, self.state.tp_size,
+                            self.config.precision, self.num_local_params,
+                            measure_storages(categories), formula)
+
+    def comm_report(self) -> CommReport:
+        """Bytes per rank of the last optimizer step (everything since the step before it)."""
+        return comm_report(self._last_step_records, 1, stage=self.config.stage,
+                           dp=self.state.dp_size, psi=self.num_local_params,
+                           param_bytes=self.flat_param.element_size())
+
+    @property
+    def step_count(self) -> int:
+        return self.adam.step
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.adam.step = int(value)
+
+    def owned_fragments(self) -> list[Fragment]:
+        out = []
+        kinds = {"master": self.master, "exp_avg": self.adam.exp_avgs,
+                 "exp_avg_sq": self.adam.exp_avg_sqs}
+        for b, piece in self.layout.owned_pieces(self.part_rank):
+            for kind, chunks in kinds.items():
+                view = chunks[b][piece.chunk_offset:piece.chunk_offset + piece.numel]
+                out.append(Fragment(self.names[piece.index], kind, piece.param_offset, view))
+        return out
+
+    def load_fragments(self, fragments) -> None:
+        """Copy the overlapping parts of saved fragments (any layout) into owned ones, then
+        rebuild the 16-bit parameters from the master. Collective over DP."""
+        owned = self.owned_fragments()
+        copied = copy_overlaps(owned, fragments)
+        expected = sum(f.tensor.numel() for f in owned)
+        if copied < expected:
+            raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
+                             f"elements this rank owns; was it saved from another model?")
+        self._publish_params()
+
+
+def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    """Unique trainable parameters in registration order (tied weights once) with their names."""
+    names, params, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            names.append(name)
+            params.append(p)
+    if not params:
+        raise ValueError("the model has no trainable parameters to optimize")
+    return names, params
+
+
+def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
+                         adamw_config: AdamWConfig):
+    """The engine for ``zero_config.stage``: stages 0-2 here, stage 3 in :mod:`.stage3`."""
+    if zero_config.stage == 3:
+        from hybrid.zero.stage3 import Stage3Optimizer  # engineer E2's engine
+        return Stage3Optimizer(model, state, zero_config, adamw_config)
+    return ZeroOptimizer(model, state, zero_config, adamw_config)

@@ -1,0 +1,160 @@
+"""Bucketed gradient reduction overlapped with backward (ZeRO §5.2, §6.3 constant-size buffers).
+
+A post-accumulate-grad hook on every parameter counts which bucket is complete; complete buckets are
+launched asynchronously, strictly in bucket order (every rank issues collectives in the same order),
+while backward keeps producing the next gradients. ``finish()`` launches what is left (buckets of
+parameters that got no gradient carry zeros) and waits for every handle.
+
+* ``all_reduce`` (stage 0): the bucket slice of the full gradient buffer is all-reduced in place.
+* ``reduce_scatter`` (stage 1): the bucket slice is reduce-scattered; this rank's reduced chunk is
+  copied back over its own chunk of the full gradient buffer (the rest is left stale, never read).
+* ``reduce_scatter_partition`` (stage 2): there is no full gradient buffer. The hook copies the
+  fresh ``param.grad`` into a constant-size staging buffer and frees it; the staged bucket is
+  reduce-scattered and this rank's chunk ADDED to its gradient partition (accumulation).
+Staging buffers come from a small pool (two in steady state): when none is free the oldest
+in-flight bucket is completed to release one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+import torch
+
+from hybrid import comm
+from hybrid.comm import Group
+from hybrid.zero.partition import Bucket, FlatLayout
+
+log = logging.getLogger(__name__)
+MODES = ("all_reduce", "reduce_scatter", "reduce_scatter_partition")
+
+
+class GradReducer:
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group, mode: str,
+                 *, dtype: torch.dtype, device: torch.device, overlap: bool = True,
+                 grad_flat: torch.Tensor | None = None,
+                 grad_chunks: list[torch.Tensor] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"reducer mode must be one of {MODES}, got {mode!r}")
+        self.params, self.layout, self.group, self.mode = params, layout, group, mode
+        self.dtype, self.device, self.overlap = dtype, device, overlap
+        self.grad_flat = grad_flat          # stages 0/1: [layout.numel] full gradient buffer
+        self.grad_chunks = grad_chunks      # stage 2: this rank's chunk of every bucket
+        self.enabled = True                 # False on micro-batches that must not communicate
+        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []   # every staging pair ever made
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._inflight: deque = deque()     # (bucket, handle, staging pair or None)
+        self._reset_counters()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(params)]
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(index, param)
+        return hook
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        slot = self.layout.slots[index]
+        bucket = self.layout.buckets[slot.bucket]
+        if self.mode == "reduce_scatter_partition":
+            staged_in = self._staging_for(bucket)[0]
+            begin = slot.start - bucket.start
+            staged_in[begin:begin + slot.numel].copy_(param.grad.reshape(-1))
+            param.grad = None       # the full-size gradient must not persist (Pos+g)
+        self._missing[bucket.index] -= 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        buckets = self.layout.buckets
+        while self._next < len(buckets) and self._missing[self._next] == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    # ---- collectives -----------------------------------------------------------------------
+    def _launch(self, bucket: Bucket) -> None:
+        if self.mode == "all_reduce":
+            view = self.grad_flat[bucket.start:bucket.start + bucket.numel]
+            self._inflight.append((bucket, comm.all_reduce(view, self.group, async_op=True), None))
+            return
+        if self.mode == "reduce_scatter":
+            pair = self._acquire(bucket)
+            full = self.grad_flat[bucket.start:bucket.start + bucket.numel]
+        else:
+            pair = self._staging_for(bucket)
+            full = pair[0][:bucket.numel]
+        out = pair[1][:bucket.chunk]
+        handle = comm.reduce_scatter_into(out, full, self.group, async_op=True)
+        self._inflight.append((bucket, handle, pair))
+
+    def _complete_oldest(self) -> None:
+        bucket, handle, pair = self._inflight.popleft()
+        handle.wait()
+        if pair is None:
+            return
+        out = pair[1][:bucket.chunk]
+        if self.mode == "reduce_scatter":
+            lo, hi = bucket.chunk_range(self.group.rank)
+            self.grad_flat[bucket.start + lo:bucket.start + hi].copy_(out)
+        else:
+            self.grad_chunks[bucket.index].add_(out)
+            self._staged.pop(bucket.index, None)
+        self._free.append(pair)
+
+    def finish(self) -> None:
+        """Launch every bucket not yet launched, wait for all, reset for the next backward."""
+        if not self.enabled:
+            return
+        while self._next < len(self.layout.buckets):
+            self._launch(self.layout.buckets[self._next])
+            self._next += 1
+        while self._inflight:
+            self._complete_oldest()
+        self._reset_counters()
+
+    @property
+    def pending(self) -> bool:
+        return self._next > 0 or any(m != len(b.params) for m, b in
+                                     zip(self._missing, self.layout.buckets))
+
+    def _reset_counters(self) -> None:
+        self._missing = [len(b.params) for b in self.layout.buckets]
+        self._next = 0
+
+    # ---- staging buffers (constant size: the largest bucket and its chunk) -----------------
+    def _staging_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        if bucket.index not in self._staged:
+            pair = self._acquire(bucket)
+            pair[0].zero_()         # padding and parameters without a gradient reduce as zeros
+            self._staged[bucket.index] = pair
+        return self._staged[bucket.index]
+
+    def _acquire(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._free and self._inflight:
+            self._complete_oldest()
+        if self._free:
+            return self._free.pop()
+        numel = max(b.numel for b in self.layout.buckets)
+        chunk = max(b.chunk for b in self.layout.buckets)
+        staged_in = (torch.empty(numel, dtype=self.dtype, device=self.device)
+                     if self.mode == "reduce_scatter_partition" else torch.empty(0))
+        pair = (staged_in, torch.empty(chunk, dtype=self.dtype, device=self.device))
+        self._pool.append(pair)
+        log.debug("gradient staging pool grew to %d buffers (bucket %d)", len(self._pool),
+                  bucket.index)
+        return pair
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every staging buffer allocated so far (memory report category 'buffers')."""
+        return [t for pair in self._pool for t in pair]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,13 +1,16 @@
 """GPT pretraining samples over concatenated documents (Megatron-LM's GPTDataset semantics).
 
-The documents of a split are shuffled once per epoch and laid end to end; sample ``i`` is the
-``seq_length + 1`` tokens starting at global token ``i * seq_length`` of that stream, so samples
-cross document boundaries and consecutive samples share one token (the last label of one is the
-first input of the next). As many epochs are used as the requested number of samples needs, and
-the samples are then shuffled. Three index arrays describe this, built with a seeded numpy RNG and
-cached on disk as ``.npy`` files named by a hash of everything they depend on:
+The documents of a split, repeated for as many epochs as the requested number of samples needs,
+are shuffled and laid end to end; sample ``i`` is the ``seq_length + 1`` tokens starting at global
+token ``i * seq_length`` of that stream, so samples cross document boundaries and consecutive
+samples share one token (the last label of one is the first input of the next). The samples are
+then shuffled. As in Megatron, when the last epoch is needed for less than 80% of its samples it is
+shuffled separately (documents and samples), so its few samples are not spread over the whole run
+while most of it goes unused. Three index arrays describe this, built with one seeded
+``numpy.random.RandomState`` (the same draws as Megatron-LM's GPTDataset, so a seed gives the same
+sample order) and cached on disk as ``.npy`` files named by a hash of everything they depend on:
 
-    document_index  int32[E * D]     document ids, one shuffled permutation per epoch
+    document_index  int32[E * D]     document ids, E shuffled epochs of the split's D documents
     sample_index    int64[N + 1, 2]  (position in document_index, token offset) of sample starts
     shuffle_index   int64[N]         the order in which samples are served
 """
@@ -15,6 +18,7 @@ cached on disk as ``.npy`` files named by a hash of everything they depend on:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -27,7 +31,7 @@ from hybrid.data.indexed_dataset import IndexedDataset
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1  # bump when the index construction changes, so old caches are not reused
+INDEX_VERSION = 2  # bump when the index construction changes, so old caches are not reused
 
 
 def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
@@ -40,8 +44,10 @@ def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
     if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"split {split!r} must have 1-3 non-negative weights with a positive sum")
     weights += [0.0] * (3 - len(weights))
-    bounds = np.round(np.cumsum([0.0] + weights) / sum(weights) * num_documents).astype(int)
-    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(3)]
+    # cumulative fractions rounded to document boundaries (Megatron's split matrix)
+    fractions = list(itertools.accumulate([w / sum(weights) for w in weights], initial=0.0))
+    bounds = [int(round(f * num_documents)) for f in fractions]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,16 @@ class GPTIndexConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    return np.concatenate([rng.permutation(documents) for _ in range(num_epochs)]).astype(np.int32)
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """``num_epochs`` copies of ``documents`` shuffled together; with ``separate_final_epoch`` the
+    first ``num_epochs - 1`` copies and the last are shuffled separately."""
+    if separate_final_epoch and num_epochs > 1:
+        return np.concatenate([build_document_index(documents, num_epochs - 1, rng, False),
+                               build_document_index(documents, 1, rng, False)])
+    index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
 
 
 def build_sample_index(doc_lengths: np.ndarray, seq_length: int) -> np.ndarray:
@@ -84,6 +98,17 @@ def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> 
     # samples available after e epochs: (e * tokens - 1) // seq_length
     need = num_samples * seq_length + 1
     return max(1, -(-need // tokens_per_epoch))
+
+
+def samples_before_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int,
+                               num_epochs: int) -> int | None:
+    """Samples of the first ``num_epochs - 1`` epochs if the final epoch is to be shuffled
+    separately (it contributes < 80% of an epoch's samples), else ``None``."""
+    if num_epochs == 1:
+        return None
+    before = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return before if num_samples - before < int(0.8 * per_epoch) else None
 
 
 class GPTDataset:
@@ -168,12 +193,26 @@ def load_or_build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray,
 
 def build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     documents = np.arange(cfg.doc_begin, cfg.doc_end, dtype=np.int64)
-    epochs = num_epochs_for(int(doc_lengths[documents].sum()), cfg.seq_length, cfg.num_samples)
+    tokens = int(doc_lengths[documents].sum())
+    epochs = num_epochs_for(tokens, cfg.seq_length, cfg.num_samples)
+    before_final = samples_before_final_epoch(tokens, cfg.seq_length, cfg.num_samples, epochs)
     rng = np.random.RandomState(cfg.seed)
-    document_index = build_document_index(documents, epochs, rng)
+    document_index = build_document_index(documents, epochs, rng, before_final is not None)
     sample_index = build_sample_index(doc_lengths[document_index], cfg.seq_length)
-    shuffle_index = rng.permutation(len(sample_index) - 1).astype(np.int64)
+    shuffle_index = build_shuffle_index(len(sample_index) - 1, before_final, rng)
     return document_index, sample_index, shuffle_index
+
+
+def build_shuffle_index(num_samples: int, separate_from: int | None,
+                        rng: np.random.RandomState) -> np.ndarray:
+    """A permutation of ``range(num_samples)``; with ``separate_from`` the ranges before and after
+    it are permuted separately (the separately shuffled final epoch)."""
+    cut = num_samples if separate_from is None else separate_from
+    parts = [np.arange(0, cut, dtype=np.int64), np.arange(cut, num_samples, dtype=np.int64)]
+    for part in parts:
+        if len(part):
+            rng.shuffle(part)
+    return np.concatenate(parts)
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:

@@ -66,12 +66,15 @@ def _dropout_runs(rank, world_size):
         model, rng = _build(BOTH, state, sp)
         first, second = _step(model, BOTH), _step(model, BOTH)
         stream = _default_stream_digest()
+        fresh_tp_stream = RNGTracker(SEED, state.tp_rank).get_states().tp
+        tp_stream_used = not torch.equal(rng.get_states().tp, fresh_tp_stream)
         rng.seed_all()
         again = _step(model, BOTH)
         model.eval()
         with torch.no_grad():
             eval_loss = model(*_batch(BOTH)).mean().item()
-        out[sp] = dict(first=first, second=second, again=again, eval=eval_loss, stream=stream)
+        out[sp] = dict(first=first, second=second, again=again, eval=eval_loss, stream=stream,
+                       tp_stream_used=tp_stream_used)
     model, _ = _build(HIDDEN_ONLY, state, False)
     out["hidden_only_tp2"] = _step(model, HIDDEN_ONLY)
     if rank == 0:   # the same run at TP 1 on one rank
@@ -97,6 +100,7 @@ def test_dp_replicas_agree_and_runs_reproduce(runs, sp):
     assert r[0]["second"] != r[0]["first"]                # fresh masks on the next step
     assert abs(r[0]["eval"] - r[0]["first"][0]) > 1e-3   # dropout is really on in training
     assert r[0]["stream"] == r[1]["stream"]               # default stream in lockstep across TP
+    assert r[0]["tp_stream_used"] and r[1]["tp_stream_used"]  # attention dropout drew from fork()
 
 
 def test_hidden_dropout_tp2_equals_tp1(runs):

@@ -114,6 +114,12 @@ class GPTModel(nn.Module):
         """Submodules that ZeRO stage 3 gathers one at a time, in forward order."""
         return [self.embedding, *self.layers, self.final_norm]
 
+    @property
+    def tied_sharding_units(self) -> list[int]:
+        """Indices of sharding units used again after the last one: the word embedding, whose
+        weight is the output layer's (ZeRO stage 3 must gather it again for the logits)."""
+        return [0]
+
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] int64 -> per-token loss [b, s] (fp32) given labels [b, s], else this rank's

@@ -75,8 +75,9 @@ def test_split_document_ranges_and_vocab_check(tmp_path):
     with pytest.raises(ValueError, match="split"):
         parse_split("a,b", 10)
     ds, docs = make_dataset(tmp_path / "d")
-    train, valid, test = build_gpt_datasets([str(tmp_path / "d")], "90,10,0", 4, (20, 5, 5), seed=0)
-    assert test is None
+    train, valid, test = build_gpt_datasets([str(tmp_path / "d")], "90,10,0", 4, (20, 5, 5), seed=0,
+                                            cache_dir=tmp_path / "c")
+    assert test is None and len(list((tmp_path / "c" / "gpt-index").glob("*.npy"))) == 6
     valid_docs = set(range(18, 20))
     assert set(np.unique(valid.document_index)) == valid_docs
     assert not set(np.unique(train.document_index)) & valid_docs
@@ -110,6 +111,11 @@ def test_blended_dataset_draws_from_children(tmp_path):
     assert isinstance(blend, BlendedDataset) and len(blend) == 200
     from_b = sum(int(blend[i].max() >= 100_000) for i in range(200))
     assert from_b == 150
+    # a prefix with no documents in a split drops out of that split's blend
+    c, _ = make_dataset(tmp_path / "c", n_docs=1, seed=2, base=200_000)
+    train, valid, _ = build_gpt_datasets(["0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "c")],
+                                         "90,10,0", 4, (20, 10, 0), seed=0)
+    assert isinstance(train, BlendedDataset) and isinstance(valid, GPTDataset)
     with pytest.raises(ValueError, match="needs"):
         BlendedDataset([blend.datasets[0]], [1.0], len(blend.datasets[0]) + 1)
 
@@ -178,3 +184,20 @@ def test_loader_reraises_dataset_errors():
         next(loader)
     with pytest.raises(StopIteration):
         next(loader)
+
+
+def test_dropped_loader_stops_its_thread():
+    import gc
+    import threading
+    import time
+
+    before = threading.active_count()
+    data = [np.arange(i, i + 5) for i in range(100)]
+    loader = PrefetchLoader(data, PretrainingSampler(None, 0, 1, 0, 1), prefetch=1)
+    next(loader)
+    del loader  # never closed: an unbounded sampler must not leave a spinning thread behind
+    gc.collect()
+    deadline = time.time() + 5
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before

@@ -76,6 +76,13 @@ class IndexedDataset:
         self._read_index(idx)
         self._map_data(binf)
 
+    def __getstate__(self) -> dict:
+        # pickle (e.g. to DataLoader worker processes) as the path, never as the mapped data
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     # ---- index ---------------------------------------------------------------------------------
     def _read_index(self, path: str) -> None:
         size = os.path.getsize(path)

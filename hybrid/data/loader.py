@@ -32,9 +32,36 @@ def collate(samples: Sequence[np.ndarray], eod: int | None = None) -> dict[str, 
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
+def _produce(dataset, sampler: Iterable[list[int]], eod: int | None, pin: bool,
+             out: queue.Queue, stop: threading.Event) -> None:
+    """The prefetch thread. It holds no reference to the loader, so a loader that is dropped
+    without close() is garbage-collected, its __del__ sets ``stop`` and this thread ends."""
+    try:
+        n = len(dataset)
+        for indices in sampler:
+            batch = collate([dataset[i % n] for i in indices], eod)
+            if pin:
+                batch = {k: v.pin_memory() for k, v in batch.items()}
+            if not _put(out, stop, batch):
+                return
+        _put(out, stop, _END)
+    except BaseException as e:  # forwarded to the consumer, which re-raises it
+        _put(out, stop, e)
+
+
+def _put(out: queue.Queue, stop: threading.Event, item) -> bool:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class PrefetchLoader:
-    """Iterate micro-batches ``{"tokens": [b, s], "labels": [b, s]}`` of ``dataset`` in the order of
-    ``batch_sampler`` (lists of sample indices), ``prefetch`` micro-batches ahead.
+    """Iterate micro-batches ``{"tokens", "labels", "loss_mask"}`` (each ``[b, s]``) of ``dataset``
+    in the order of ``batch_sampler`` (lists of sample indices), ``prefetch`` micro-batches ahead.
 
     Indices past the end of the dataset wrap around (an unbounded sampler cycles the data).
     """
@@ -45,36 +72,15 @@ class PrefetchLoader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if len(dataset) == 0:
             raise ValueError("cannot load from an empty dataset")
-        self.dataset, self.sampler = dataset, batch_sampler
         self.device = torch.device(device)
-        self.eod_mask_loss = eod_mask_loss
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._done = False
-        self._thread = threading.Thread(target=self._produce, name="data-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=_produce, name="data-prefetch", daemon=True,
+            args=(dataset, batch_sampler, eod_mask_loss, self.device.type == "cuda",
+                  self._queue, self._stop))
         self._thread.start()
-
-    def _produce(self) -> None:
-        try:
-            n = len(self.dataset)
-            for indices in self.sampler:
-                batch = collate([self.dataset[i % n] for i in indices], self.eod_mask_loss)
-                if self.device.type == "cuda":
-                    batch = {k: v.pin_memory() for k, v in batch.items()}
-                if not self._put(batch):
-                    return
-            self._put(_END)
-        except BaseException as e:  # forwarded to the consumer, which re-raises it
-            self._put(e)
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
@@ -101,6 +107,9 @@ class PrefetchLoader:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        self._stop.set()
 
     def __enter__(self) -> "PrefetchLoader":
         return self

@@ -67,6 +67,14 @@ def test_index_is_deterministic_and_cached(tmp_path):
             np.testing.assert_array_equal(getattr(a, name), getattr(x, name))
     assert not np.array_equal(a.shuffle_index, d.shuffle_index)
     assert len(list(cache.glob("*.npy"))) == 6
+    # the cache is keyed by the data's document lengths: a copy reuses it, other data does not
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"copy{ext}").write_bytes((tmp_path / f"d{ext}").read_bytes())
+    GPTDataset(IndexedDataset(tmp_path / "copy"), (0, 20), 8, 50, seed=3, cache_dir=cache)
+    assert len(list(cache.glob("*.npy"))) == 6
+    other, _ = make_dataset(tmp_path / "other", seed=9)
+    GPTDataset(other, (0, 20), 8, 50, seed=3, cache_dir=cache)
+    assert len(list(cache.glob("*.npy"))) == 9
 
 
 def test_split_document_ranges_and_vocab_check(tmp_path):

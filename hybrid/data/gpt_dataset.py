@@ -52,9 +52,10 @@ def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class GPTIndexConfig:
-    """Everything the sample index depends on; its hash names the cache files."""
-    data_prefix: str
-    data_bytes: int        # size of .bin, so a rebuilt dataset gets a new index
+    """Everything the sample index depends on; its hash names the cache files. The data enters
+    through the hash of its document lengths, so a copied dataset keeps its cache and a rebuilt
+    one gets a new index."""
+    lengths_sha256: str
     doc_begin: int
     doc_end: int
     seq_length: int
@@ -135,10 +136,10 @@ class GPTDataset:
         tokens = int(self._lengths[begin:end].sum())
         if tokens < 2:
             raise ValueError(f"{name} split has {tokens} tokens; a sample needs at least 2")
-        cfg = GPTIndexConfig(os.path.abspath(indexed.prefix), os.path.getsize(indexed.prefix + ".bin"),
-                             begin, end, seq_length, num_samples, seed)
+        digest = hashlib.sha256(np.ascontiguousarray(self._lengths, dtype="<i8").tobytes()).hexdigest()
+        cfg = GPTIndexConfig(digest, begin, end, seq_length, num_samples, seed)
         self.document_index, self.sample_index, self.shuffle_index = load_or_build_index(
-            cfg, self._lengths, cache_dir)
+            cfg, self._lengths, cache_dir, describe=os.path.abspath(indexed.prefix))
         log.info("%s: %d samples of %d+1 tokens over docs [%d, %d) (%d tokens/epoch)",
                  name, len(self), seq_length, begin, end, tokens)
 
@@ -174,8 +175,8 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int) -> None:
                          "tools/preprocess_data.py with the model's tokenizer")
 
 
-def load_or_build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray,
-                        cache_dir: str | Path | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_or_build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray, cache_dir: str | Path | None,
+                        describe: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     names = ("document_index", "sample_index", "shuffle_index")
     paths = [Path(cache_dir) / f"{cfg.digest()}-{n}.npy" for n in names] if cache_dir else []
     if paths and all(p.is_file() for p in paths):
@@ -187,7 +188,7 @@ def load_or_build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray,
         for p, a in zip(paths, arrays):
             _save_atomic(p, a)
         _save_atomic_text(paths[0].with_name(f"{cfg.digest()}-description.json"),
-                          json.dumps(asdict(cfg), indent=1))
+                          json.dumps({**asdict(cfg), "data_prefix": describe}, indent=1))
     return arrays
 
 

@@ -64,13 +64,27 @@ def _tp_cases(rank, world_size):
                 loss, logits, grads = _run(model, config, state.ledger)
                 ledger = state.ledger.totals()
                 keep = state.dp_rank == 0
+                gathered = None
+                if name == "2x64-v251":   # the in-process gather over TP (after the ledger count)
+                    gathered = sharding.gather_canonical(config, grads, state.tp)
+                    _check_canonical_roundtrip(model, config)
                 out.append(dict(tp=tp, sp=sp, shape=name, dp_rank=state.dp_rank, loss=loss,
                                 logits=logits if keep else None, grads=grads if keep else None,
                                 grad_norm=sum(g.double().square().sum() for g in grads.values()),
-                                ledger=ledger, local_params=local_params))
+                                ledger=ledger, local_params=local_params,
+                                gathered=gathered if state.rank == 0 else None))
     # numpy arrays travel through the result queue by value (tensors would go by shared-memory
     # handles that die with the rank process)
     return tree_map(lambda x: x.numpy() if isinstance(x, torch.Tensor) else x, out)
+
+
+def _check_canonical_roundtrip(model, config):
+    """load_canonical_state_dict then canonical_state_dict gives the reference weights back."""
+    reference = ReferenceGPT(config)
+    reference.init_weights(SEED + 1)
+    model.load_canonical_state_dict(reference.state_dict())
+    back = model.canonical_state_dict()
+    assert all(torch.equal(back[k], v) for k, v in reference.state_dict().items())
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +146,9 @@ def test_tp_matches_reference(tp_results, tp, sp, name):
         if sharding.partition_dim(name_) == -1:
             for other in mine[1:]:
                 _assert_close(other["grads"][name_], g, f"replicated grad {name_} on every TP rank")
+    if ranks[0]["gathered"] is not None:  # gathered in-process over TP == gathered here
+        grads = sharding.unshard_state_dict(config, [c["grads"] for c in mine])
+        assert all(torch.equal(ranks[0]["gathered"][k], grads[k]) for k in grads)
     if tp == 2:  # the DP replicas (ranks 0/2 and 1/3) computed the same thing
         assert ranks[0]["grad_norm"] == ranks[2]["grad_norm"]
 

@@ -27,7 +27,7 @@ from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbeddin
                                     vocab_parallel_cross_entropy)
 from models.gpt.config import GPTConfig
 from models.gpt.layer import TransformerLayer, dropout
-from models.gpt.sharding import canonical_init, shard_tensor
+from models.gpt.sharding import canonical_init, gather_canonical, shard_tensor
 
 
 class PositionEmbedding(nn.Module):
@@ -109,6 +109,20 @@ class GPTModel(nn.Module):
         tp_rank, tp = self.state.tp_rank, self.state.tp_size
         for name, p in self.named_parameters():
             p.copy_(shard_tensor(self.config, name, canonical_init(self.config, name, seed), tp_rank, tp))
+
+    @torch.no_grad()
+    def load_canonical_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full canonical (reference-layout) state dict, keeping this rank's shards."""
+        missing = sorted(set(dict(self.named_parameters())) - set(state_dict))
+        if missing:
+            raise KeyError(f"canonical state dict lacks {missing[:4]} ({len(missing)} missing)")
+        tp_rank, tp = self.state.tp_rank, self.state.tp_size
+        for name, p in self.named_parameters():
+            p.copy_(shard_tensor(self.config, name, state_dict[name], tp_rank, tp))
+
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full reference-layout state dict, gathered over TP (every TP rank must call)."""
+        return gather_canonical(self.config, dict(self.named_parameters()), self.group)
 
     def sharding_units(self) -> list[nn.Module]:
         """Submodules that ZeRO stage 3 gathers one at a time, in forward order."""

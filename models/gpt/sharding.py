@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from hybrid import comm
+from hybrid.comm import Group
 from hybrid.tensor_parallel.init import full_init, shard
 from models.gpt.config import GPTConfig
 
@@ -113,4 +115,21 @@ def unshard_state_dict(config: GPTConfig, shards: list[dict[str, torch.Tensor]])
         dim = partition_dim(name)
         full = shards[0][name] if dim == -1 else torch.cat([s[name] for s in shards], dim=dim)
         out[name] = from_tp_layout(config, name, full)
+    return out
+
+
+def gather_canonical(config: GPTConfig, local: dict[str, torch.Tensor], group: Group) -> dict[str, torch.Tensor]:
+    """This rank's local state dict (or gradients) -> the full canonical dict, on every TP rank,
+    by one all-gather per sharded tensor over ``group`` (for export and checks; every rank must call)."""
+    out = {}
+    for name, t in local.items():
+        dim = partition_dim(name)
+        if dim == -1 or group.size == 1:
+            full = t.detach()
+        else:
+            moved = t.detach().movedim(dim, 0).contiguous()            # partition dim first
+            gathered = moved.new_empty((group.size * moved.size(0), *moved.shape[1:]))
+            comm.all_gather_into(gathered, moved, group)               # shards side by side on dim 0
+            full = gathered.movedim(0, dim)
+        out[name] = from_tp_layout(config, name, full).clone()
     return out

@@ -1,0 +1,279 @@
+"""ZeRO stage 3, Pos+g+p: optimizer states, gradients AND parameters partitioned (ZeRO paper §5.3).
+
+Each DP rank of a TP shard holds 1/Nd of every unit's 16-bit parameters, 16-bit gradients, fp32
+master weights and Adam moments: (2 + 2 + 12)Ψ/Nd bytes of model states (Ψ = this TP rank's
+parameters). Parameters are gathered unit by unit around their use (:mod:`.stage3_hooks`), gradients
+are reduce-scattered unit by unit as soon as all of a unit's gradients exist (``grad_ready``), so a
+step moves 3Ψ(n-1)/n per rank: two parameter all-gathers and one gradient reduce-scatter (§7.2.2).
+
+Usage (the same engine interface as stages 0-2)::
+
+    model = GPTModel(config, state, device="meta")
+    opt = Stage3Optimizer(model, state, ZeroConfig(stage=3, precision="bf16"), AdamWConfig(),
+                          init_fn=lambda name: value_of(name))     # full TP-local value
+    for micro in batches:  opt.backward(model(tokens, labels).mean() / len(batches))
+    result = opt.step()
+
+Small parameters (< ``stage3_param_persistence_threshold`` elements) stay whole on every rank in one
+persistent flat buffer; their gradients are still reduce-scattered and the updated chunks gathered
+once per step (2Ψ_small instead of 3Ψ_small), and the memory report counts them whole.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hybrid.parallel_state import ParallelState
+from hybrid.zero import stage3_build as build
+from hybrid.zero.adamw import FlatAdamWState, adamw_step
+from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.loss_scaler import build_loss_scaler, found_overflow
+from hybrid.zero.report import CommReport, MemoryReport, comm_report, formula_bytes, measure_storages
+from hybrid.zero.results import Fragment, StepResult, copy_overlaps
+from hybrid.zero.stage3_hooks import Stage3Scheduler
+from hybrid.zero.stage3_unit import ShardedUnit
+
+log = logging.getLogger(__name__)
+
+
+class Stage3Optimizer:
+    """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring."""
+
+    def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
+                 adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0):
+        if zero_config.stage != 3:
+            raise ValueError(f"Stage3Optimizer implements ZeRO stage 3, got stage {zero_config.stage}; "
+                             f"use build_zero_optimizer for stages 0-2")
+        if not hasattr(model, "sharding_units"):
+            raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
+                            f"ordered submodules it gathers one at a time")
+        self.model, self.state, self.config, self.adamw_config = model, state, zero_config, adamw_config
+        self.lr = adamw_config.lr       # the training loop's schedule may set it before each step
+        self.dtype, self.device = zero_config.param_dtype, state.device
+        modules = list(model.sharding_units())
+        groups, small = build.assign_units(model, modules,
+                                           zero_config.stage3_param_persistence_threshold)
+        self.psi = sum(p.numel() for p in model.parameters())
+        self.persistent_numel = sum(p.numel() for _, p in small)
+        self.units, self.persistent = build.make_units(
+            model, groups, small, state.dp, dtype=self.dtype, device=self.device,
+            alignment=zero_config.alignment_elements, init=build.initial_values(model, init_fn, seed))
+        self.all_units = [u for u in self.units if u is not None]
+        if self.persistent is not None:
+            self.all_units.append(self.persistent)
+        self.masters = [u.shard if not zero_config.mixed_precision else u.shard.float()
+                        for u in self.all_units]
+        self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
+        self.scaler = build_loss_scaler(zero_config)
+        self.scheduler = Stage3Scheduler(model, modules, self.units,
+                                         tied=build.tied_units(model, modules),
+                                         backward_reads=build.backward_reads(modules),
+                                         prefetch=zero_config.stage3_prefetch)
+        self._remaining = [len(u.slots) for u in self.all_units]
+        self._backward_open = False
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
+                       for k, u in enumerate(self.all_units) for slot in u.slots]
+        self._ledger_mark, self._last_step_records = len(state.ledger.records), []
+        if state.rank == 0:
+            log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
+
+    # ---- gradients -------------------------------------------------------------------------
+    def _grad_hook(self, k: int):
+        def hook(param: torch.Tensor) -> None:
+            self._backward_open = True
+            self._remaining[k] -= 1
+            if self._remaining[k] == 0:
+                self._reduce_unit(k)
+        return hook
+
+    def _reduce_unit(self, k: int) -> None:
+        unit = self.all_units[k]
+        if unit in self.units:
+            self.scheduler.release(self.units.index(unit))   # its backward is over
+        unit.reduce_gradients(1.0 / self.state.dp_size)      # DP mean: each rank's loss is a mean
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch (the caller divides by the number of micro-batches)."""
+        scale = self.scaler.scale
+        self._backward_open = True
+        (loss * scale if scale != 1.0 else loss).backward()
+        self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        """After a backward: reduce units whose gradients never all arrived (unused parameters),
+        wait for every reduce-scatter, release everything. A no-op when no backward ran since."""
+        if not self._backward_open:
+            return
+        self._backward_open = False
+        for k, unit in enumerate(self.all_units):
+            if self._remaining[k] != 0 and not unit.reduce_pending:
+                self._reduce_unit(k)
+        for unit in self.all_units:
+            unit.finish_reduce()
+        self.scheduler.release_all()
+        self._remaining = [len(u.slots) for u in self.all_units]
+
+    def zero_grad(self) -> None:
+        for unit in self.all_units:
+            unit.zero_grad()
+            for slot in unit.slots:
+                slot.param.grad = None
+
+    # ---- optimizer step --------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        self._finish_backward()
+        scale = self.scaler.scale
+        grads = [u.grad.float() if u.grad.dtype != torch.float32 else u.grad for u in self.all_units]
+        if self.scaler.dynamic and found_overflow(grads, self.state.world, self.device):
+            self.scaler.update(True)
+            self.zero_grad()
+            self._mark_step()
+            return StepResult(True, float("nan"), scale)
+        norm = self._grad_norm(grads) / scale
+        factor = clip_coefficient(norm, self.config.clip_grad) / scale
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+        self._adamw(grads)
+        self._publish_masters()
+        self.scaler.update(False)
+        self.zero_grad()
+        self._mark_step()
+        return StepResult(False, norm, scale)
+
+    def _publish_masters(self) -> None:
+        """Round the fp32 masters into the 16-bit partitions; re-gather the persistent parameters."""
+        for unit, master in zip(self.all_units, self.masters):
+            if master is not unit.shard:
+                unit.shard.copy_(master)
+        if self.persistent is not None:
+            self.persistent.gathered = False
+            self.persistent.gather(async_op=False)   # the updated small parameters, whole again
+
+    def _segments(self, k: int):
+        return self.all_units[k].segments
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        sharded, replicated = [], []
+        for k, grad in enumerate(grads):
+            for seg in self._segments(k):
+                piece = grad.narrow(0, seg.chunk_offset, seg.length)
+                tp_sharded = getattr(seg.slot.param, "tensor_model_parallel", False)
+                (sharded if tp_sharded else replicated).append(piece)
+        return global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.state.world,
+                                device=self.device)
+
+    def _adamw(self, grads: list[torch.Tensor]) -> None:
+        views: dict[str, list[torch.Tensor]] = {"p": [], "g": [], "m": [], "v": [], "decay": []}
+        for k, grad in enumerate(grads):
+            for seg in self._segments(k):
+                cut = lambda t: t.narrow(0, seg.chunk_offset, seg.length)  # noqa: E731
+                p = cut(self.masters[k])
+                views["p"].append(p)
+                views["g"].append(cut(grad))
+                views["m"].append(cut(self.adam.exp_avgs[k]))
+                views["v"].append(cut(self.adam.exp_avg_sqs[k]))
+                if uses_weight_decay(seg.slot.param):
+                    views["decay"].append(p)
+        self.adam.step += 1
+        adamw_step(views["p"], views["g"], views["m"], views["v"], views["decay"],
+                   step=self.adam.step, config=self.adamw_config, lr=self.lr)
+
+    # ---- reports ---------------------------------------------------------------------------
+    @property
+    def num_local_params(self) -> int:
+        """Ψ of this TP rank: parameters it trains, without padding."""
+        return self.psi
+
+    def memory_report(self) -> MemoryReport:
+        measured = measure_storages({
+            "param16": [t for u in self.all_units for t in (u.shard, u.full)],
+            "grad16": [u.grad for u in self.all_units],
+            "master32": self.masters,
+            "adam_moments": self.adam.tensors(),
+            "buffers": list(self.model.buffers())})
+        param_bytes = torch.empty((), dtype=self.dtype).element_size()
+        formula = formula_bytes(self.psi, 3, self.state.dp_size, param_bytes=param_bytes,
+                                mixed_precision=self.config.mixed_precision)
+        return MemoryReport(3, self.state.dp_size, self.state.tp_size, self.config.precision,
+                            self.psi, measured, formula)
+
+    def expected_overhead_bytes(self) -> dict[str, float]:
+        """What stage 3 holds beyond (2+2+12)Ψ/Nd: alignment padding of the chunks (all state
+        categories) and the whole 16-bit copy of the persistent small parameters, held beside the
+        chunk this rank owns of them (which the formula already counts)."""
+        param_bytes = torch.empty((), dtype=self.dtype).element_size()
+        per_elem = 2 * param_bytes + (4 if self.config.mixed_precision else 0) + 8
+        padding = sum(u.padded - u.numel for u in self.all_units) / self.state.dp_size
+        persistent = self.persistent.padded * param_bytes if self.persistent is not None else 0
+        return {"padding": padding * per_elem, "persistent_params": float(persistent)}
+
+    def _mark_step(self) -> None:
+        records = self.state.ledger.records
+        start = self._ledger_mark if self._ledger_mark <= len(records) else 0
+        self._last_step_records = list(records[start:])
+        self._ledger_mark = len(records)
+
+    def comm_report(self) -> CommReport:
+        """Bytes per rank of the last optimizer step: its forwards, backwards and the step."""
+        return comm_report(self._last_step_records, 1, stage=3, dp=self.state.dp_size,
+                           psi=self.psi, param_bytes=torch.empty((), dtype=self.dtype).element_size())
+
+    # ---- checkpoint interface --------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        return self.adam.step
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.adam.step = int(value)
+
+    def owned_fragments(self) -> list[Fragment]:
+        out = []
+        for k, unit in enumerate(self.all_units):
+            for kind, flat in (("master", self.masters[k]), ("exp_avg", self.adam.exp_avgs[k]),
+                               ("exp_avg_sq", self.adam.exp_avg_sqs[k])):
+                out.extend(Fragment(seg.slot.name, kind, seg.param_offset,
+                                    flat.narrow(0, seg.chunk_offset, seg.length))
+                           for seg in unit.segments)
+        return out
+
+    @torch.no_grad()
+    def load_fragments(self, fragments) -> None:
+        """Copy every overlap of the given fragments (any DP layout) into what this rank owns, then
+        refresh the 16-bit partitions from the masters."""
+        owned = self.owned_fragments()
+        copied = copy_overlaps(owned, fragments)
+        expected = sum(f.tensor.numel() for f in owned)
+        if copied < expected:
+            raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
+                             f"elements this rank owns; was it saved from another model?")
+        self._publish_masters()
+
+    def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice)."""
+        return {seg.slot.name: (seg.param_offset, unit.shard.narrow(0, seg.chunk_offset, seg.length))
+                for unit in self.all_units for seg in unit.segments}
+
+    @torch.no_grad()
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full TP-local parameters (collective over DP: every rank must call it)."""
+        out = {}
+        for unit in self.all_units:
+            was_gathered = unit.gathered
+            unit.gather(async_op=False)
+            out.update({s.name: s.param.detach().clone() for s in unit.slots})
+            if not was_gathered:
+                unit.release()
+        return out
+
+
+def build_stage3_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
+                           adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None,
+                           seed: int = 0) -> Stage3Optimizer:
+    """What :func:`hybrid.zero.optimizer.build_zero_optimizer` returns for stage 3."""
+    return Stage3Optimizer(model, state, zero_config, adamw_config, init_fn=init_fn, seed=seed)

@@ -1,0 +1,143 @@
+"""Building ZeRO-3's partitioned parameters from a meta-device model (ZeRO paper §5.3, Pos+g+p).
+
+The model is constructed on the meta device (nothing allocated); each rank then materialises only
+its 1/Nd chunk of every unit's flat parameter buffer. Values come from a per-parameter initialiser
+keyed by canonical name (independent of TP and DP degree), computed one parameter at a time: the
+largest transient tensor is one TP-local parameter, never the whole model.
+
+Steps, each a small function used by :class:`~hybrid.zero.stage3.Stage3Optimizer`:
+``assign_units`` (which unit owns which parameter, persistent small ones apart), ``initial_values``
+(where values come from), ``make_units`` (flat buffers, meta parameters replaced by views),
+``tied_units`` / ``backward_reads`` (hints for the gather schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hybrid.comm import Group
+from hybrid.zero.stage3_unit import ShardedUnit
+
+InitFn = Callable[[str], torch.Tensor]   # canonical name -> full TP-local value (any float dtype)
+
+
+def assign_units(model: nn.Module, modules: list[nn.Module], threshold: int
+                 ) -> tuple[list[list[tuple[str, nn.Parameter]]], list[tuple[str, nn.Parameter]]]:
+    """Per unit, its (canonical name, parameter) pairs to partition; plus the persistent ones
+    (fewer than ``threshold`` elements, kept whole on every rank). A tied parameter belongs to the
+    first unit that holds it; every parameter must belong to some unit."""
+    names = {id(p): n for n, p in model.named_parameters()}   # first (canonical) name of each
+    seen: set[int] = set()
+    per_unit, persistent = [], []
+    for index, module in enumerate(modules):
+        mine = []
+        for param in module.parameters():
+            if id(param) not in names:
+                raise ValueError(f"sharding unit {index} ({type(module).__name__}) holds a parameter "
+                                 f"that is not a parameter of the model")
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            pair = (names[id(param)], param)
+            (persistent if param.numel() < threshold else mine).append(pair)
+        per_unit.append(mine)
+    outside = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if outside:
+        raise ValueError(f"parameters {outside[:4]} are in no module of model.sharding_units(); "
+                         f"ZeRO stage 3 partitions unit by unit, so add their modules to a unit")
+    return per_unit, persistent
+
+
+def initial_values(model: nn.Module, init_fn: InitFn | None, seed: int
+                   ) -> Callable[[str, nn.Parameter], torch.Tensor]:
+    """Where each parameter's initial value comes from: ``init_fn(name)``, else
+    ``model.init_parameter(name, seed)``, else the parameter's current (materialised) value."""
+    if init_fn is not None:
+        return lambda name, param: init_fn(name)
+    if hasattr(model, "init_parameter"):
+        return lambda name, param: model.init_parameter(name, seed)
+    current = {n: p.detach() for n, p in model.named_parameters()}
+    meta = [n for n, p in current.items() if p.is_meta]
+    if meta:
+        raise ValueError(f"parameter {meta[0]!r} is on the meta device and there is no initialiser: "
+                         f"pass init_fn(name) -> TP-local tensor to the stage-3 optimizer or give "
+                         f"the model an init_parameter(name, seed) method")
+    return lambda name, param: current[name]
+
+
+def make_units(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
+               persistent: list[tuple[str, nn.Parameter]], group: Group, *, dtype: torch.dtype,
+               device: torch.device, alignment: int, init: Callable[[str, nn.Parameter], torch.Tensor]
+               ) -> tuple[list[ShardedUnit | None], ShardedUnit | None]:
+    """One :class:`ShardedUnit` per unit with partitioned parameters (None otherwise) and one for the
+    persistent parameters; every model parameter is replaced by a view of its unit's buffer."""
+    owners = _parameter_owners(model)
+    units: list[ShardedUnit | None] = []
+    for index, pairs in enumerate(groups):
+        units.append(_build_unit(f"unit{index}", pairs, group, owners, dtype=dtype, device=device,
+                                 alignment=alignment, init=init) if pairs else None)
+    kept = _build_unit("persistent", persistent, group, owners, dtype=dtype, device=device,
+                       alignment=alignment, init=init, persistent=True) if persistent else None
+    return units, kept
+
+
+def _build_unit(name, pairs, group, owners, *, dtype, device, alignment, init, persistent=False):
+    unit = ShardedUnit(name, pairs, group, dtype=dtype, device=device, alignment=alignment,
+                       persistent=persistent)
+    unit.materialize(init)   # reads values through the old (possibly real) parameters first
+    unit.bind(lambda old, view: _replace(old, view, owners, dtype, device))
+    if persistent:
+        unit.gather(async_op=False)
+    return unit
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, key))
+    return owners
+
+
+def _replace(old: nn.Parameter, view: torch.Tensor, owners, dtype, device) -> nn.Parameter:
+    """A real parameter (same attributes, e.g. ``tensor_model_parallel``) that is ``view``; put in
+    every module slot that held ``old`` (a tied weight has two)."""
+    new = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    new.data = view
+    for module, key in owners[id(old)]:
+        module._parameters[key] = new
+    return new
+
+
+def tied_units(model: nn.Module, modules: list[nn.Module]) -> list[int]:
+    """Units whose parameters the model uses again after the last unit (GPT's output layer reuses
+    the word embedding). ``model.tied_sharding_units`` overrides; otherwise units holding an
+    embedding are assumed tied when the model has no output weight of its own (a wrong guess only
+    costs one extra gather, a missed tie would read a released weight)."""
+    explicit = getattr(model, "tied_sharding_units", None)
+    if explicit is not None:
+        return list(explicit)
+    return [i for i, m in enumerate(modules) if _is_embedding_unit(m)]
+
+
+def backward_reads(modules: list[nn.Module]) -> list[bool]:
+    """Whether each unit's backward needs its parameter values. An embedding lookup's gradient is a
+    scatter-add of the output gradient (and a position slice's a copy): no weight values, so such
+    units are not gathered again in backward. A module may say ``backward_reads_parameters``."""
+    out = []
+    for m in modules:
+        explicit = getattr(m, "backward_reads_parameters", None)
+        out.append(bool(explicit) if explicit is not None else not _is_embedding_unit(m))
+    return out
+
+
+def _is_embedding_unit(module: nn.Module) -> bool:
+    """Every submodule owning parameters is an embedding (a lookup table)."""
+    owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+    return bool(owners) and all(isinstance(m, nn.Embedding) or "Embedding" in type(m).__name__
+                                for m in owners)

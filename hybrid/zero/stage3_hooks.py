@@ -1,0 +1,170 @@
+"""When ZeRO-3 gathers and releases each unit's parameters (ZeRO paper §5.3 and §7.2.2).
+
+Pos+g+p keeps only a 1/Nd chunk of every parameter; a unit (embedding, transformer layer, final
+norm) is all-gathered just before it is used and released right after, once in forward and once in
+backward, which is the 2Ψ of parameter all-gathers behind the paper's 3Ψ per step. Module hooks
+drive it:
+
+* forward pre-hook of unit i: wait for its gather (prefetched earlier) and *issue the next unit's
+  gather* asynchronously, so that communication overlaps the current unit's compute;
+* forward hook of unit i: release it, and wrap its outputs in :class:`_BackwardTrigger` whose
+  backward runs when the gradient of the unit's output arrives, i.e. just before the unit's own
+  backward: there the unit is gathered again and the previous unit prefetched;
+* model forward hook: wraps the model's outputs so the start of backward prefetches the last unit.
+
+Tied weights (the output layer reusing the word embedding): the units in ``tied`` are gathered again
+after the last unit's forward and kept until the backward reaches the last unit, covering the output
+layer's forward and backward with one gather. Units whose backward reads no parameter value (an
+embedding lookup's gradient is a scatter-add of the output gradient) are not gathered in backward.
+Together: every partitioned element is all-gathered exactly twice per step.
+
+Releases in backward are driven by gradients: :class:`~hybrid.zero.stage3.Stage3Optimizer` releases
+a unit when all of its parameters' gradients have been accumulated. Forward hooks that run during
+backward (activation recompute) gather without prefetching and never release.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from hybrid.zero.stage3_unit import ShardedUnit
+
+
+class _BackwardTrigger(torch.autograd.Function):
+    """Identity in forward; calls ``callback`` when the outputs' gradients arrive in backward."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _wrap_outputs(output, callback):
+    """Route the tensors of ``output`` needing grad through one trigger; keep the structure."""
+    if isinstance(output, torch.Tensor):
+        return _BackwardTrigger.apply(callback, output)[0] if output.requires_grad else output
+    if isinstance(output, (tuple, list)):
+        idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return output
+        wrapped = _BackwardTrigger.apply(callback, *(output[i] for i in idx))
+        out = list(output)
+        for i, t in zip(idx, wrapped):
+            out[i] = t
+        return type(output)(out) if isinstance(output, tuple) else out
+    return output
+
+
+class Stage3Scheduler:
+    """Installs the gather / prefetch / release hooks on ``model`` and its sharding units.
+
+    ``units[i]`` is the :class:`ShardedUnit` of ``modules[i]`` (None when all its parameters are
+    persistent); ``tied`` the indices of units used again after the last unit (tied output layer);
+    ``backward_reads[i]`` whether unit i's backward needs its parameter values.
+    ``trace`` records (event, unit index) of the current step, for tests of the overlap order.
+    """
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], units: list[ShardedUnit | None],
+                 *, tied: list[int], backward_reads: list[bool], prefetch: bool):
+        self.units, self.tied, self.backward_reads = units, list(tied), backward_reads
+        self.prefetch = prefetch
+        self.in_backward = False
+        self.trace: list[tuple[str, int]] = []
+        self.last = len(modules) - 1
+        self._handles = [model.register_forward_pre_hook(self._model_pre_forward),
+                         model.register_forward_hook(self._model_post_forward)]
+        for i, module in enumerate(modules):
+            self._handles.append(module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, i)))
+            self._handles.append(module.register_forward_hook(
+                functools.partial(self._post_forward, i)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    # ---- primitives ------------------------------------------------------------------------
+    def gather(self, i: int | None, async_op: bool) -> None:
+        unit = None if i is None else self.units[i]
+        if unit is not None and not unit.gathered:
+            if not unit.in_flight:
+                self.trace.append(("gather", i))
+            unit.gather(async_op=async_op)
+
+    def release(self, i: int) -> None:
+        unit = self.units[i]
+        if unit is not None and unit.gathered:
+            unit.release()
+            self.trace.append(("release", i))
+
+    def release_all(self) -> None:
+        for i in range(len(self.units)):
+            self.release(i)
+
+    def _next_in_forward(self, i: int) -> int | None:
+        if i < self.last:
+            return i + 1
+        return self.tied[0] if self.tied else None
+
+    def _previous_in_backward(self, i: int) -> int | None:
+        for j in range(i - 1, -1, -1):
+            if self.backward_reads[j]:
+                return j
+        return None
+
+    # ---- forward hooks ---------------------------------------------------------------------
+    def _model_pre_forward(self, module, args) -> None:
+        self.in_backward = False
+        self.trace.clear()
+
+    def _pre_forward(self, i: int, module, args) -> None:
+        self.gather(i, async_op=False)
+        self.trace.append(("forward", i))
+        if self.prefetch and not self.in_backward:
+            self.gather(self._next_in_forward(i), async_op=True)
+
+    def _post_forward(self, i: int, module, args, output):
+        self.trace.append(("forward_done", i))
+        if not self.in_backward:
+            self.release(i)
+            if i == self.last:
+                for t in self.tied:       # the tied output layer runs next
+                    self.gather(t, async_op=False)
+        if not torch.is_grad_enabled():
+            return output
+        return _wrap_outputs(output, functools.partial(self._pre_backward, i))
+
+    def _model_post_forward(self, module, args, output):
+        if torch.is_grad_enabled():
+            wrapped = _wrap_outputs(output, self._backward_starts)
+            if wrapped is not output:
+                return wrapped
+        self.release_all()              # evaluation: nothing will come back for these units
+        return output
+
+    # ---- backward triggers -----------------------------------------------------------------
+    def _backward_starts(self) -> None:
+        self.in_backward = True
+        self.trace.append(("backward", -1))
+        if self.prefetch and self.backward_reads[self.last]:
+            self.gather(self.last, async_op=True)
+
+    def _pre_backward(self, i: int) -> None:
+        self.in_backward = True
+        self.trace.append(("backward", i))
+        if i == self.last:
+            for t in self.tied:           # the output layer's backward is done
+                if t != i:
+                    self.release(t)
+        if self.backward_reads[i]:
+            self.gather(i, async_op=False)
+        if self.prefetch:
+            self.gather(self._previous_in_backward(i), async_op=True)

@@ -1,0 +1,192 @@
+"""One ZeRO-3 sharding unit: a flat, DP-partitioned 16-bit parameter buffer (ZeRO paper §5.3, Pos+g+p).
+
+The parameters of one unit (the embedding, one transformer layer, the final norm) are laid out back to
+back in a flat buffer of ``padded`` elements, split into ``Nd`` equal aligned chunks; DP rank ``r``
+permanently owns chunk ``r`` (``shard``: 2Ψ_unit/Nd bytes of 16-bit parameters) and the matching
+16-bit gradient partition (``grad``). The full buffer exists only while the unit is in use:
+
+    gather()   resize the full buffer's storage to ``padded`` elements and all-gather the chunks
+               into it (async); the unit's parameters are views of this buffer, so they come alive.
+    release()  resize the storage back to 0 bytes: the parameters keep their shapes but hold no
+               memory (autograd's saved references see the values again after the next gather).
+    reduce_gradients()  flatten the unit's full gradients, reduce-scatter them over DP (async) and
+               keep only this rank's chunk, accumulated over micro-batches.
+
+Shapes: ``full`` [padded], ``shard``/``grad`` [chunk] with padded = chunk * Nd, chunk a multiple of
+the alignment. ``segments`` lists which slice of which parameter this rank owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from hybrid import comm
+from hybrid.comm import Group
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where parameter ``name`` lives in the unit's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int          # first element inside the flat buffer
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of ``slot``'s parameter owned by this rank: elements [param_offset, +length) of the
+    flattened (TP-local) parameter sit at [chunk_offset, +length) of the rank's chunk."""
+
+    slot: Slot
+    param_offset: int
+    chunk_offset: int
+    length: int
+
+
+class ShardedUnit:
+    """Flat DP-partitioned storage of one unit's parameters; see the module docstring."""
+
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group: Group, *,
+                 dtype: torch.dtype, device: torch.device, alignment: int, persistent: bool = False):
+        if not named_params:
+            raise ValueError(f"sharding unit {name!r} has no parameters to partition")
+        self.name, self.group, self.persistent = name, group, persistent
+        self.slots: list[Slot] = []
+        offset = 0
+        for pname, param in named_params:
+            self.slots.append(Slot(pname, param, offset, tuple(param.shape)))
+            offset += param.numel()
+        self.numel = offset
+        quantum = alignment * group.size
+        self.padded = -(-offset // quantum) * quantum            # round up to Nd aligned chunks
+        self.chunk = self.padded // group.size
+        self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        self.shard = torch.zeros(self.chunk, dtype=dtype, device=device)
+        self.grad = torch.zeros(self.chunk, dtype=dtype, device=device)
+        self.segments = self._owned_segments(group.rank)
+        self._gather_handle = None
+        self._reduce = None            # (handle, flat grads, reduced chunk) of an in-flight reduce
+        self.grad_accumulated = False  # False: the next reduced chunk overwrites ``grad``
+        self.full.untyped_storage().resize_(0)   # nothing is gathered until the first use
+        self.gathered = False
+
+    # ---- layout ----------------------------------------------------------------------------
+    def _owned_segments(self, rank: int) -> list[Segment]:
+        lo, hi = rank * self.chunk, (rank + 1) * self.chunk
+        out = []
+        for slot in self.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                out.append(Segment(slot, start - slot.offset, start - lo, end - start))
+        return out
+
+    def bind(self, replace: Callable[[nn.Parameter, torch.Tensor], nn.Parameter]) -> None:
+        """Make every parameter a view of the full buffer; ``replace(old, view)`` returns the
+        parameter object to use (a new one when the old lives on the meta device)."""
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())   # views need in-bounds storage
+        slots = []
+        for slot in self.slots:
+            view = self.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+            slots.append(Slot(slot.name, replace(slot.param, view), slot.offset, slot.shape))
+        self.slots = slots
+        if not self.gathered:
+            storage.resize_(0)
+        self.segments = self._owned_segments(self.group.rank)
+
+    @torch.no_grad()
+    def materialize(self, init_value: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
+        """Fill this rank's chunk from ``init_value(name, param)``, the full TP-local value of ONE
+        parameter (transient); parameters this rank owns no part of are never computed."""
+        for seg in self.segments:
+            value = init_value(seg.slot.name, seg.slot.param)
+            if tuple(value.shape) != seg.slot.shape:
+                raise ValueError(f"initial value of {seg.slot.name!r} has shape {tuple(value.shape)}, "
+                                 f"expected the TP-local shape {seg.slot.shape}")
+            flat = value.reshape(-1).narrow(0, seg.param_offset, seg.length)
+            self.shard.narrow(0, seg.chunk_offset, seg.length).copy_(flat)
+
+    # ---- parameter all-gather / release ----------------------------------------------------
+    def gather(self, async_op: bool = True) -> None:
+        """Start (or finish, when synchronous) the all-gather of the full parameters."""
+        if self.gathered or self._gather_handle is not None:
+            if not async_op:
+                self.wait_gather()
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        self._gather_handle = comm.all_gather_into(self.full, self.shard, self.group, async_op=True)
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        if self._gather_handle is not None:
+            self._gather_handle.wait()
+            self._gather_handle = None
+            self.gathered = True
+
+    @property
+    def in_flight(self) -> bool:
+        return self._gather_handle is not None
+
+    def release(self) -> None:
+        """Free the full buffer (storage resized to 0 bytes); persistent units never release."""
+        if self.persistent and self.gathered:
+            return
+        self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def held_bytes(self) -> int:
+        return self.full.untyped_storage().nbytes()
+
+    # ---- gradient reduce-scatter -----------------------------------------------------------
+    @torch.no_grad()
+    def reduce_gradients(self, scale: float) -> None:
+        """Flatten the full gradients (times ``scale``, e.g. 1/Nd for the DP mean), reduce-scatter
+        them asynchronously and drop the full ``.grad`` tensors."""
+        if self._reduce is not None:
+            raise RuntimeError(f"unit {self.name!r} reduced its gradients twice in one backward")
+        flat = torch.zeros(self.padded, dtype=self.grad.dtype, device=self.grad.device)
+        for slot in self.slots:
+            grad = slot.param.grad
+            if grad is not None:
+                flat.narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+                slot.param.grad = None
+        if scale != 1.0:
+            flat.mul_(scale)
+        out = torch.empty_like(self.grad)
+        handle = comm.reduce_scatter_into(out, flat, self.group, async_op=True)
+        self._reduce = (handle, flat, out)
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._reduce is not None
+
+    @torch.no_grad()
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and accumulate the chunk into ``grad``."""
+        if self._reduce is None:
+            return
+        handle, _flat, out = self._reduce
+        handle.wait()
+        self._reduce = None
+        if self.grad_accumulated:
+            self.grad.add_(out)
+        else:
+            self.grad.copy_(out)
+            self.grad_accumulated = True
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        self.grad_accumulated = False

@@ -1,0 +1,167 @@
+"""ZeRO stage 3 (Pos+g+p) numerics: a meta-built GPT trained with parameters, gradients and optimizer
+states partitioned over DP (and sharded over TP) equals the single-device ReferenceGPT with
+torch.optim.AdamW on the same global batch: 5 steps of losses and the final parameters, fp32,
+TP in {1, 2} x DP in {1, 2, 4} x gradient accumulation in {1, 2}.
+
+One spawn per world size runs every layout of that size, plus the memory / communication / prefetch
+measurements that tests/test_zero_stage3_memory.py checks (``world_results`` caches them per process).
+
+AdamW eps is 1e-6 on both sides: the key part of the QKV bias has an exactly zero true gradient, and
+with eps 1e-8 Adam would blow its rounding noise (1e-10) up to lr-sized, layout-dependent steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hybrid.parallel_state import ParallelState
+from hybrid.topology import Topology
+from hybrid.zero.config import AdamWConfig, ZeroConfig
+from hybrid.zero.stage3 import Stage3Optimizer
+from models.gpt.config import GPTConfig
+from models.gpt.model import GPTModel
+from models.gpt.reference import ReferenceGPT
+from models.gpt.sharding import canonical_init, shard_tensor, unshard_state_dict
+from tests.multirank import run_on_ranks
+
+CONFIG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=50, seq_length=8,
+                   make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
+ADAMW = dict(lr=1e-3, eps=1e-6, weight_decay=0.01)
+STEPS, GLOBAL_BATCH, SEED = 5, 8, 1
+# (tp, accumulation) layouts per world size; DP = world / tp
+PARITY_CASES = {1: [(1, 1), (1, 2)], 2: [(1, 1), (1, 2), (2, 1), (2, 2)],
+                4: [(1, 1), (1, 2), (2, 1), (2, 2)], 8: [(2, 2)]}
+
+
+def data(steps: int = STEPS, batch: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    shape = (steps, batch, CONFIG.seq_length)
+    return (torch.randint(0, CONFIG.vocab_size, shape, generator=g),
+            torch.randint(0, CONFIG.vocab_size, shape, generator=g))
+
+
+def build(state: ParallelState, zero_config: ZeroConfig, config: GPTConfig = CONFIG):
+    """A GPT built on meta and partitioned by stage 3 from the canonical per-parameter init."""
+    model = GPTModel(config, state, device="meta", dtype=zero_config.param_dtype)
+
+    def init_fn(name: str) -> torch.Tensor:
+        return shard_tensor(config, name, canonical_init(config, name, SEED), state.tp_rank,
+                            state.tp_size)
+
+    return model, Stage3Optimizer(model, state, zero_config, AdamWConfig(**ADAMW), init_fn=init_fn)
+
+
+def train_step(model, opt, state, tokens, labels, accum: int) -> float:
+    """One optimizer step on this DP rank's rows of the global batch; returns its mean loss."""
+    rows = tokens.size(0) // state.dp_size
+    mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
+    total = 0.0
+    for t, l in zip(tokens[mine].chunk(accum), labels[mine].chunk(accum)):
+        loss = model(t, l).mean() / accum
+        opt.backward(loss)
+        total += loss.item()
+    opt.step()
+    return total
+
+
+def parity_case(state: ParallelState, accum: int) -> dict:
+    model, opt = build(state, ZeroConfig(stage=3))
+    tokens, labels = data()
+    losses = [train_step(model, opt, state, tokens[i], labels[i], accum) for i in range(STEPS)]
+    return {"tp_rank": state.tp_rank, "dp_rank": state.dp_rank, "losses": losses,
+            # numpy: torch tensors would cross the result queue as shared memory of a dead process
+            "params": {k: v.numpy() for k, v in opt.gathered_state_dict().items()}}
+
+
+def _rank_main(rank: int, world: int) -> dict:
+    from tests.test_zero_stage3_memory import measurements   # same spawn, no extra start-up
+    out = {"parity": {}}
+    for tp, accum in PARITY_CASES[world]:
+        state = ParallelState.initialize(Topology(world, tp, gpus_per_node=world))
+        out["parity"][(tp, accum)] = parity_case(state, accum)
+    out["measure"] = measurements(world)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def world_results(world: int) -> list[dict]:
+    if world == 1:
+        state = ParallelState.single_process()
+        from tests.test_zero_stage3_memory import measurements
+        return [{"parity": {(1, a): parity_case(state, a) for _, a in PARITY_CASES[1]},
+                 "measure": measurements(1)}]
+    return run_on_ranks(_rank_main, world, timeout=600)
+
+
+@functools.lru_cache(maxsize=None)
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = ReferenceGPT(CONFIG)
+    model.init_weights(SEED)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], **ADAMW)
+    tokens, labels = data()
+    losses = []
+    for i in range(STEPS):
+        loss = model(tokens[i], labels[i]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check_parity(results: list[dict], world: int) -> None:
+    ref_losses, ref_params = reference()
+    for (tp, accum) in PARITY_CASES[world]:
+        dp = world // tp
+        cases = [r["parity"][(tp, accum)] for r in results]
+        losses = torch.tensor([c["losses"] for c in cases if c["tp_rank"] == 0]).sum(0) / dp
+        torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"TP {tp} DP {dp} accum {accum}: {m}")
+        for d in range(dp):   # every DP rank gathers the same (TP-local) model
+            shards = sorted((c for c in cases if c["dp_rank"] == d), key=lambda c: c["tp_rank"])
+            params = unshard_state_dict(CONFIG, [{k: torch.from_numpy(v) for k, v in c["params"].items()}
+                                                 for c in shards])
+            for name, want in ref_params.items():
+                torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"TP {tp} DP {dp} {name}: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fp32_parity_with_single_device_reference(world):
+    check_parity(world_results(world), world)
+
+
+@pytest.mark.slow
+def test_fp32_parity_tp2_dp4():
+    check_parity(world_results(8), 8)
+
+
+def test_reference_is_sensitive_to_one_wrong_step():
+    """The oracle can fail: one extra AdamW step moves the parameters far beyond the tolerance."""
+    ref_losses, ref_params = reference()
+    state = ParallelState.single_process()
+    model, opt = build(state, ZeroConfig(stage=3))
+    tokens, labels = data(STEPS + 1)
+    for i in range(STEPS + 1):
+        train_step(model, opt, state, tokens[i], labels[i], 1)
+    params = unshard_state_dict(CONFIG, [opt.gathered_state_dict()])
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(params["layers.0.mlp.fc1.weight"],
+                                   ref_params["layers.0.mlp.fc1.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_stage3_rejects_other_stages_and_models_without_units():
+    state = ParallelState.single_process()
+    model = GPTModel(CONFIG, state, device="meta")
+    with pytest.raises(ValueError, match="stage 3"):
+        Stage3Optimizer(model, state, ZeroConfig(stage=2), AdamWConfig())
+    with pytest.raises(ValueError, match="meta device and there is no initialiser"):
+        Stage3Optimizer(model, state, ZeroConfig(stage=3), AdamWConfig())
+    with pytest.raises(TypeError, match="sharding_units"):
+        Stage3Optimizer(torch.nn.Linear(2, 2), state, ZeroConfig(stage=3), AdamWConfig())

@@ -3,10 +3,10 @@ training step (the role of Megatron-LM's DataLoader with workers and pinned memo
 
 A daemon thread walks the sampler, gathers each micro-batch of ``[b, s + 1]`` token samples and
 queues ``tokens = x[:, :-1]`` / ``labels = x[:, 1:]`` as int64 tensors ``[b, s]`` and a float
-``loss_mask [b, s]`` (ones; zero where the input is the end-of-document token if ``eod_mask_loss``,
-Megatron's ``--eod-mask-loss``). On CUDA the batch
-is pinned in the thread and copied to the device asynchronously by the consumer. Errors in the
-thread are re-raised in the consumer; the loader never blocks forever on a dead thread.
+``loss_mask [b, s]`` (ones; zero where the input is the end-of-document token if
+``eod_mask_loss`` is that token, Megatron's ``--eod-mask-loss``). On CUDA the batch is pinned in
+the thread and copied to the device asynchronously by the consumer. Errors in the thread are
+re-raised in the consumer; the loader never blocks forever on a dead thread.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class PrefetchLoader:
         self._thread.join(timeout=5)
 
     def __del__(self) -> None:
-        self._stop.set()
+        if hasattr(self, "_stop"):  # absent if __init__ raised
+            self._stop.set()
 
     def __enter__(self) -> "PrefetchLoader":
         return self

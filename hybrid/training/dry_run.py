@@ -1,0 +1,86 @@
+"""``pretrain_gpt.py --dry-run``: check a config at its full GPU count on one CPU machine.
+
+No process group and no communication (torchtitan-style dry run): the pure :class:`Topology` lays
+out every rank, :meth:`ParallelState.dry_run` gives one rank's groups, the real tensor-parallel GPT is
+built on the meta device (shapes only) to count that rank's parameters, and the pure models of
+:mod:`hybrid.perf` give model-state bytes per rank (ZeRO §5), DP traffic per step (ZeRO §7) and
+FLOPs per iteration (Megatron's formula, PAPER.md).
+"""
+
+from __future__ import annotations
+
+from hybrid.parallel_state import ParallelState
+from hybrid.perf.flops import model_flops_per_iteration
+from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
+from hybrid.topology import Topology
+from hybrid.training.config import TrainConfig, TrainConfigError
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
+    """Everything --dry-run prints, as numbers (also used by tests)."""
+    from hybrid.training.setup import gpt_config
+    from models.gpt.model import GPTModel
+    world = cfg.parallel.world_size
+    if world is None:
+        raise TrainConfigError("--dry-run needs the GPU count the config is meant for; set "
+                               "--world-size (presets in launch/presets/ set it)")
+    cfg.validate_for_world(world)
+    p, m, o = cfg.parallel, cfg.model, cfg.optimizer
+    topology = Topology(world, p.tensor_model_parallel_size, gpus_per_node=p.gpus_per_node,
+                        allow_tp_across_nodes=p.allow_tp_across_nodes)
+    state = ParallelState.dry_run(topology, rank)
+    gcfg = gpt_config(cfg, m.vocab_size or 50257)
+    gcfg.validate_for_tp(state.tp_size)
+    model = GPTModel(gcfg, state, sequence_parallel=p.sequence_parallel, device="meta")
+    psi_rank = sum(t.numel() for t in model.parameters())
+    param_bytes = _BYTES[o.precision]
+    mixed = o.precision != "fp32"
+    states = model_state_bytes(float(psi_rank), p.zero_stage, state.dp_size, param_bytes=param_bytes,
+                               grad_bytes=param_bytes, optimizer_bytes_per_param=12 if mixed else 8,
+                               master_bytes_per_param=4 if mixed else 0)
+    dp = state.dp_size
+    comm_bytes = dp_communication_elements(float(psi_rank), p.zero_stage) * (dp - 1) / dp * param_bytes
+    global_batch = cfg.global_batch(world)
+    flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
+                                      gcfg.padded_vocab_size(state.tp_size))
+    return {"topology": topology.describe(), "rank": rank, "tp_rank": state.tp_rank,
+            "dp_rank": state.dp_rank, "tp_group": state.tp.ranks, "dp_group": state.dp.ranks,
+            "tp_crosses_nodes": topology.tp_crosses_nodes,
+            "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
+            "model_states_per_rank": states.as_dict(), "dp_bytes_per_step": comm_bytes,
+            "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
+            "flops_per_iteration": flops, "flops_per_rank": flops / world,
+            "peak_tflops": cfg.logging.peak_tflops}
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_report(r: dict) -> str:
+    s = {k: _bytes(v) for k, v in r["model_states_per_rank"].items()}
+    lines = [f"layout: {r['topology']}",
+             f"rank {r['rank']}: TP rank {r['tp_rank']} in {_span(r['tp_group'])}, DP rank "
+             f"{r['dp_rank']} in {_span(r['dp_group'])}"
+             + ("  (WARNING: TP groups cross nodes)" if r["tp_crosses_nodes"] else ""),
+             f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
+             f"model states per rank: 16-bit params {s['params_16bit']}, grads {s['grads_16bit']}, "
+             f"fp32 master {s['master_fp32']}, Adam moments {s['adam_moments']}, total {s['total']}",
+             f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])}",
+             f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
+             f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
+             f"rank; at the {r['peak_tflops']:.0f} TFLOP/s peak, >= "
+             f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"]
+    return "\n".join(lines)
+
+
+def _span(ranks: list[int]) -> str:
+    if len(ranks) > 6:
+        step = ranks[1] - ranks[0]
+        return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] (stride {step}, {len(ranks)} ranks)"
+    return str(ranks)

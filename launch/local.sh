@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One machine: torchrun --standalone (rendezvous on localhost), NPROC ranks (default 4).
+#   bash launch/local.sh --config tiny-cpu [more Megatron-style flags]
+#   NPROC=8 bash launch/local.sh --config my.yaml --tensor-model-parallel-size 4
+# On GPUs set NPROC to the GPU count; on CPU every rank runs one intra-op thread (2 cores here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "${NPROC:-4}" \
+    launch/pretrain_gpt.py "$@"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# README command 1: a real GPT pretraining run on this CPU machine, a few minutes.
+# 4 CPU ranks = tensor parallel 2 x data parallel 2, ZeRO stage 2, bf16 with fp32 master weights, on
+# the embedded default corpus (built and tokenized on first use, cached in data-cache/).
+# Extra arguments are passed on, e.g.  bash launch/main_job.sh --train-iters 50
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -r requirements.txt
+.venv/bin/python -m pip install -q --no-deps -e .
+export OMP_NUM_THREADS=1
+.venv/bin/python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4 \
+    launch/pretrain_gpt.py --config tiny-cpu "$@"
+cat <<MSG
+
+Main job finished.
+  TensorBoard logs : runs/tiny-cpu      view with: .venv/bin/tensorboard --logdir runs/tiny-cpu
+  Checkpoint       : checkpoints/tiny-cpu/$(cat checkpoints/tiny-cpu/latest 2>/dev/null || echo '<none>')
+                     resume/continue: bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400
+  Layout check     : .venv/bin/python launch/pretrain_gpt.py --config table5-zero-100B --dry-run
+MSG

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Several machines: run this same command on every node (torchrun's c10d rendezvous).
+#   NNODES=2 NPROC=16 MASTER=node0.example:29500 JOB_ID=gpt100b bash launch/multinode.sh --config table5-zero-100B
+# Rank order is TP-fastest (DESIGN.md 2): a TP group of <= NPROC ranks stays inside one node, DP groups
+# stride across nodes. The checkpoint directory (--save) must be on a filesystem every node shares.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${NNODES:?set NNODES to the number of machines}"
+: "${MASTER:?set MASTER=host:port of the rendezvous (any one node)}"
+PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "${NPROC:-16}" \
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER" --rdzv-id "${JOB_ID:-hybrid-gpt}" \
+    --max-restarts 0 launch/pretrain_gpt.py "$@"

@@ -1,0 +1,50 @@
+"""GPT pretraining entry point for torchrun (Megatron-LM's pretrain_gpt.py, thin).
+
+    torchrun --standalone --nproc-per-node 4 launch/pretrain_gpt.py --config tiny-cpu
+    python launch/pretrain_gpt.py --config table5-zero-100B --dry-run      # 400-GPU layout, one CPU
+
+Flags follow Megatron's names (``--help`` lists them); a ``--config`` YAML/TOML (or a preset name in
+launch/presets/) gives the base values, flags override. Everything else lives in hybrid.training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
+
+from hybrid.training.arguments import parse_args  # noqa: E402
+from hybrid.training.config import TrainConfigError  # noqa: E402
+from hybrid.training.metrics import install_rank_logging  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    install_rank_logging(rank)
+    try:
+        cfg, options = parse_args(argv)
+    except TrainConfigError as err:
+        logging.getLogger("pretrain_gpt").error("%s", err)
+        return 2
+    if options.dry_run:
+        from hybrid.training.dry_run import dry_run_report, format_report
+        print(format_report(dry_run_report(cfg, options.dry_run_rank)))
+        return 0
+    from hybrid.training.setup import run
+    trainer = run(cfg)
+    log = logging.getLogger("pretrain_gpt")
+    log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
+             trainer.losses[-1] if trainer.losses else float("nan"))
+    if cfg.logging.tensorboard_dir:
+        log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", cfg.logging.tensorboard_dir,
+                 cfg.logging.tensorboard_dir)
+    if cfg.checkpoint.save:
+        log.info("checkpoint: %s (resume with --load %s)", cfg.checkpoint.save, cfg.checkpoint.save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

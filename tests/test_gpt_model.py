@@ -54,6 +54,8 @@ def test_paper_models_build_on_meta_with_exact_counts(size, zero):
     assert len(units) == run.config.num_layers + 2
     in_units = [p for u in units for p in u.parameters()]
     assert len(in_units) == len(params) and {id(p) for p in in_units} == {id(p) for p in params}
+    model.init_weights(1)   # a dry-run state has nothing to materialise: stays on meta, returns at once
+    assert all(p.is_meta for p in model.parameters())
 
 
 def test_sharding_units_and_param_attributes():

@@ -77,6 +77,14 @@ class GPTEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
+    """GPT-2 over the TP group of ``state`` (see the module docstring).
+
+    ``device="meta"`` builds without storage (call :meth:`init_weights` or hand it to ZeRO stage 3);
+    any other device (default ``state.device``) materialises at once with seed 0 - call
+    ``init_weights(seed)`` for another seed. ``sequence_parallel`` needs the sequence length to be a
+    multiple of the TP degree and is ignored at TP 1. ``rng`` is required for dropout at TP > 1.
+    """
+
     def __init__(self, config: GPTConfig, state: ParallelState, *, sequence_parallel: bool = False,
                  device=None, dtype: torch.dtype = torch.float32, rng: RNGTracker | None = None):
         super().__init__()
@@ -104,6 +112,8 @@ class GPTModel(nn.Module):
         value for ``seed`` (one full tensor in memory at a time)."""
         if self.device.type == "meta":
             self.device = self.state.device
+        if self.device.type == "meta":
+            return   # a dry-run state: shapes only, no values to compute
         if any(p.is_meta for p in self.parameters()):
             self.to_empty(device=self.device)
         tp_rank, tp = self.state.tp_rank, self.state.tp_size
@@ -144,10 +154,10 @@ class GPTModel(nn.Module):
             x = layer(x)
         logits = self._output_logits(self.final_norm(x))            # [s, b, V_p/tp]
         if labels is None:
-            return logits.transpose(0, 1)                           # [b, s, V_p/tp]
+            return logits.transpose(0, 1).contiguous()              # [b, s, V_p/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.group,
                                             vocab_size=self.config.vocab_size)  # [s, b]
-        return loss.t()                                             # [b, s]
+        return loss.t().contiguous()                                # [b, s]
 
     def _output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Tied output layer, column-parallel over the vocab: [s(/tp), b, h] -> [s, b, V_p/tp]."""

@@ -88,6 +88,9 @@ def check_column_gather_output(group):
     _close(y, ref(x_full), "gather_output forward")
     _close(x.grad, x_full.grad, "gather_output input grad")
     _close(col.weight.grad, _slice(ref.weight.grad, 0, group), "gather_output weight grad")
+    col.zero_grad()
+    col(x_full.detach()).backward(grad_out)      # an input without grad: no input-grad collective
+    _close(col.weight.grad, _slice(ref.weight.grad, 0, group), "weight grad, input without grad")
 
 
 def check_embedding(group, sp):
@@ -226,6 +229,8 @@ def check_rng(group, tp_rank):
     with tracker.fork():
         replay = F.dropout(ones, 0.5)
     assert torch.equal(replay, tp_mask), "set_states did not reproduce the forked dropout mask"
+    with tracker.fork():
+        assert not torch.equal(F.dropout(ones, 0.5), tp_mask), "the TP stream did not advance"
     assert torch.equal(F.dropout(ones, 0.5), after_fork), "fork disturbed the default stream"
     defaults, forked = _gather_rows(default_mask[None], group), _gather_rows(tp_mask[None], group)
     assert all(torch.equal(d, defaults[0]) for d in defaults), "default masks differ across TP"

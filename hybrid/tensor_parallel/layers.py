@@ -4,7 +4,9 @@ Activations use Megatron's ``[s, b, h]`` layout (sequence first), so the sequenc
 slices of dim 0.
 
 * :class:`ColumnParallelLinear` - ``Y_i = X A_i``: weight split along the output features. Its input
-  enters through ``f`` (or ``g-bar`` with SP); its output stays sharded ``[s, b, out/tp]``.
+  enters through ``f`` (or ``g-bar`` with SP), fused with the GEMM so the backward collective overlaps
+  the weight-gradient GEMM (:mod:`~hybrid.tensor_parallel.async_linear`); its output stays sharded
+  ``[s, b, out/tp]``.
 * :class:`RowParallelLinear` - ``Y = sum_i X_i A_i``: weight split along the input features; the
   partial sums leave through ``g`` (all-reduce) or, with SP, a reduce-scatter to ``[s/tp, b, out]``.
 * :class:`VocabParallelEmbedding` - rows of the (padded) vocabulary split across ranks; ids owned by
@@ -27,8 +29,9 @@ from torch import nn
 
 from hybrid.comm import Group
 from hybrid.tensor_parallel import init as tp_init
-from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
-                                             reduce_from_tp, reduce_scatter_to_sequence)
+from hybrid.tensor_parallel.async_linear import column_parallel_linear
+from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
+                                             reduce_scatter_to_sequence)
 
 DEFAULT_INIT_STD = 0.02  # GPT-2 / Megatron default for normal(0, std) weights
 
@@ -144,11 +147,10 @@ class ColumnParallelLinear(_TPModule):
         self._init_weight_and_bias(seed, std, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)   # [s/tp, b, in] -> [s, b, in]
-        else:
-            x = copy_to_tp(x, self.group)             # f: grad of x is summed over TP
-        y = F.linear(x, self.weight, self.bias)       # [s, b, out/tp]
+        # = F.linear(g_bar(x) if SP else f(x), W, b); backward overlaps the input-gradient
+        # all-reduce (reduce-scatter with SP) with the weight-gradient GEMM
+        y = column_parallel_linear(x, self.weight, self.bias, self.group,
+                                   self.sequence_parallel)                     # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.group)         # [s, b, out]
         return y

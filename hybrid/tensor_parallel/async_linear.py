@@ -1,0 +1,68 @@
+"""Column-parallel linear with the input-gradient collective overlapped with the weight-gradient GEMM
+(Megatron-LM's asynchronous tensor-parallel all-reduce; Narayanan et al. 2021 §4; with sequence
+parallelism the collective is SP's reduce-scatter, Korthikanti et al. 2022 §4.2.2).
+
+Semantically this is ``F.linear(f(x), W, b)`` (``f`` = copy_to_tp) or ``F.linear(g_bar(x), W, b)``
+with sequence parallelism, and it moves exactly the same volume. The difference is scheduling: in
+backward the input gradient ``dX = dY W`` is computed first and its all-reduce (or reduce-scatter) is
+started asynchronously; ``dW = dY^T X`` and ``db`` are computed while it is in flight, and only then
+the collective is waited on. On gloo the collective runs on a background thread; on NCCL on its stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybrid import comm
+from hybrid.comm import Group
+from hybrid.tensor_parallel.mappings import _gather_first
+
+
+def _start_input_grad_reduction(grad_total: torch.Tensor, group: Group, sequence_parallel: bool):
+    """Launch the sum of the partial input gradient over TP: all-reduce ``[s, b, in]`` or, with SP,
+    reduce-scatter to this rank's sequence shard ``[s/tp, b, in]``. Returns (result, handle)."""
+    if group.size == 1:
+        return grad_total, None
+    grad_total = grad_total.contiguous()
+    if not sequence_parallel:
+        return grad_total, comm.all_reduce(grad_total, group, async_op=True)
+    if grad_total.size(0) % group.size:
+        raise ValueError(f"sequence length {grad_total.size(0)} is not divisible by the "
+                         f"tensor-parallel size {group.size}")
+    shard = torch.empty((grad_total.size(0) // group.size, *grad_total.shape[1:]),
+                        dtype=grad_total.dtype, device=grad_total.device)
+    return shard, comm.reduce_scatter_into(shard, grad_total, group, async_op=True)
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        total = _gather_first(x, group) if sequence_parallel else x   # [s, b, in]
+        ctx.save_for_backward(total, weight)
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        return F.linear(total, weight, bias)                          # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad):
+        total, weight = ctx.saved_tensors
+        grad_input = handle = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_total = grad.matmul(weight)                          # [s, b, in], partial over TP
+            grad_input, handle = _start_input_grad_reduction(grad_total, ctx.group,
+                                                             ctx.sequence_parallel)
+        grad_2d = grad.reshape(-1, grad.size(-1))                     # [s*b, out/tp]
+        if ctx.needs_input_grad[1]:                                   # overlaps the collective
+            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))  # [out/tp, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(dim=0)
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """``Y = f(X) W^T + b`` (``g-bar(X)`` with SP) with the backward collective overlapped.
+    x ``[s, b, in]`` (``[s/tp, b, in]`` with SP), weight ``[out/tp, in]`` -> ``[s, b, out/tp]``."""
+    return _ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel)

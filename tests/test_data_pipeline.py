@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from hybrid.data.default_corpus import _build, ensure_default_dataset, stdlib_sources
+from hybrid.data.builder import build_gpt_datasets
 from hybrid.data.gpt_dataset import GPTDataset
 from hybrid.data.indexed_dataset import IndexedDataset
+from hybrid.data.loader import build_pretraining_loader
 from hybrid.data.preprocess import preprocess
 from hybrid.data.tokenizer import Tokenizer, train_tokenizer
 from tools import preprocess_data, train_tokenizer as train_tokenizer_cli
@@ -39,6 +41,8 @@ def test_tokenizer_round_trips_any_text(corpus):
         ids = tok.encode(text)
         assert max(ids) < tok.vocab_size and tok.eod not in ids
         assert tok.decode(ids) == text
+    again = train_tokenizer(docs, corpus[0].parent / "again", vocab_size=600)
+    assert Path(again).read_bytes() == Path(model).read_bytes()  # deterministic training
     with pytest.raises(ValueError, match="empty corpus"):
         train_tokenizer(["", "  \n\n "], corpus[0].parent / "empty", 400)
 
@@ -108,6 +112,18 @@ def test_default_corpus_builds_once_and_is_cached(tmp_path):
     assert ds.num_documents == len(sources) == json.loads(manifest.read_text())["documents"]
     rel, path, _ = sources[0]
     assert tok.decode(ds[0][:-1]) == f"# {rel}\n{path.read_text()}"
+    # end to end: the first global batch of 4 is the same token rows for DP 1 and DP 2
+    train = build_gpt_datasets([prefix], "1", 32, (16, 0, 0), seed=5, vocab_size=tok.vocab_size)[0]
+    rows = {}
+    for dp in (1, 2):
+        got = []
+        for rank in range(dp):
+            with build_pretraining_loader(train, consumed_samples=4, micro_batch_size=2,
+                                          data_parallel_rank=rank, data_parallel_size=dp,
+                                          total_samples=8) as loader:
+                got += [tuple(r) for b in loader for r in b["tokens"].tolist()]
+        rows[dp] = sorted(got)
+    assert len(rows[1]) == 4 and rows[1] == rows[2]
     # a second builder racing the first (another rank) finds the finished build and keeps it
     _build(sources, Path(prefix).parent, 500, workers=1)
     assert manifest.stat().st_mtime_ns == stamp

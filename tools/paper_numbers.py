@@ -1,5 +1,5 @@
 """The numbers behind the ZeRO paper's tables, computed from hybrid.perf's models (ZeRO §5 Figure 1,
-Table 1, Table 2; §10 Table 5 / Figure 2, Table 6 / Figure 3).
+Table 1, Table 2; §10 Table 5 / Figure 2, Table 6 / Figure 3, Table 10).
 
 Every function returns plain rows (lists of dicts) so tools/paper_tables.py can write markdown, CSV,
 plots and JSON from one source and the tests can check them. The Table 5/6 runs come from
@@ -152,3 +152,7 @@ def table5() -> list[dict]:
 
 def table6() -> list[dict]:
     return [run_row(r) for r in PAPER_RUNS.values() if r.table == "table6"]
+
+
+def table10() -> list[dict]:
+    return [run_row(r) for r in PAPER_RUNS.values() if r.table == "table10"]

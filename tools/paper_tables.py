@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from hybrid.perf.hardware import dgx2_v100_cluster
+from hybrid.perf.throughput import ThroughputAssumptions
 from tools import paper_claims, paper_numbers as pn
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "paper"
 
 
 def collect() -> dict:
-    return {"figure1": pn.figure1(), "table1": pn.table1(), "table2": pn.table2(),
-            "table5": pn.table5(), "table6": pn.table6(),
+    return {"assumptions": {**dataclasses.asdict(dgx2_v100_cluster()),
+                            **dataclasses.asdict(ThroughputAssumptions())},
+            "figure1": pn.figure1(), "table1": pn.table1(), "table2": pn.table2(),
+            "table5": pn.table5(), "table6": pn.table6(), "table10": pn.table10(),
             "predictions": [c.as_dict() for c in paper_claims.claims()]}
 
 
@@ -37,6 +42,8 @@ def _cell(v) -> str:
     if isinstance(v, bool):
         return "yes" if v else "NO"
     if isinstance(v, float):
+        if abs(v) >= 1e5:
+            return f"{v:.4g}"
         return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
     return str(v)
 
@@ -89,9 +96,16 @@ def predictions_section(data: dict) -> tuple[str, list[str], list[list]]:
     return "Predictions vs the paper (tolerance 20%)", header, rows
 
 
-SECTIONS = {"figure1": figure1_section, "table1": table1_section, "table2": table2_section,
+def assumptions_section(data: dict) -> tuple[str, list[str], list[list]]:
+    rows = [[k, v] for k, v in data["assumptions"].items()]
+    return "Assumptions of the throughput model (hybrid.perf.hardware.Cluster, " \
+           "hybrid.perf.throughput.ThroughputAssumptions)", ["name", "value"], rows
+
+
+SECTIONS = {"assumptions": assumptions_section, "figure1": figure1_section, "table1": table1_section, "table2": table2_section,
             "table5": lambda d: runs_section(d, "table5", "Table 5 / Figure 2: every run, per GPU"),
             "table6": lambda d: runs_section(d, "table6", "Table 6 / Figure 3: 60B superlinear scaling"),
+            "table10": lambda d: runs_section(d, "table10", "Table 10: ZeRO-DP only (MP 1), 128 GPUs"),
             "predictions": predictions_section}
 
 NOTES = """Memory and throughput come from `hybrid/perf/` (pure functions); assumptions are the named

@@ -43,7 +43,8 @@ class TinyTPBlock(nn.Module):
             getattr(self, name).init_weights(7, std=0.3, prefix=name + ".")
 
     def forward(self, x, target):
-        y = self.norm(x + self.fc2(F.gelu(self.fc1(x.to(self.fc1.weight.dtype)))))
+        x = x.to(self.fc1.weight.dtype)          # bf16/fp16 runs compute in the parameter dtype
+        y = self.norm(x + self.fc2(F.gelu(self.fc1(x))))
         return F.mse_loss(y.float(), target)
 
 

@@ -1,0 +1,47 @@
+"""--dry-run: the 400-GPU ZeRO-100B preset checked on one CPU process (no process group), compared
+with the ZeRO §5 formula for Pos+g and with the paper's ~100B size and 32 GB V100s."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from hybrid.training.arguments import parse_args
+from hybrid.training.config import TrainConfigError
+from hybrid.training.dry_run import dry_run_report, format_report
+
+
+def _entry():
+    path = Path(__file__).resolve().parents[1] / "launch" / "pretrain_gpt.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_zero_100b_dry_run_matches_the_paper():
+    cfg, options = parse_args(["--config", "table5-zero-100B", "--dry-run", "--dry-run-rank", "399"])
+    r = dry_run_report(cfg, options.dry_run_rank)
+    assert (r["tp_rank"], r["dp_rank"], r["tp_group"][0], r["dp_group"][:2]) == (15, 24, 384, [15, 31])
+    assert not r["tp_crosses_nodes"]
+    assert 99e9 < r["params_total"] < 103e9                       # "100B"
+    psi, nd = r["params_per_rank"], 25
+    assert psi == pytest.approx(r["params_total"] / 16, rel=0.01)
+    s = r["model_states_per_rank"]
+    assert s["total"] == pytest.approx(2 * psi + (2 + 12) * psi / nd)   # Pos+g, ZeRO §5
+    assert s["total"] < 32e9                                      # fits a 32 GB V100
+    assert r["dp_bytes_per_step"] == pytest.approx(2 * psi * 2 * (nd - 1) / nd)
+    assert "400 ranks = 25 node(s) x 16" in format_report(r)
+
+
+def test_dry_run_needs_a_world_size():
+    cfg, _ = parse_args([])
+    with pytest.raises(TrainConfigError, match="--dry-run needs the GPU count"):
+        dry_run_report(cfg)
+
+
+def test_entry_point_exit_codes(capsys):
+    main = _entry().main
+    assert main(["--config", "table5-megatron-170B", "--dry-run"]) == 0
+    assert "TP groups cross nodes" in capsys.readouterr().out
+    assert main(["--num-layer", "3"]) == 2

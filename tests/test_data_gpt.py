@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid.data.blending import BlendedDataset, build_blending_indices, parse_data_path, samples_per_dataset
+from hybrid.data.blending import (BlendedDataset, build_blending_indices, parse_data_path,
+                                  samples_per_dataset)
 from hybrid.data.builder import build_gpt_datasets
 from hybrid.data.gpt_dataset import GPTDataset, parse_split
 from hybrid.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter

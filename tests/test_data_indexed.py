@@ -89,6 +89,11 @@ def _good(tmp_path):
     return tmp_path / "d"
 
 
+def _resize(path, delta):
+    raw = path.read_bytes()
+    path.write_bytes(raw[:delta] if delta < 0 else raw + bytes(delta))
+
+
 def _patch(path, offset, data):
     raw = bytearray(path.read_bytes())
     raw[offset:offset + len(data)] = data
@@ -103,8 +108,8 @@ def _patch(path, offset, data):
     (lambda p: _patch(p.parent / "d.idx", 17, bytes([9])), "unknown dtype code 9"),
     (lambda p: (p.parent / "d.idx").write_bytes((p.parent / "d.idx").read_bytes()[:-3]), "truncated"),
     (lambda p: (p.parent / "d.idx").write_bytes(b"MMIDIDX"), "truncated"),
-    (lambda p: (p.parent / "d.bin").write_bytes((p.parent / "d.bin").read_bytes()[:-2]), "do not belong"),
-    (lambda p: (p.parent / "d.bin").write_bytes((p.parent / "d.bin").read_bytes() + b"\0\0"), "do not belong"),
+    (lambda p: _resize(p.parent / "d.bin", -2), "do not belong"),
+    (lambda p: _resize(p.parent / "d.bin", +2), "do not belong"),
 ])
 def test_bad_files_raise_clear_errors(tmp_path, corrupt, message):
     prefix = _good(tmp_path)

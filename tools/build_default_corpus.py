@@ -17,7 +17,8 @@ from pathlib import Path
 if not __package__:  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybrid.data.default_corpus import DEFAULT_MAX_BYTES, default_cache_dir, ensure_default_dataset  # noqa: E402
+from hybrid.data.default_corpus import (  # noqa: E402
+    DEFAULT_MAX_BYTES, default_cache_dir, ensure_default_dataset)
 
 
 def main(argv=None) -> None:

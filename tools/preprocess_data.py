@@ -22,7 +22,8 @@ from hybrid.data.preprocess import preprocess  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
-    p.add_argument("--json-key", "--json-keys", default="text", help="JSONL field holding the document text")
+    p.add_argument("--json-key", "--json-keys", default="text",
+                   help="JSONL field holding the document text")
     p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")

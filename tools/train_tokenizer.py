@@ -27,8 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-key", default="text", help="JSONL field holding the document text")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.model")
-    p.add_argument("--workers", type=int, default=1, help="sentencepiece trainer threads (the model is deterministic for a "
-                   "given thread count, but differs between counts)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="sentencepiece trainer threads (the model is deterministic for a given "
+                   "thread count, but differs between counts)")
     return p.parse_args(argv)
 
 

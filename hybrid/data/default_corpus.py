@@ -35,7 +35,10 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("HYBRID_CACHE", "./data-cache"))
 
 
-def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> list[tuple[str, Path, int]]:
+Source = tuple[str, Path, int]  # (path relative to the stdlib, path, size in bytes)
+
+
+def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> list[Source]:
     """``(relative path, path, size)`` of the corpus files: sorted, tests excluded, capped."""
     root_path = Path(root or sysconfig.get_paths()["stdlib"])
     found = []
@@ -58,14 +61,14 @@ def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) 
     return chosen
 
 
-def corpus_key(sources: list[tuple[str, Path, int]], vocab_size: int, max_bytes: int) -> str:
+def corpus_key(sources: list[Source], vocab_size: int, max_bytes: int) -> str:
     h = hashlib.sha256(json.dumps([BUILDER_VERSION, sys.version, vocab_size, max_bytes]).encode())
     for rel, path, size in sources:
         h.update(f"{rel}\0{size}\0{path.stat().st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
-def write_corpus(sources: list[tuple[str, Path, int]], out: Path) -> tuple[int, str]:
+def write_corpus(sources: list[Source], out: Path) -> tuple[int, str]:
     """One JSONL document per source file, headed by its path; returns (documents, sha256)."""
     h, n = hashlib.sha256(), 0
     with open(out, "w", encoding="utf-8") as f:
@@ -100,7 +103,7 @@ def ensure_default_dataset(cache_dir: str | Path | None = None, vocab_size: int 
     return str(final / DATA_NAME), str(final / f"{TOKENIZER_NAME}.model")
 
 
-def _build(sources: list[tuple[str, Path, int]], final: Path, vocab_size: int, workers: int) -> None:
+def _build(sources: list[Source], final: Path, vocab_size: int, workers: int) -> None:
     t0 = time.perf_counter()
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

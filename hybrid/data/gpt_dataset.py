@@ -32,6 +32,7 @@ from hybrid.data.indexed_dataset import IndexedDataset
 log = logging.getLogger(__name__)
 
 INDEX_VERSION = 2  # bump when the index construction changes, so old caches are not reused
+Indices = tuple[np.ndarray, np.ndarray, np.ndarray]  # document, sample, shuffle index
 
 
 def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
@@ -176,7 +177,7 @@ def check_vocab(indexed: IndexedDataset, vocab_size: int) -> None:
 
 
 def load_or_build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray, cache_dir: str | Path | None,
-                        describe: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                        describe: str = "") -> Indices:
     names = ("document_index", "sample_index", "shuffle_index")
     paths = [Path(cache_dir) / f"{cfg.digest()}-{n}.npy" for n in names] if cache_dir else []
     if paths and all(p.is_file() for p in paths):
@@ -192,7 +193,7 @@ def load_or_build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray, cache_dir:
     return arrays
 
 
-def build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def build_index(cfg: GPTIndexConfig, doc_lengths: np.ndarray) -> Indices:
     documents = np.arange(cfg.doc_begin, cfg.doc_end, dtype=np.int64)
     tokens = int(doc_lengths[documents].sum())
     epochs = num_epochs_for(tokens, cfg.seq_length, cfg.num_samples)

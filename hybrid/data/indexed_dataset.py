@@ -119,7 +119,8 @@ class IndexedDataset:
 
     def _validate_index(self, path: str) -> None:
         doc = self.document_indices
-        if len(doc) == 0 or doc[0] != 0 or doc[-1] != len(self.sequence_lengths) or np.any(np.diff(doc) < 0):
+        n_seq = len(self.sequence_lengths)
+        if len(doc) == 0 or doc[0] != 0 or doc[-1] != n_seq or np.any(np.diff(doc) < 0):
             raise IndexedDatasetError(f"index {path!r} has inconsistent document indices (must rise "
                                       f"from 0 to the sequence count); rebuild it")
         if np.any(self.sequence_lengths < 0):

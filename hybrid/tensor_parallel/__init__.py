@@ -2,6 +2,7 @@
 et al. 2022): autograd communication operators, column/row-parallel linears, the vocab-parallel
 embedding and cross-entropy, TP-independent initialisation and the TP random-number streams."""
 
+from hybrid.tensor_parallel.async_linear import column_parallel_linear
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.tensor_parallel.init import full_init, shard
 from hybrid.tensor_parallel.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear,
@@ -13,7 +14,7 @@ from hybrid.tensor_parallel.random import RNGStates, RNGTracker
 
 __all__ = [
     "ColumnParallelLinear", "LayerNorm", "RNGStates", "RNGTracker", "RowParallelLinear",
-    "VocabParallelEmbedding", "copy_to_tp", "full_init", "gather_from_sequence", "gather_from_tp",
+    "VocabParallelEmbedding", "column_parallel_linear", "copy_to_tp", "full_init", "gather_from_sequence", "gather_from_tp",
     "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp",
     "set_tp_attributes", "shard", "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,220 @@
+"""Automatic recompute planner: the cheapest per-layer plan whose activations fit a memory budget
+(Korthikanti et al. 2022 §5 selective vs full recompute; ZeRO §6.1 Pa / Pa+cpu).
+
+Memory per layer and rank comes from :mod:`hybrid.perf.activations` (the selective-recompute paper's
+formulas, 16-bit values and 1-byte dropout masks) converted to the activation element size: value
+bytes scale by ``bytes_per_element / 2``, the masks (two hidden-dropout masks ``sbh``, ``/t`` with SP,
+and the attention-dropout mask ``as²b/t`` unless selective) take ``mask_bytes`` each (1 on CUDA,
+where dropout keeps a bool mask; on CPU torch's dropout keeps a mask in the activation dtype), plus
+the fp32 mean and rstd of the two LayerNorms (``16 sb`` bytes, which the paper neglects). Checkpoints are one
+``[s, b, h]`` layer input: :func:`~hybrid.perf.activations.checkpoint_bytes` (``/t`` with Pa, 0 on the
+device with Pa+cpu; under SP already a ``[s/t, b, h]`` shard, never partitioned twice).
+
+Cost model (seconds per layer and micro-batch, documented and deliberately simple):
+
+* recompute FLOPs / ``flops_per_s``: ``full*`` reruns the layer's forward, the difference of
+  :func:`~hybrid.perf.flops.model_flops_per_iteration` with and without full recompute for one
+  layer, ``(24 b s h² + 4 b s² h) / t``; ``selective`` reruns the attention core, two batched
+  matmuls ``QK^T`` and ``(softmax) V``: ``4 b s² h / t`` (softmax and dropout are not counted);
+* transfers / bandwidth: Pa adds one TP all-gather of the checkpoint, ``(t-1)/t s b h`` elements per
+  rank over ``tp_bandwidth``; Pa+cpu also moves its ``1/t`` slice to host and back, ``2 s b h / t``
+  elements over ``host_bandwidth`` (on CUDA this overlaps compute; counted anyway, conservatively).
+
+Peak activation bytes of a plan = ``other_bytes`` (embedding, output layer, loss) + the largest,
+over the segments in backward order, of what the layers up to it keep plus its transient: a
+``full*`` segment of ``k`` layers rebuilds ``k`` layers' complete activations at once, a selective
+layer its attention core (an upper bound: the model ignores what a layer frees before its transient). With identical layers
+the optimum of this multiple-choice knapsack mixes at most two modes (a vertex of the lower convex
+hull of (bytes, seconds)), so the planner tries every pair of modes and every split - exact and
+O(25 L).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.perf import activations as act
+from hybrid.perf.flops import model_flops_per_iteration
+from hybrid.recompute.plan import FULL_MODES, MODES, RecomputePlan
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the planner needs to know about the model and the layout of one rank."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro_batch: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    bytes_per_element: int = 4      # activation dtype: 4 fp32, 2 bf16/fp16
+    mask_bytes: int = 1             # a dropout-mask element: 1 (CUDA bool mask); CPU dropout keeps a
+                                    # mask of the activation dtype (bytes_per_element)
+    other_bytes: float = 0.0        # activations outside the layers (embedding, logits, loss)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "heads", "seq", "micro_batch", "tp", "bytes_per_element",
+                     "mask_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads or self.heads % self.tp:
+            raise ValueError(f"hidden {self.hidden}, heads {self.heads}, tp {self.tp}: heads must divide "
+                             f"hidden and tp must divide heads")
+
+    @classmethod
+    def from_config(cls, config, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                    bytes_per_element: int = 4, mask_bytes: int = 1,
+                    other_bytes: float | None = None) -> "ModelDims":
+        """From a :class:`models.gpt.config.GPTConfig`. ``other_bytes`` defaults to the fp32 logits
+        shard the vocab-parallel loss keeps (:func:`~hybrid.perf.activations.logits_bytes`) plus four
+        ``sbh`` tensors around the final LayerNorm and the output layer."""
+        if other_bytes is None:
+            sbh = config.seq_length * micro_batch * config.hidden_size
+            other_bytes = (act.logits_bytes(config.seq_length, micro_batch, config.padded_vocab_size(tp), tp=tp)
+                           + 4 * sbh * bytes_per_element)
+        return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
+                   micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
+                   other_bytes)
+
+    @property
+    def sbh(self) -> int:
+        return self.seq * self.micro_batch * self.hidden
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rates of one rank. Defaults: a V100 (125 TFLOP/s fp16, NVSwitch ring 150 GB/s, PCIe 3 x16)."""
+
+    flops_per_s: float = 125e12
+    tp_bandwidth: float = 150e9
+    host_bandwidth: float = 12e9
+
+    @classmethod
+    def from_cluster(cls, cluster, host_bandwidth: float = 12e9) -> "CostModel":
+        """From a :class:`hybrid.perf.hardware.Cluster` (TP stays inside a node)."""
+        return cls(cluster.peak_flops, cluster.intra_node_ring_bandwidth, host_bandwidth)
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """Per layer and rank: bytes kept on the device and in the host tier, the backward transient,
+    recompute FLOPs, transfer bytes and the modelled seconds."""
+
+    mode: str
+    device_bytes: float
+    host_bytes: float
+    transient_bytes: float
+    recompute_flops: float
+    tp_bytes: float
+    host_transfer_bytes: float
+    seconds: float
+
+
+def layer_activation_bytes(d: ModelDims, recompute: str) -> float:
+    """Bytes one layer keeps without checkpointing (``recompute`` none | selective), element-size aware."""
+    t, sp = d.tp, d.sequence_parallel
+    b16 = act.activation_bytes_per_layer(d.seq, d.micro_batch, d.hidden, d.heads, tp=t,
+                                         sequence_parallel=sp, recompute=recompute)
+    masks = 2 * d.sbh / (t if sp else 1)                 # mask elements (1 byte each in b16)
+    if recompute == "none":
+        masks += d.heads * d.seq * d.seq * d.micro_batch / t
+    ln_stats = 2 * 2 * 4 * d.seq * d.micro_batch / (t if sp else 1)   # fp32 mean, rstd of 2 LNs
+    return (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats
+
+
+def mode_costs(d: ModelDims, cost: CostModel = CostModel()) -> dict[str, ModeCost]:
+    """Per-layer memory and cost of every mode (transients of one layer)."""
+    t, e = d.tp, d.bytes_per_element
+    full_act = layer_activation_bytes(d, "none")
+    sel_act = layer_activation_bytes(d, "selective")
+    layer_flops = (model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, full_recompute=True)
+                   - model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1)) / t
+    core_flops = 4 * d.micro_batch * d.seq * d.seq * d.hidden / t
+
+    def ckpt(partitioned: bool, offload: bool) -> float:
+        if d.sequence_parallel:   # already a [s/t, b, h] shard
+            return 0.0 if offload else d.sbh * e / t
+        return act.checkpoint_bytes(d.seq, d.micro_batch, d.hidden, 1, mp=t, partitioned=partitioned,
+                                    cpu_offload=offload, bytes_per_element=e)
+
+    shard = d.sbh * e / t
+    gather = 0.0 if d.sequence_parallel else d.sbh * e * (t - 1) / t
+    transient = full_act   # backward of a recomputed layer rebuilds all of its activations
+    return {
+        "none": ModeCost("none", full_act, 0, 0, 0, 0, 0, 0.0),
+        "selective": ModeCost("selective", sel_act, 0, full_act - sel_act, core_flops, 0, 0,
+                              core_flops / cost.flops_per_s),
+        "full": ModeCost("full", ckpt(False, False), 0, transient, layer_flops, 0, 0,
+                         layer_flops / cost.flops_per_s),
+        "full-pa": ModeCost("full-pa", ckpt(True, False), 0, transient, layer_flops, gather, 0,
+                            layer_flops / cost.flops_per_s + gather / cost.tp_bandwidth),
+        "full-pa-cpu": ModeCost("full-pa-cpu", ckpt(True, True), shard, transient, layer_flops, gather,
+                                2 * shard, layer_flops / cost.flops_per_s + gather / cost.tp_bandwidth
+                                + 2 * shard / cost.host_bandwidth),
+    }
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    peak_bytes: float           # device tier, incl. other_bytes and the largest transient
+    host_bytes: float
+    recompute_flops: float
+    tp_bytes: float
+    host_transfer_bytes: float
+    seconds: float
+
+
+def estimate(plan: RecomputePlan, d: ModelDims, cost: CostModel = CostModel()) -> PlanEstimate:
+    """Modelled peak memory and overheads of ``plan`` per rank and micro-batch."""
+    costs = mode_costs(d, cost)
+    # backward runs from the last layer to the first and frees what each layer kept as it goes:
+    # while segment i is in backward, layers before it still keep their bytes, later ones do not
+    peak, kept = 0.0, 0.0
+    for seg in plan.segments():
+        here = sum(costs[m].device_bytes for m in plan.modes[seg.start:seg.stop])
+        peak = max(peak, kept + here + _transient(seg.mode, seg.stop - seg.start, costs))
+        kept += here
+    total = {f: sum(getattr(costs[m], f) for m in plan.modes)
+             for f in ("host_bytes", "recompute_flops", "tp_bytes", "host_transfer_bytes", "seconds")}
+    return PlanEstimate(d.other_bytes + peak, **total)
+
+
+def _transient(mode: str, layers: int, costs: dict[str, ModeCost]) -> float:
+    """Extra bytes while one segment is in backward: a ``full*`` segment of ``layers`` layers holds
+    their complete activations (its own checkpoint is still referenced until it finishes)."""
+    if mode in FULL_MODES:
+        return layers * costs[mode].transient_bytes + costs[mode].device_bytes
+    return costs[mode].transient_bytes
+
+
+def plan_for_budget(d: ModelDims, budget_bytes: float, *, cost: CostModel = CostModel(),
+                    modes: tuple[str, ...] = MODES, **plan_kw) -> RecomputePlan:
+    """The plan with the least modelled recompute + transfer time whose peak fits ``budget_bytes``
+    (ties: the smaller peak). The first layers get the memory-saving mode."""
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown recompute modes {bad}; choose from {MODES}")
+    L, best = d.num_layers, None
+    for low in modes:
+        for high in modes:
+            for k in range(L + 1):
+                plan = RecomputePlan((high,) * k + (low,) * (L - k), **plan_kw)
+                est = estimate(plan, d, cost)
+                if est.peak_bytes <= budget_bytes:
+                    key = (est.seconds, est.peak_bytes)
+                    if best is None or key < best[0]:
+                        best = (key, plan, est)
+    if best is None:
+        floor = min(estimate(RecomputePlan.uniform(m, L, **plan_kw), d, cost).peak_bytes for m in modes)
+        raise ValueError(f"no recompute plan fits a budget of {budget_bytes:,.0f} B per rank; the "
+                         f"smallest needs {floor:,.0f} B. Raise --memory-budget, lower "
+                         f"--micro-batch-size, or raise --tensor-model-parallel-size")
+    _, plan, est = best
+    full = estimate(RecomputePlan.uniform("full", L, **plan_kw), d, cost)
+    note = (f"planned for {budget_bytes:,.0f} B: peak {est.peak_bytes:,.0f} B, host {est.host_bytes:,.0f} B, "
+            f"recompute {est.recompute_flops:.3g} FLOP (full: {full.recompute_flops:.3g}), "
+            f"TP {est.tp_bytes:,.0f} B, host transfers {est.host_transfer_bytes:,.0f} B")
+    return RecomputePlan(plan.modes, **{**plan_kw, "note": note})

@@ -10,6 +10,7 @@ fewer than 65500 entries, else int32. The output is byte-identical for any --wor
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -29,14 +30,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     p.add_argument("--dtype", default=None, choices=["uint16", "int32", "int64"],
                    help="token dtype (default: uint16 if the vocab fits, else int32)")
+    p.add_argument("--log-interval", type=int, default=10_000, help="log progress every N documents")
     p.add_argument("--no-append-eod", action="store_true", help="do not end documents with eod")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stats = preprocess(args.input, args.output_prefix, args.tokenizer_model, workers=args.workers,
-                       json_key=args.json_key, append_eod=not args.no_append_eod, token_dtype=args.dtype)
+                       json_key=args.json_key, append_eod=not args.no_append_eod,
+                       token_dtype=args.dtype, log_interval=args.log_interval)
     print(f"wrote {args.output_prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} "
           f"{stats.dtype} tokens in {stats.seconds:.1f}s")
 

@@ -98,7 +98,8 @@ class PreprocessStats:
 
 def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer_model: str | Path,
                *, workers: int = 1, json_key: str = "text", append_eod: bool = True,
-               batch_docs: int = 64, token_dtype: str | None = None) -> PreprocessStats:
+               batch_docs: int = 64, token_dtype: str | None = None,
+               log_interval: int = 10_000) -> PreprocessStats:
     """Tokenize ``paths`` into ``output_prefix.bin/.idx``. Tokens are ``token_dtype`` if given,
     else uint16 when the vocab fits and int32 otherwise."""
     if workers < 1:
@@ -117,6 +118,9 @@ def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer
             for arr in arrays:
                 writer.add_document(arr)
                 docs, tokens = docs + 1, tokens + arr.size
+                if docs % log_interval == 0:
+                    rate = docs / (time.perf_counter() - t0)
+                    log.info("processed %d documents (%.0f docs/s), %d tokens", docs, rate, tokens)
         if docs == 0:
             raise ValueError(f"no non-blank documents in {list(map(str, paths))}: empty corpus "
                              "(for JSONL check --json-key)")

@@ -9,11 +9,13 @@ output bytes do not depend on the number of workers.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
 import multiprocessing as mp
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -132,9 +134,20 @@ def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer
 
 def _encoded(batches: Iterator[list[str]], encoder: _BatchEncoder,
              workers: int) -> Iterator[list[np.ndarray]]:
+    """Encoded batches in input order (so the output is identical for any worker count).
+
+    At most ``2 * workers`` batches are in flight, so memory stays bounded for any corpus size
+    (``Pool.imap`` would read the whole input ahead), and a worker that dies raises
+    ``BrokenProcessPool`` instead of hanging."""
     if workers == 1:
         yield from map(encoder, batches)
         return
-    # imap keeps input order: identical output for any worker count
-    with mp.get_context("spawn").Pool(workers) as pool:
-        yield from pool.imap(encoder, batches, chunksize=1)
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.submit(encoder, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()

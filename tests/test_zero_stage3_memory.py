@@ -18,7 +18,7 @@ import torch
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
-from tests.test_zero_stage3 import build, data, train_step, world_results
+from tests.test_zero_stage3 import build, data, reference, train_step, world_results
 
 PERSIST = 64   # elements: with hidden 16 the biases and LayerNorm weights stay whole
 
@@ -27,8 +27,7 @@ def _one_step(state: ParallelState, zero_config: ZeroConfig) -> dict:
     model, opt = build(state, zero_config)
     before = opt.memory_report()
     tokens, labels = data(steps=2)
-    train_step(model, opt, state, tokens[0], labels[0], 1)
-    train_step(model, opt, state, tokens[1], labels[1], 1)
+    losses = [train_step(model, opt, state, tokens[i], labels[i], 1)[0] for i in range(2)]
     partitioned = [s.param for u in opt.units if u is not None for s in u.slots]
     comm = opt.comm_report()
     return {"before": before, "after": opt.memory_report(), "overhead": opt.expected_overhead_bytes(),
@@ -36,7 +35,7 @@ def _one_step(state: ParallelState, zero_config: ZeroConfig) -> dict:
             "param_storage_after_step": sum(p.untyped_storage().nbytes() for p in partitioned),
             "dp_bytes": comm.dp_bytes, "by_op": comm.by_group_op, "psi": opt.psi,
             "persistent_numel": opt.persistent_numel, "trace": list(opt.scheduler.trace),
-            "last_unit": opt.scheduler.last}
+            "last_unit": opt.scheduler.last, "losses": losses}
 
 
 def _fp16_overflow(state: ParallelState) -> dict:
@@ -56,7 +55,7 @@ def _fp16_overflow(state: ParallelState) -> dict:
 def measurements(world: int) -> dict:
     out = {}
     for tp in (1, 2):
-        if world % tp or world // tp < 2:
+        if world % tp or world // tp not in (2, 4):   # the DP degrees of the paper's checks here
             continue
         state = ParallelState.initialize(Topology(world, tp, gpus_per_node=world))
         out[(tp, "bf16")] = _one_step(state, ZeroConfig(stage=3, precision="bf16"))
@@ -134,6 +133,18 @@ def test_next_unit_gather_is_issued_before_current_forward_finishes(world):
             live.add(unit) if event == "gather" else live.discard(unit) if event == "release" else None
             peak = max(peak, len(live))
         assert peak <= 3, trace
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_losses_follow_the_fp32_reference(world):
+    """bf16 parameters and gradients (fp32 master): losses within 1% of fp32 (documented tolerance)."""
+    ref_losses = torch.tensor(reference()[0][:2])
+    for tp in (1, 2):
+        dp = world // tp
+        per_rank = [m["losses"] for r, t, _, m in _cases(world, "bf16") if t == tp and r % tp == 0]
+        if per_rank:
+            losses = torch.tensor(per_rank).sum(0) / dp
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)
 
 
 def test_fp16_overflow_skips_the_step_without_touching_state():

@@ -48,6 +48,16 @@ def _layout(state: ParallelState, zero_stage: int) -> dict:
             "data_parallel_size": state.dp_size, "zero_stage": zero_stage}
 
 
+def _valid_rows(model: nn.Module) -> dict[str, int]:
+    """Parameters padded along dim 0 and their real rows: the GPT word embedding (vocab padded to a
+    multiple of 128 x TP), so a checkpoint loads at another TP degree."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "vocab_size"):
+        return {}
+    from models.gpt.sharding import WORD_EMBEDDING
+    return {WORD_EMBEDDING: config.vocab_size}
+
+
 def model_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save: bool) -> list[Piece]:
     """Pieces of the 16-bit (or fp32) model parameters this rank writes (for_save) or must load."""
     params = dict(model.named_parameters())
@@ -58,13 +68,14 @@ def model_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save:
     else:
         items = [(name, 0, p.data.view(-1)) for name, p in params.items()]
         for_save_here = state.dp_rank == 0
-    out = []
+    out, rows = [], _valid_rows(model)
     for name, offset, tensor in items:
         p = params[name]
         pdim = partition_dim_of(p)
         if for_save and (not for_save_here or (pdim < 0 and state.tp_rank != 0)):
             continue
-        out.append(Piece(name, "model", full_shape_of(p, tp), pdim, state.tp_rank, tp, offset, tensor))
+        out.append(Piece(name, "model", full_shape_of(p, tp), pdim, state.tp_rank, tp, offset, tensor,
+                         rows.get(name)))
     return out
 
 
@@ -74,14 +85,14 @@ def optimizer_pieces(model: nn.Module, optimizer, state: ParallelState, *,
     params = dict(model.named_parameters())
     fragments = optimizer.owned_fragments()
     dp_replicated = getattr(optimizer, "fragments_replicated_over_dp", False)
-    out = []
+    out, rows = [], _valid_rows(model)
     for f in fragments:
         p = params[f.param_name]
         pdim = partition_dim_of(p)
         if for_save and ((dp_replicated and state.dp_rank != 0) or (pdim < 0 and state.tp_rank != 0)):
             continue
         out.append(Piece(f.param_name, f.kind, full_shape_of(p, state.tp_size), pdim, state.tp_rank,
-                         state.tp_size, f.offset, f.tensor))
+                         state.tp_size, f.offset, f.tensor, rows.get(f.param_name)))
     return out, fragments
 
 
@@ -105,7 +116,9 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
     """Collective over ``state.world``: write one checkpoint of the current iteration."""
     pieces = model_pieces(model, optimizer, state, for_save=True)
     pieces += optimizer_pieces(model, optimizer, state, for_save=True)[0]
+    model_config = model.config.to_dict() if hasattr(model, "config") else None
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
+                "model_config": model_config,
                 "layout": _layout(state, config.parallel.zero_stage),
                 "optimizer": {"step_count": optimizer.step_count, "loss_scaler": _scaler_state(optimizer)}}
     return save_checkpoint(path, train_state.iteration, pieces, rng_tensors(rng), metadata, state.world,

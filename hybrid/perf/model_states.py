@@ -77,13 +77,16 @@ def bytes_per_param(stage: int, dp: int, *, param_bytes: int = 2, grad_bytes: in
 
 
 def max_params_for_memory(memory_bytes: float, stage: int, dp: int, *, mp: int = 1,
-                          reserved_bytes: float = 0.0, **dtype_bytes: int) -> float:
+                          reserved_bytes: float = 0.0, param_bytes: int = 2, grad_bytes: int = 2,
+                          optimizer_bytes_per_param: int = 12) -> float:
     """Largest Ψ whose model states fit ``memory_bytes - reserved_bytes`` per device (Table 2)."""
     _check(1.0, stage, dp, mp)
     free = memory_bytes - reserved_bytes
     if free <= 0:
         raise ValueError(f"reserved bytes {reserved_bytes:.3g} leave no room in {memory_bytes:.3g} bytes")
-    return free / bytes_per_param(stage, dp, **dtype_bytes) * mp
+    per_param = bytes_per_param(stage, dp, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                                optimizer_bytes_per_param=optimizer_bytes_per_param)
+    return free / per_param * mp
 
 
 def paper_table2_params(memory_bytes: float, stage: int, dp: int, mp: int) -> float:

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.comm import Group
+from hybrid.recompute import checkpoint
 from hybrid.tensor_parallel import ColumnParallelLinear, LayerNorm, RNGTracker, RowParallelLinear
 from models.gpt.config import GPTConfig
 
@@ -61,17 +62,22 @@ class ParallelAttention(nn.Module):
         # QKV rows interleaved per head ([q k v] of head 0, of head 1, ...), see sharding.py
         self.qkv = ColumnParallelLinear(h, 3 * h, group, **kw)
         self.proj = RowParallelLinear(h, h, group, **kw)
+        self.recompute_core = False   # selective recompute (hybrid/recompute): rerun core() in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)                                                   # [s, b, 3h/tp]
         s, b, _ = qkv.shape
         q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(dim=3)  # [s, b, a/tp, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))               # [b, a/tp, s, d]
-        p = self.p if self.training else 0.0
-        with dropout_stream(self.rng, p > 0, self.tp):
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = checkpoint(self.core, q, k, v, rng=self.rng) if self.recompute_core else self.core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)                          # [s, b, h/tp]
         return self.proj(y)                                                 # [s(/tp), b, h]
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with attention dropout: [b, a/tp, s, d] -> [b, a/tp, s, d]."""
+        p = self.p if self.training else 0.0
+        with dropout_stream(self.rng, p > 0, self.tp):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class ParallelMLP(nn.Module):

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.parallel_state import ParallelState
+from hybrid.recompute import RecomputePlan, Recomputer
 from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbedding, copy_to_tp,
                                     gather_from_sequence, set_tp_attributes,
                                     vocab_parallel_cross_entropy)
@@ -83,10 +84,12 @@ class GPTModel(nn.Module):
     any other device (default ``state.device``) materialises at once with seed 0 - call
     ``init_weights(seed)`` for another seed. ``sequence_parallel`` needs the sequence length to be a
     multiple of the TP degree and is ignored at TP 1. ``rng`` is required for dropout at TP > 1.
+    ``recompute`` (a :class:`~hybrid.recompute.RecomputePlan`) checkpoints layers per the plan.
     """
 
     def __init__(self, config: GPTConfig, state: ParallelState, *, sequence_parallel: bool = False,
-                 device=None, dtype: torch.dtype = torch.float32, rng: RNGTracker | None = None):
+                 device=None, dtype: torch.dtype = torch.float32, rng: RNGTracker | None = None,
+                 recompute: RecomputePlan | None = None):
         super().__init__()
         config.validate_for_tp(state.tp_size)
         self.config, self.state, self.rng = config, state, rng
@@ -102,6 +105,13 @@ class GPTModel(nn.Module):
             for _ in range(config.num_layers))
         self.final_norm = LayerNorm(config.hidden_size, state.tp, eps=config.layernorm_epsilon,
                                     sequence_parallel=sp, **meta)
+        self.recomputer = None   # activation recompute (hybrid/recompute); None keeps everything
+        if recompute is not None:
+            self.recomputer = Recomputer(recompute, state.tp, sequence_parallel=sp, rng=rng,
+                                         device=state.device)
+            self.recomputer.check_layers(config.num_layers)
+            for i, layer in enumerate(self.layers):
+                layer.attn.recompute_core = recompute.selective(i)
         if self.device.type != "meta":
             self.init_weights(0)
 
@@ -150,8 +160,11 @@ class GPTModel(nn.Module):
         vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding)."""
         self._check_input(tokens, labels)
         x = self.embedding(tokens)                                  # [s, b, h] ([s/tp, b, h] SP)
-        for layer in self.layers:
-            x = layer(x)
+        if self.recomputer is not None:
+            x = self.recomputer.run(self.layers, x)                 # checkpointed per the plan
+        else:
+            for layer in self.layers:
+                x = layer(x)
         logits = self._output_logits(self.final_norm(x))            # [s, b, V_p/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()              # [b, s, V_p/tp]

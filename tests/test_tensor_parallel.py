@@ -144,6 +144,30 @@ def check_cross_entropy(group, vocab_size, padded):
     _close(logits.grad, _slice(full.grad, -1, group), what + " grad (padded columns zero)")
 
 
+def check_bf16(group):
+    """bf16 layers match the fp32 reference within bf16's documented tolerance (2e-2); the
+    cross-entropy of bf16 logits is computed in fp32, so it matches to fp32 rounding."""
+    gen = torch.Generator().manual_seed(8)
+    ref1, ref2 = _randomize(nn.Linear(H, 4 * H), gen), _randomize(nn.Linear(4 * H, H), gen)
+    x_full = torch.randn(S, B, H, generator=gen)
+    col = ColumnParallelLinear(H, 4 * H, group, sequence_parallel=True, dtype=torch.bfloat16)
+    row = RowParallelLinear(4 * H, H, group, sequence_parallel=True, dtype=torch.bfloat16)
+    col.load_full_(weight=ref1.weight, bias=ref1.bias)
+    row.load_full_(weight=ref2.weight, bias=ref2.bias)
+    y = row(F.gelu(col(_slice(x_full, 0, group).bfloat16())))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), _slice(ref2(F.gelu(ref1(x_full))), 0, group).detach(),
+                               rtol=2e-2, atol=2e-2)
+    full = (3 * torch.randn(S, B, 8 * group.size, generator=gen)).bfloat16()
+    target = torch.randint(0, full.size(-1) - 1, (S, B), generator=gen)
+    loss = vocab_parallel_cross_entropy(_slice(full, -1, group), target, group,
+                                        vocab_size=full.size(-1) - 1)
+    ref = F.cross_entropy(full[..., :-1].float().reshape(-1, full.size(-1) - 1), target.reshape(-1),
+                          reduction="none").view(S, B)
+    assert loss.dtype == torch.float32
+    _close(loss, ref, "cross-entropy of bf16 logits (computed in fp32)")
+
+
 def check_mappings(group):
     """Round trips of the split/gather operators and the SP reduce-scatter, forward and backward."""
     gen = torch.Generator().manual_seed(6)
@@ -252,6 +276,7 @@ def _all_checks_on(state):
     for vocab in vocabs:  # divisible / padded / the last shard entirely padding
         check_cross_entropy(group, vocab, padded)
     check_mappings(group)
+    check_bf16(group)
     init_sums = check_init_independence(group)
     dropout = check_rng(group, state.tp_rank)
     assert state.ledger.bytes("dp") == 0, "TP layers must not touch the dp group"

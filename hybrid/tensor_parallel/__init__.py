@@ -14,7 +14,8 @@ from hybrid.tensor_parallel.random import RNGStates, RNGTracker
 
 __all__ = [
     "ColumnParallelLinear", "LayerNorm", "RNGStates", "RNGTracker", "RowParallelLinear",
-    "VocabParallelEmbedding", "column_parallel_linear", "copy_to_tp", "full_init", "gather_from_sequence", "gather_from_tp",
+    "VocabParallelEmbedding", "column_parallel_linear", "copy_to_tp", "full_init",
+    "gather_from_sequence", "gather_from_tp",
     "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp",
     "set_tp_attributes", "shard", "vocab_parallel_cross_entropy",
 ]

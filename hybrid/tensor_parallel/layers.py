@@ -15,10 +15,12 @@ slices of dim 0.
   through ``f`` and autograd sums their gradients across the TP group.
 
 Every parameter carries ``tensor_model_parallel`` (sharded across TP, whatever the degree),
-``partition_dim`` (-1 when replicated) and ``sequence_parallel`` (replicated but applied to a sequence
-shard: LayerNorm and the row-parallel bias under SP, whose gradients ``f`` sums over TP); the attributes survive ``.to()``/``.to_empty()``. Layers built
-with ``device="meta"`` allocate nothing; :meth:`init_weights` fills materialised parameters from
-:func:`~hybrid.tensor_parallel.init.full_init`, so values do not depend on the TP degree.
+``partition_dim`` (-1 when replicated) and ``sequence_parallel`` (replicated but applied to a
+sequence shard: LayerNorm and the row-parallel bias under SP, whose gradients ``f`` sums over TP);
+the attributes survive ``.to()``/``.to_empty()``. Layers built with ``device="meta"`` allocate
+nothing; ``init_weights(seed, std=, prefix=)`` fills materialised parameters from
+:func:`~hybrid.tensor_parallel.init.full_init`, so values do not depend on the TP degree, and
+``load_full_(weight=, bias=)`` loads this rank's shard of given full tensors.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 bf16: parameters and gradients in bf16, fp32 master and moments. Against the fp32 single-device
 reference the losses agree to 2e-2 relative and the parameter trajectory to 5%: bf16 keeps 8
 significant bits (relative rounding 2^-9 = 0.2% per operation), the forward/backward of one step
-accumulates a few such roundings in the loss (<1%), and the update itself is done on the fp32 master
-from the same gradients, so the distance travelled by the parameters (||p - p_ref|| relative to
-||p_ref - p_init||) stays within a few percent over 5 steps.
+accumulates a few such roundings in the loss and the gradient norm (<2%). The update runs on the
+fp32 master, but AdamW normalises each element's gradient (m / sqrt(v) ~ sign(g) early on), so for
+the few elements whose gradient is of the order of the bf16 noise the step direction is noise: the
+trajectory error ||p - p_ref|| / ||p_ref - p_init|| measures 4.7% here and is bounded at 10%.
+(Gradient scaling bugs, to which Adam is blind, are caught by the grad-norm check.)
 
 fp16: an injected inf/NaN gradient on ONE rank skips the step on every rank (DP and TP agree),
 leaves parameters, master and moments bit-equal, keeps the scale for the first overflow
@@ -26,7 +28,7 @@ TASK = MLPTask()
 
 def _bf16(rank, world_size, tp):
     data = TASK.data()
-    ref_losses, _, ref_params = reference_run(TASK, data)
+    ref_losses, ref_norms, ref_params = reference_run(TASK, data)
     init = {n: p.detach().clone() for n, p in TASK.reference().named_parameters()}
     state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size))
     out = []
@@ -34,8 +36,10 @@ def _bf16(rank, world_size, tp):
         model = TASK.model(state)
         opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision="bf16",
                                                             bucket_size=300), TASK.adamw)
-        losses, _ = train(TASK, state, opt, model, data, 1)
+        losses, results = train(TASK, state, opt, model, data, 1)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+        torch.testing.assert_close(torch.tensor([r.grad_norm for r in results]),
+                                   torch.tensor(ref_norms), rtol=2e-2, atol=0)
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
         moved = err = 0.0
         for name, p in model.named_parameters():
@@ -44,7 +48,7 @@ def _bf16(rank, world_size, tp):
             err += (p.detach().float() - ref).square().sum().item()
             moved += (ref - start).square().sum().item()
         out.append((err / moved) ** 0.5)
-        assert out[-1] < 0.05, (stage, out[-1])
+        assert out[-1] < 0.10, (stage, out[-1])
     return out
 
 

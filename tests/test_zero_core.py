@@ -99,3 +99,23 @@ def test_formulas_are_the_papers():
     fp32 = formula_bytes(psi, 1, nd, param_bytes=4, mixed_precision=False)
     assert fp32 == {"param16": 4 * psi, "grad16": 4 * psi, "master32": 0, "adam_moments": 8 * psi / nd}
     assert expected_dp_bytes(psi, 2, nd, 2) == 2 * psi * 2 * 3 / 4
+
+
+def test_flat_layout_buckets_chunks_and_pieces():
+    from hybrid.zero.partition import FlatLayout
+    numels = [6, 3, 10, 1]
+    layout = FlatLayout(numels, bucket_size=10, partitions=2, alignment=2)
+    # reverse registration order; a parameter never spans buckets; buckets padded to 2 x 2
+    assert [b.params for b in layout.buckets] == [(3,), (2,), (1, 0)]
+    assert [b.numel for b in layout.buckets] == [4, 12, 12] and layout.numel == 28
+    for rank in range(2):
+        for b, piece in layout.owned_pieces(rank):
+            bucket = layout.buckets[b]
+            lo, _ = bucket.chunk_range(rank)
+            slot = layout.slots[piece.index]
+            assert slot.start + piece.param_offset == bucket.start + lo + piece.chunk_offset
+    covered = [0] * len(numels)   # every element of every parameter is owned exactly once
+    for rank in range(2):
+        for _, piece in layout.owned_pieces(rank):
+            covered[piece.index] += piece.numel
+    assert covered == numels

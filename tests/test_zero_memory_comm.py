@@ -69,3 +69,24 @@ def test_stage2_bf16_numbers_are_the_papers():
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=2, precision="bf16"), TASK.adamw)
     text = str(opt.memory_report())
     assert "master32" in text and "paper MB" in text
+
+
+def _overlap(rank, world_size):
+    """Buckets are launched by the gradient hooks during backward, not at step()."""
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    batch = TASK.data(steps=1)[0]
+    launched = {}
+    for stage, op in ((0, "all_reduce"), (1, "reduce_scatter"), (2, "reduce_scatter")):
+        model = TASK.model(state)
+        opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=8192),
+                                   TASK.adamw)
+        state.ledger.reset()
+        opt.backward(TASK.loss(model, batch))
+        launched[stage] = (state.ledger.count("dp", op), len(opt.layout.buckets))
+        opt.step()
+    return launched
+
+
+def test_bucket_communication_starts_during_backward():
+    launched = run_on_ranks(_overlap, 2)[0]
+    assert all(n == buckets > 1 for n, buckets in launched.values()), launched

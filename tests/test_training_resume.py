@@ -45,15 +45,7 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     base = tiny_args(extra=FIXED_SCHEDULE + ["--train-iters", "4"])
     full = _losses(base).losses
     record: list = []
-
-    class Killer(list):          # sends SIGTERM to this process while micro-batch 5 is consumed
-        def append(self, item):
-            super().append(item)
-            if len(self) == 5:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    killer = Killer()
-    stopped = _losses(base + ["--save", str(tmp_path)], killer)
+    stopped = _losses(base + ["--save", str(tmp_path)], _Killer(at=5))   # during iteration 2
     assert stopped.ts.iteration == 2 and len(stopped.losses) == 2    # finished the step it was in
     resumed = _losses(base + ["--load", str(tmp_path)], record)
     assert stopped.losses + resumed.losses == full
@@ -64,3 +56,29 @@ def test_exit_duration_saves_after_first_step(tmp_path):
     trainer = _losses(tiny_args(extra=["--exit-duration-in-mins", "1e-9", "--save", str(tmp_path)]))
     assert trainer.ts.iteration == 1
     assert CheckpointReader(tmp_path).metadata["train_state"]["iteration"] == 1
+
+
+def _sigterm_on_rank_1(rank, world_size, ckpt):
+    record = _Killer(at=3) if rank == 1 else []     # DP 2: 2 micro-batches per iteration
+    trainer = _losses(tiny_args(extra=FIXED_SCHEDULE + ["--train-iters", "4", "--save", ckpt]), record)
+    return trainer.ts.iteration
+
+
+class _Killer(list):
+    """Records micro-batches; sends SIGTERM to its own process when the ``at``-th one is read."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def append(self, item):
+        super().append(item)
+        if len(self) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_together(tmp_path):
+    from tests.multirank import run_on_ranks
+    iterations = run_on_ranks(_sigterm_on_rank_1, 2, args=(str(tmp_path),), timeout=300)
+    assert iterations == [2, 2]
+    assert CheckpointReader(tmp_path).metadata["train_state"]["iteration"] == 2

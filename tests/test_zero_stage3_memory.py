@@ -136,6 +136,19 @@ def test_next_unit_gather_is_issued_before_current_forward_finishes(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_gradient_reduce_scatters_overlap_backward_but_stay_bounded(world):
+    """Each unit's reduce-scatter starts as soon as its gradients exist; at most two full-size
+    gradient buffers are alive at once (the rest of the gradient is already partitioned)."""
+    for rank, tp, dp, m in _cases(world, "bf16"):
+        bwd = m["trace"][m["trace"].index(("backward", -1)):]
+        reduces = [e for e in bwd if e[0] in ("reduce", "reduce_done")]
+        in_flight = [sum(1 if e == "reduce" else -1 for e, _ in reduces[:j + 1])
+                     for j in range(len(reduces))]
+        assert max(in_flight) == 2 and in_flight[-1] == 0, reduces   # overlapped, yet bounded
+        assert bwd.index(reduces[0]) < bwd.index(("backward", 1)), bwd   # while layers compute
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_bf16_losses_follow_the_fp32_reference(world):
     """bf16 parameters and gradients (fp32 master): losses within 1% of fp32 (documented tolerance)."""
     ref_losses = torch.tensor(reference()[0][:2])

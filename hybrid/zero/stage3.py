@@ -38,6 +38,7 @@ from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
 
 log = logging.getLogger(__name__)
+MAX_REDUCES_IN_FLIGHT = 2   # overlap one unit's reduce-scatter with the next unit's backward
 
 
 class Stage3Optimizer:
@@ -75,6 +76,7 @@ class Stage3Optimizer:
                                          prefetch=zero_config.stage3_prefetch)
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
+        self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
                        for k, u in enumerate(self.all_units) for slot in u.slots]
         self._ledger_mark, self._last_step_records = len(state.ledger.records), []
@@ -91,10 +93,20 @@ class Stage3Optimizer:
         return hook
 
     def _reduce_unit(self, k: int) -> None:
+        """Release unit k (its backward is over) and start its gradient reduce-scatter. At most
+        MAX_REDUCES_IN_FLIGHT full-size gradient buffers exist: older reduces are finished first."""
         unit = self.all_units[k]
         if unit in self.units:
-            self.scheduler.release(self.units.index(unit))   # its backward is over
+            self.scheduler.release(self.units.index(unit))
+        while len(self._in_flight) >= MAX_REDUCES_IN_FLIGHT:
+            self._finish_reduce(self._in_flight.pop(0))
         unit.reduce_gradients(1.0 / self.state.dp_size)      # DP mean: each rank's loss is a mean
+        self.scheduler.trace.append(("reduce", k))
+        self._in_flight.append(k)
+
+    def _finish_reduce(self, k: int) -> None:
+        self.all_units[k].finish_reduce()
+        self.scheduler.trace.append(("reduce_done", k))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (the caller divides by the number of micro-batches)."""
@@ -112,8 +124,9 @@ class Stage3Optimizer:
         for k, unit in enumerate(self.all_units):
             if self._remaining[k] != 0 and not unit.reduce_pending:
                 self._reduce_unit(k)
-        for unit in self.all_units:
-            unit.finish_reduce()
+        for k in self._in_flight:
+            self._finish_reduce(k)
+        self._in_flight = []
         self.scheduler.release_all()
         self._remaining = [len(u.slots) for u in self.all_units]
 

@@ -6,6 +6,8 @@
   consecutive steps draw different masks);
 - the default stream stays in lockstep across the TP ranks (replicated activations get one mask);
 - with only hidden dropout (replicated region, default stream) TP 2 equals TP 1 exactly;
+- activation recompute (selective, full, full-pa = ZeRO-R Pa) reproduces the dropout masks: loss
+  and gradients equal the run without recompute;
 - TP > 1 with dropout in a TP region and no RNGTracker is refused with a clear message.
 """
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
+from hybrid.recompute import RecomputePlan
 from hybrid.tensor_parallel import RNGTracker
 from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
@@ -33,12 +36,33 @@ def _batch(config):
     return tokens, torch.randint(0, config.vocab_size, tokens.shape, generator=g)
 
 
-def _build(config, state, sp):
+def _build(config, state, sp, plan: str | None = None):
     rng = RNGTracker(SEED, state.tp_rank, state.device)
     rng.seed_all()
-    model = GPTModel(config, state, sequence_parallel=sp, device="meta", rng=rng)
+    recompute = None if plan is None else RecomputePlan.from_flag(plan, config.num_layers)
+    model = GPTModel(config, state, sequence_parallel=sp, device="meta", rng=rng, recompute=recompute)
     model.init_weights(SEED)
     return model, rng
+
+
+def _loss_and_grads(model, config):
+    tokens, labels = _batch(config)
+    loss = model(tokens, labels).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _recompute_mismatches(state, sp):
+    """Plans whose loss or any gradient differs from the run without recompute (same seed)."""
+    base_loss, base_grads = _loss_and_grads(_build(BOTH, state, sp)[0], BOTH)
+    bad = []
+    for plan in ("selective", "full", "full-pa"):
+        loss, grads = _loss_and_grads(_build(BOTH, state, sp, plan)[0], BOTH)
+        if not torch.equal(loss, base_loss):
+            bad.append((plan, "loss"))
+        bad += [(plan, n) for n, g in grads.items() if not torch.allclose(g, base_grads[n], rtol=1e-6,
+                                                                          atol=1e-9)]
+    return bad
 
 
 def _step(model, config):
@@ -74,7 +98,7 @@ def _dropout_runs(rank, world_size):
         with torch.no_grad():
             eval_loss = model(*_batch(BOTH)).mean().item()
         out[sp] = dict(first=first, second=second, again=again, eval=eval_loss, stream=stream,
-                       tp_stream_used=tp_stream_used)
+                       tp_stream_used=tp_stream_used, recompute_bad=_recompute_mismatches(state, sp))
     model, _ = _build(HIDDEN_ONLY, state, False)
     out["hidden_only_tp2"] = _step(model, HIDDEN_ONLY)
     if rank == 0:   # the same run at TP 1 on one rank
@@ -101,6 +125,7 @@ def test_dp_replicas_agree_and_runs_reproduce(runs, sp):
     assert abs(r[0]["eval"] - r[0]["first"][0]) > 1e-3   # dropout is really on in training
     assert r[0]["stream"] == r[1]["stream"]               # default stream in lockstep across TP
     assert r[0]["tp_stream_used"] and r[1]["tp_stream_used"]  # attention dropout drew from fork()
+    assert [rank["recompute_bad"] for rank in r] == [[]] * 4     # recompute replays the masks
 
 
 def test_hidden_dropout_tp2_equals_tp1(runs):

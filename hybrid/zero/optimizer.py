@@ -225,7 +225,13 @@ class ZeroOptimizer:
     def step_count(self, value: int) -> None:
         self.adam.step = int(value)
 
+    @property
+    def fragments_replicated_over_dp(self) -> bool:
+        """Stage 0 keeps the whole optimizer state on every DP rank (save it from DP rank 0 only)."""
+        return self.partitions == 1
+
     def owned_fragments(self) -> list[Fragment]:
+        """Master and moment pieces this rank owns, addressed by parameter name and offset."""
         out = []
         kinds = {"master": self.master, "exp_avg": self.adam.exp_avgs,
                  "exp_avg_sq": self.adam.exp_avg_sqs}

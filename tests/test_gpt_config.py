@@ -70,6 +70,7 @@ def test_every_paper_row_is_present_and_consistent():
         formula = 12 * l * h * h * (1 + 13 / (12 * h) + (c.vocab_size + c.seq_length) / (12 * l * h))
         assert c.num_parameters(1) == pytest.approx(formula, rel=1e-3), run.name
         assert c.num_parameters(1) == pytest.approx(run.label_parameters, rel=0.10), run.name
+        assert c.num_parameters(1) == pytest.approx(12 * l * h * h, rel=0.10), run.name
 
 
 def test_table_rows_copied_exactly():

@@ -267,9 +267,12 @@ def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
 
 
 def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                         adamw_config: AdamWConfig):
-    """The engine for ``zero_config.stage``: stages 0-2 here, stage 3 in :mod:`.stage3`."""
+                         adamw_config: AdamWConfig, **stage3_options):
+    """The engine for ``zero_config.stage``: stages 0-2 here, stage 3 in :mod:`.stage3`
+    (``stage3_options``, e.g. ``init_fn``/``seed`` for a meta-built model, go to stage 3 only)."""
     if zero_config.stage == 3:
-        from hybrid.zero.stage3 import Stage3Optimizer  # engineer E2's engine
-        return Stage3Optimizer(model, state, zero_config, adamw_config)
+        from hybrid.zero.stage3 import build_stage3_optimizer  # engineer E2's engine
+        return build_stage3_optimizer(model, state, zero_config, adamw_config, **stage3_options)
+    if stage3_options:
+        raise TypeError(f"options {sorted(stage3_options)} apply to ZeRO stage 3 only")
     return ZeroOptimizer(model, state, zero_config, adamw_config)

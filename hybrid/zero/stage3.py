@@ -103,6 +103,8 @@ class Stage3Optimizer:
         unit.reduce_gradients(1.0 / self.state.dp_size)      # DP mean: each rank's loss is a mean
         self.scheduler.trace.append(("reduce", k))
         self._in_flight.append(k)
+        if not self.config.overlap_communication:
+            self._finish_reduce(self._in_flight.pop())
 
     def _finish_reduce(self, k: int) -> None:
         self.all_units[k].finish_reduce()

@@ -38,8 +38,8 @@ KNOWN_MISSES = {
         "model's superlinearity comes only from the larger per-GPU batch (64->128 and 256->400).",
     "table10-13B-tflops":
         "Table 10 runs the 13B model with batch 2 per GPU: 2048 tokens per micro-batch halves the "
-        "model's sustained efficiency (0.2 of peak) and the 2Ψ = 52 GB of Pos+g DP traffic per step "
-        "(4 s at 6.25 GB/s, half exposed) is amortised over little compute, so the model predicts "
+        "model's sustained efficiency (0.2 of peak) and the 2Ψ = 51 GB of Pos+g DP traffic per step "
+        "(8 s at 6.25 GB/s, half of it exposed) is amortised over little compute, so the model predicts "
         "~17 TFLOP/s. The paper's figure implies its small-batch kernels ran at full efficiency.",
     "pa-example-checkpoints":
         "The paper's 33 GB equals b s h l = 32 x 1024 x 8192 x 125 = 33.5e9 checkpoint ELEMENTS; "

@@ -213,13 +213,18 @@ def check_init_independence(group):
 
 def check_ledger(state, sp, bias):
     """Column -> Row, forward + backward: one all-reduce of s*b*h each way on the tp group, or with
-    SP one all-gather + one reduce-scatter each way (plus the SP bias's small all-reduce)."""
+    SP one all-gather + one reduce-scatter forward and, backward, the same plus the re-gather of the
+    column input that SP saves as a shard (and the SP bias's small all-reduce)."""
     group, ledger = state.tp, state.ledger
     col = ColumnParallelLinear(H, 4 * H, group, sequence_parallel=sp, bias=bias)
     row = RowParallelLinear(4 * H, H, group, sequence_parallel=sp, bias=bias)
     x = torch.randn(S // group.size if sp else S, B, H, requires_grad=True)
     ledger.reset()
-    y = row(col(x))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        hidden = col(x)
+    assert (S, B, H) not in saved or not sp or group.size == 1, f"SP saved a gathered input {saved}"
+    y = row(hidden)
     forward = [(r.group, r.op, r.numel) for r in ledger.records]
     ledger.reset()
     y.sum().backward()
@@ -235,8 +240,8 @@ def check_ledger(state, sp, bias):
         return
     assert forward == [("tp", "all_gather", sbh), ("tp", "reduce_scatter", sbh)], forward
     extra = [("tp", "all_reduce", H)] if bias else []   # d bias summed over sequence shards by f
-    assert sorted(backward) == sorted([("tp", "all_gather", sbh), ("tp", "reduce_scatter", sbh),
-                                       *extra]), backward
+    assert sorted(backward) == sorted([("tp", "all_gather", sbh), ("tp", "all_gather", sbh),
+                                       ("tp", "reduce_scatter", sbh), *extra]), backward
 
 
 def check_rng(group, tp_rank):

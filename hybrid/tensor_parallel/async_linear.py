@@ -3,10 +3,16 @@
 parallelism the collective is SP's reduce-scatter, Korthikanti et al. 2022 §4.2.2).
 
 Semantically this is ``F.linear(f(x), W, b)`` (``f`` = copy_to_tp) or ``F.linear(g_bar(x), W, b)``
-with sequence parallelism, and it moves exactly the same volume. The difference is scheduling: in
-backward the input gradient ``dX = dY W`` is computed first and its all-reduce (or reduce-scatter) is
-started asynchronously; ``dW = dY^T X`` and ``db`` are computed while it is in flight, and only then
-the collective is waited on. On gloo the collective runs on a background thread; on NCCL on its stream.
+with sequence parallelism. The difference is scheduling: in backward the input gradient ``dX = dY W``
+is computed first and its all-reduce (or reduce-scatter) is started asynchronously; ``dW = dY^T X``
+and ``db`` are computed while it is in flight, and only then the collective is waited on. On gloo the
+collective runs on a background thread; on NCCL on its stream.
+
+With sequence parallelism only this rank's input shard ``[s/tp, b, in]`` is saved for backward, not
+the all-gathered ``[s, b, in]`` (Korthikanti et al. §4.2.2: this is what makes the activation memory
+``(sbh/t)(34 + 5as/h)``); backward all-gathers it again, overlapped with the ``dX`` GEMM. So per
+column-parallel linear SP moves one all-gather forward and one all-gather + one reduce-scatter
+backward.
 """
 
 from __future__ import annotations
@@ -35,20 +41,34 @@ def _start_input_grad_reduction(grad_total: torch.Tensor, group: Group, sequence
     return shard, comm.reduce_scatter_into(shard, grad_total, group, async_op=True)
 
 
+def _start_input_regather(x: torch.Tensor, ctx):
+    """Under SP, launch the all-gather of the saved input shard, needed only for ``dW``.
+    Returns (full input ``[s, b, in]``, handle or None)."""
+    group = ctx.group
+    if not (ctx.sequence_parallel and group.size > 1 and ctx.needs_input_grad[1]):
+        return x, None
+    total = torch.empty((x.size(0) * group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return total, comm.all_gather_into(total, x.contiguous(), group, async_op=True)
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         total = _gather_first(x, group) if sequence_parallel else x   # [s, b, in]
-        ctx.save_for_backward(total, weight)
+        ctx.save_for_backward(x, weight)                              # SP: the shard only
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
         return F.linear(total, weight, bias)                          # [s, b, out/tp]
 
     @staticmethod
     def backward(ctx, grad):
-        total, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         grad_input = handle = grad_weight = grad_bias = None
+        total, gather = _start_input_regather(x, ctx)                 # [s, b, in] for dW
         if ctx.needs_input_grad[0]:
             grad_total = grad.matmul(weight)                          # [s, b, in], partial over TP
+        if gather is not None:
+            gather.wait()
+        if ctx.needs_input_grad[0]:
             grad_input, handle = _start_input_grad_reduction(grad_total, ctx.group,
                                                              ctx.sequence_parallel)
         grad_2d = grad.reshape(-1, grad.size(-1))                     # [s*b, out/tp]

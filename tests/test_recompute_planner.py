@@ -90,3 +90,15 @@ def test_plans_fit_three_budgets_on_cpu():
         assert est.recompute_flops <= full_flops
     log.info("planner on CPU: %s (full recompute %.3g FLOP)", rows, full_flops)
     assert len({str(r[1]) for r in rows}) == 3   # the budgets lead to different plans
+
+
+def test_from_cli_flags():
+    from models.gpt.config import GPTConfig
+    config = GPTConfig(4, 64, 4, vocab_size=128, seq_length=32)
+    assert RecomputePlan.from_cli("selective", config, micro_batch=2).modes == ("selective",) * 4
+    with pytest.raises(ValueError, match="needs --memory-budget"):
+        RecomputePlan.from_cli("auto", config, micro_batch=2)
+    with pytest.raises(ValueError, match="only applies to --recompute auto"):
+        RecomputePlan.from_cli("full", config, micro_batch=2, memory_budget=1e6)
+    plan = RecomputePlan.from_cli("auto", config, micro_batch=2, tp=2, memory_budget=1e9)
+    assert plan.modes == ("none",) * 4 and "planned for" in str(plan)

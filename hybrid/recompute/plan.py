@@ -75,6 +75,24 @@ class RecomputePlan:
         return cls.uniform(flag, num_layers, **kw)
 
     @classmethod
+    def from_cli(cls, flag: str, config, *, micro_batch: int, tp: int = 1,
+                 sequence_parallel: bool = False, memory_budget: float | None = None,
+                 bytes_per_element: int = 4, **kw) -> "RecomputePlan":
+        """What the trainer's ``--recompute MODE|auto [--memory-budget BYTES]`` asks for, given a
+        :class:`models.gpt.config.GPTConfig` and the layout of one rank."""
+        if flag != "auto":
+            if memory_budget is not None:
+                raise ValueError(f"--memory-budget only applies to --recompute auto, not {flag!r}")
+            return cls.from_flag(flag, config.num_layers, **kw)
+        if memory_budget is None or memory_budget <= 0:
+            raise ValueError("--recompute auto needs --memory-budget <bytes per rank> (e.g. 8e9)")
+        from hybrid.recompute.planner import ModelDims
+        dims = ModelDims.from_config(config, micro_batch=micro_batch, tp=tp,
+                                     sequence_parallel=sequence_parallel,
+                                     bytes_per_element=bytes_per_element)
+        return cls.from_budget(dims, memory_budget, **kw)
+
+    @classmethod
     def from_budget(cls, dims, budget_bytes: float, **kw) -> "RecomputePlan":
         """The cheapest plan whose activations fit ``budget_bytes`` per rank; see
         :func:`hybrid.recompute.planner.plan_for_budget` for ``dims`` and the cost model."""

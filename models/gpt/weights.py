@@ -1,0 +1,109 @@
+"""Load GPT weights from any source into a tensor-parallel :class:`GPTModel` (DESIGN.md invariant 8).
+
+The common currency is the canonical state dict (:mod:`models.gpt.sharding`: the single-device
+reference's names and shapes). Three sources give one, whatever layout produced them:
+
+    a training checkpoint      <save>/ or <save>/iter_N/ (hybrid.checkpoint; any TP/DP/ZeRO stage)
+    a Hugging Face directory   config.json + model.safetensors of a GPT2LMHeadModel (models/gpt/hf.py)
+    a canonical .safetensors   one file, canonical names, the GPTConfig as JSON in its metadata
+
+and :func:`build_model` shards the canonical tensors for the TP degree of a ``ParallelState``
+(vocab padding and the per-head QKV interleave are added by ``shard_tensor``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybrid.checkpoint import CheckpointError
+from hybrid.parallel_state import ParallelState
+from models.gpt.config import GPTConfig
+from models.gpt.hf import is_hf_directory, load_hf_directory
+from models.gpt.model import GPTModel
+
+log = logging.getLogger(__name__)
+
+_CONFIG_KEY = "gpt_config"
+
+
+def save_canonical(path: str | Path, state_dict: dict[str, torch.Tensor], config: GPTConfig) -> Path:
+    """One safetensors file of canonical tensors with the model config in its metadata."""
+    path = Path(path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, str(path), metadata={_CONFIG_KEY: json.dumps(config.to_dict())})
+    return path
+
+
+def load_canonical(path: str | Path, kind: str = "master") -> tuple[dict[str, torch.Tensor], GPTConfig]:
+    """``(canonical state dict, GPTConfig)`` from a checkpoint, an HF directory or a canonical file.
+
+    For a training checkpoint ``kind`` picks the fp32 ``master`` weights (falling back to the
+    ``model`` weights when no optimizer state was saved) or the 16-bit ``model`` weights."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".safetensors":
+        return _load_canonical_file(path)
+    if path.is_dir() and is_hf_directory(path):
+        return load_hf_directory(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass a checkpoint directory (--save of a "
+                                f"training run), a Hugging Face GPT-2 directory or a .safetensors file")
+    from hybrid.checkpoint.export import canonical_state_dict
+    try:
+        state_dict, config = canonical_state_dict(path, kind)
+    except CheckpointError as err:
+        if kind != "master" or "no master state" not in str(err):
+            raise
+        log.info("%s holds no fp32 master weights; using the model weights", path)
+        state_dict, config = canonical_state_dict(path, "model")
+    return {k: v.float() for k, v in state_dict.items()}, GPTConfig.from_dict(config)
+
+
+def _load_canonical_file(path: Path) -> tuple[dict[str, torch.Tensor], GPTConfig]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if _CONFIG_KEY not in meta:
+            raise ValueError(f"{path} has no '{_CONFIG_KEY}' metadata; write it with "
+                             f"models.gpt.weights.save_canonical")
+        state_dict = {k: f.get_tensor(k).float() for k in f.keys()}
+    return state_dict, GPTConfig.from_dict(json.loads(meta[_CONFIG_KEY]))
+
+
+def build_model(config: GPTConfig, state: ParallelState, state_dict: dict[str, torch.Tensor], *,
+                dtype: torch.dtype = torch.float32) -> GPTModel:
+    """A :class:`GPTModel` at the TP degree of ``state`` holding ``state_dict`` (canonical), in eval
+    mode. Built on meta and filled once: no throw-away random initialisation."""
+    model = GPTModel(config, state, device="meta", dtype=dtype)
+    model.to_empty(device=state.device)
+    model.device = state.device
+    model.load_canonical_state_dict(state_dict)
+    return model.eval()
+
+
+def load_model(path: str | Path, state: ParallelState, *, kind: str = "master",
+               dtype: torch.dtype = torch.float32, dropout: bool = False) -> GPTModel:
+    """:func:`load_canonical` then :func:`build_model` (dropout off unless asked: inference)."""
+    state_dict, config = load_canonical(path, kind)
+    if not dropout:
+        config = config.replace(hidden_dropout=0.0, attention_dropout=0.0)
+    return build_model(config, state, state_dict, dtype=dtype)
+
+
+def init_from_pretrained(model: GPTModel, path: str | Path, *, kind: str = "master") -> None:
+    """Overwrite the weights of an existing ``model`` (any TP degree, e.g. a trainer's, before its
+    optimizer is built) with those of a checkpoint / HF GPT-2 directory / canonical file of the same
+    dims. Dropout and the vocab padding multiple of ``model.config`` are kept."""
+    state_dict, source = load_canonical(path, kind)
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
+            "max_position_embeddings")
+    diffs = [f"{k}: {getattr(source, k)} there vs {getattr(model.config, k)} here" for k in keys
+             if getattr(source, k) != getattr(model.config, k)]
+    if diffs:
+        raise ValueError(f"{path} holds a model of other dims ({'; '.join(diffs)}); set the model "
+                         f"flags to match it")
+    model.load_canonical_state_dict(state_dict)

@@ -1,0 +1,150 @@
+"""Perplexity of a GPT checkpoint on an indexed dataset, at any TP x DP layout.
+
+    python tools/evaluate.py --load checkpoints/tiny --data-path data/text_document \\
+        --tokenizer-model data/tokenizer.model --eval-samples 256
+    torchrun --standalone --nproc-per-node 4 tools/evaluate.py --load checkpoints/tiny \\
+        --tensor-model-parallel-size 2 ...          # TP 2 x DP 2
+
+Perplexity = exp(mean per-token cross-entropy) over the first ``--eval-samples`` samples of one
+split of ``hybrid.data.build_gpt_datasets`` (Megatron's document/shuffle indices, so the samples are
+the ones the training run's validation saw for the same --split/--seed/--seq-length). The loss is
+the model's vocab-parallel cross-entropy (identical on every TP rank); micro-batches are dealt to DP
+ranks round-robin and the (sum, count) pair is all-reduced over DP in fp64, so every layout gives
+the same number up to fp32 rounding of the forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hybrid import comm  # noqa: E402
+from hybrid.parallel_state import ParallelState  # noqa: E402
+from models.gpt.weights import load_model  # noqa: E402
+from tools.generate import parallel_state_from_env, resolve_tokenizer  # noqa: E402
+
+SPLITS = {"train": 0, "valid": 1, "test": 2}
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float          # mean per-token cross-entropy (nats)
+    perplexity: float    # exp(loss)
+    tokens: int          # tokens that counted
+    samples: int
+
+    def to_dict(self) -> dict:
+        return {"loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens,
+                "samples": self.samples}
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, dataset, state: ParallelState, *, num_samples: int,
+                        micro_batch_size: int = 4, eod_mask: int | None = None) -> EvalResult:
+    """Perplexity over samples ``0 .. num_samples-1`` of ``dataset`` (``ds[i]`` = ``s + 1`` ids).
+    Every rank must call; ``eod_mask`` (an id) excludes positions whose input is that token."""
+    if num_samples < 1 or num_samples > len(dataset):
+        raise ValueError(f"--eval-samples {num_samples} must be in [1, {len(dataset)}] (the split's "
+                         f"samples)")
+    model.eval()
+    device = next(model.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)     # [sum of losses, tokens]
+    starts = range(0, num_samples, micro_batch_size)
+    for j, start in enumerate(starts):
+        if j % state.dp_size != state.dp_rank:
+            continue
+        ids = np.stack([dataset[i] for i in range(start, min(start + micro_batch_size, num_samples))])
+        batch = torch.from_numpy(ids.astype(np.int64)).to(device)   # [b, s + 1]
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        loss = model(tokens, labels).double()                       # [b, s]
+        mask = torch.ones_like(loss) if eod_mask is None else (tokens != eod_mask).double()
+        totals += torch.stack([(loss * mask).sum(), mask.sum()])
+    comm.all_reduce(totals, state.dp)
+    total, count = totals.tolist()
+    if count == 0:
+        raise ValueError("no token counted (every input is the end-of-document token?)")
+    mean = total / count
+    return EvalResult(mean, math.exp(mean), int(count), num_samples)
+
+
+def build_eval_dataset(data_path: list[str], split: str, which: str, seq_length: int,
+                       num_samples: int, seed: int, vocab_size: int, cache_dir: str | None):
+    from hybrid.data import build_gpt_datasets
+    counts = [0, 0, 0]
+    counts[SPLITS[which]] = num_samples
+    dataset = build_gpt_datasets(data_path, split, seq_length, counts, seed, vocab_size=vocab_size,
+                                 cache_dir=cache_dir)[SPLITS[which]]
+    if dataset is None:
+        raise SystemExit(f"--split {split} gives the {which} split no documents; choose another "
+                         f"--eval-split or --split")
+    return dataset
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
+    p.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefix(es), Megatron-style (default: the embedded corpus)")
+    p.add_argument("--split", default="969,30,1")
+    p.add_argument("--eval-split", choices=tuple(SPLITS), default="valid")
+    p.add_argument("--eval-samples", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=None, help="default: the model's")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1234, help="dataset shuffle seed (training's --seed)")
+    p.add_argument("--data-cache-dir", default=None)
+    p.add_argument("--tokenizer-model", default=None, help="for --eod-mask-loss and the default corpus")
+    p.add_argument("--eod-mask-loss", action="store_true", help="skip positions whose input is eod")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    p.add_argument("--weights", choices=("master", "model"), default="master")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, state: ParallelState) -> EvalResult:
+    model = load_model(args.load, state, kind=args.weights)
+    config = model.config
+    seq = args.seq_length or config.seq_length
+    data_path = args.data_path
+    if not data_path:
+        from hybrid.data import ensure_default_dataset
+        if state.rank == 0:
+            ensure_default_dataset(args.data_cache_dir, config.vocab_size)
+        comm.barrier(state.world)
+        data_path = [ensure_default_dataset(args.data_cache_dir, config.vocab_size)[0]]
+    eod = None
+    if args.eod_mask_loss:
+        from hybrid.data import Tokenizer
+        tok = resolve_tokenizer(args.load, args.tokenizer_model)
+        if tok is None:
+            raise SystemExit("--eod-mask-loss needs the tokenizer: pass --tokenizer-model")
+        eod = Tokenizer(tok).eod
+    if state.rank == 0:   # build (and cache) the sample index once, like the trainer
+        build_eval_dataset(data_path, args.split, args.eval_split, seq, args.eval_samples, args.seed,
+                           config.vocab_size, args.data_cache_dir)
+    comm.barrier(state.world)
+    dataset = build_eval_dataset(data_path, args.split, args.eval_split, seq, args.eval_samples,
+                                 args.seed, config.vocab_size, args.data_cache_dir)
+    return evaluate_perplexity(model, dataset, state, num_samples=args.eval_samples,
+                               micro_batch_size=args.micro_batch_size, eod_mask=eod)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    state = parallel_state_from_env(args.tensor_model_parallel_size)
+    result = run(args, state)
+    if state.rank == 0:
+        print(json.dumps({**result.to_dict(), "tensor_model_parallel_size": state.tp_size,
+                          "data_parallel_size": state.dp_size}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Export a GPT checkpoint of any layout to a Hugging Face ``GPT2LMHeadModel`` directory.
+
+    python tools/export_hf.py --load checkpoints/tiny --out exports/tiny-hf
+
+Writes config.json, model.safetensors and generation_config.json, plus tokenizer.model and a
+tokenizer_config.json that transformers' ``AutoTokenizer`` loads as a LlamaTokenizer over our
+sentencepiece model (same ids, no BOS added, no prefix space; tested with transformers 5.x).
+Then ``GPT2LMHeadModel.from_pretrained(out)`` gives the same logits as our model (fp32, tested).
+The tied ``lm_head`` is not stored (HF re-ties it); the vocab padding rows are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
+
+import torch  # noqa: E402
+
+from models.gpt.hf import save_hf_directory  # noqa: E402
+from models.gpt.weights import load_canonical  # noqa: E402
+from tools.generate import resolve_tokenizer  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint dir (any layout) or canonical .safetensors")
+    p.add_argument("--out", required=True, help="output directory (replaced if it exists)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model to ship (default: the training run's)")
+    p.add_argument("--no-tokenizer", action="store_true", help="export the weights only")
+    p.add_argument("--weights", choices=("master", "model"), default="master")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    state_dict, config = load_canonical(args.load, args.weights)
+    tokenizer = None if args.no_tokenizer else resolve_tokenizer(args.load, args.tokenizer_model)
+    if tokenizer is None and not args.no_tokenizer:
+        print("note: no tokenizer found; exporting weights only (pass --tokenizer-model)")
+    out = save_hf_directory(args.out, config, state_dict, tokenizer_model=tokenizer,
+                            dtype=DTYPES[args.dtype])
+    print(f"wrote {out} ({config.num_layers} layers, hidden {config.hidden_size}, vocab "
+          f"{config.vocab_size}{', tokenizer' if tokenizer else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

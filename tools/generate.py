@@ -1,0 +1,123 @@
+"""Sample text from a GPT checkpoint with temperature / top-k / top-p, on one process or TP ranks.
+
+    python tools/generate.py --load checkpoints/tiny --prompt "def main(" --max-new-tokens 64
+    torchrun --standalone --nproc-per-node 2 tools/generate.py --load checkpoints/tiny \\
+        --tensor-model-parallel-size 2 --prompt "import os" --temperature 0.8 --top-p 0.9
+
+``--load`` takes a training checkpoint of any layout (save dir or iter_N dir), a Hugging Face GPT-2
+directory (tools/export_hf.py output) or a canonical .safetensors file. The model is sharded for the
+TP degree of this job; the sampling loop is :func:`hybrid.generation.generate`. The tokenizer is
+``--tokenizer-model``, else the one stored with the weights (HF directory) or the one the training
+run used (checkpoint config). Rank 0 prints the completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
+
+import torch  # noqa: E402
+
+from hybrid.generation import SamplingParams, generate  # noqa: E402
+from hybrid.parallel_state import ParallelState  # noqa: E402
+from hybrid.topology import Topology  # noqa: E402
+from models.gpt.weights import load_model  # noqa: E402
+
+
+def parallel_state_from_env(tp: int | None) -> ParallelState:
+    """One process (no torchrun) or the torchrun job's TP x DP groups; ``tp`` defaults to the
+    world size (all ranks in one TP group)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = tp or world
+    if world % tp:
+        raise SystemExit(f"--tensor-model-parallel-size {tp} does not divide the {world} ranks of "
+                         f"this job; launch tp x dp ranks")
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return ParallelState.single_process("cuda" if torch.cuda.is_available() else "cpu")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return ParallelState.initialize(Topology(world, tp, gpus_per_node=max(per_node, tp)))
+
+
+def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
+    """The sentencepiece model for ``load``: explicit, the HF directory's, or the training run's."""
+    if explicit:
+        return explicit
+    path = Path(load)
+    if (path / "tokenizer.model").is_file():
+        return str(path / "tokenizer.model")
+    if path.is_dir() and not (path / "config.json").is_file():
+        from hybrid.checkpoint import CheckpointReader
+        meta = CheckpointReader(path, verify=False).metadata
+        data = meta.get("config", {}).get("data", {})
+        if data.get("tokenizer_model"):
+            return data["tokenizer_model"]
+        if not data.get("data_path"):   # trained on the embedded default corpus
+            from hybrid.data import ensure_default_dataset
+            return ensure_default_dataset(data.get("data_cache_dir"), meta["model_config"]["vocab_size"])[1]
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
+    p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model (default: see above)")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompt-ids", default=None, help="JSON list of token-id lists instead of text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    p.add_argument("--weights", choices=("master", "model"), default="master",
+                   help="checkpoint tensors to use: fp32 master or 16-bit model weights")
+    p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after end-of-document")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, state: ParallelState) -> list[dict]:
+    """Generate for every prompt; returns ``[{"prompt", "ids", "text"}]`` (same on every rank)."""
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    model = load_model(args.load, state, kind=args.weights)
+    tok_path = resolve_tokenizer(args.load, args.tokenizer_model)
+    tokenizer = None
+    if tok_path is not None:
+        from hybrid.data import Tokenizer
+        tokenizer = Tokenizer(tok_path)
+    if args.prompt_ids is not None:
+        prompts = json.loads(args.prompt_ids)
+    elif tokenizer is None:
+        raise SystemExit("no tokenizer found for text prompts; pass --tokenizer-model or --prompt-ids")
+    else:
+        prompts = [tokenizer.encode(text) for text in args.prompt or [""]]
+    eod = None if args.no_stop_at_eod or tokenizer is None else tokenizer.eod
+    out = []
+    for i, ids in enumerate(prompts):
+        ids = ids or ([tokenizer.eod] if tokenizer is not None else [0])   # empty: start a document
+        seq = generate(model, torch.tensor([ids]), args.max_new_tokens,
+                       SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + i),
+                       eod=eod)[0].tolist()
+        new = seq[len(ids):]
+        text = tokenizer.decode([t for t in new if t != eod]) if tokenizer is not None else None
+        out.append({"prompt": ids, "ids": new, "text": text})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    state = parallel_state_from_env(args.tensor_model_parallel_size)
+    results = run(args, state)
+    if state.rank == 0:
+        for r in results:
+            print(json.dumps(r) if args.json else (r["text"] if r["text"] is not None else r["ids"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Import a Hugging Face GPT-2 directory as a canonical safetensors file our tools and models load.
+
+    python tools/import_hf.py --hf-dir path/to/gpt2 --out gpt2.safetensors
+    python tools/generate.py --load gpt2.safetensors ...      # or --load path/to/gpt2 directly
+
+Every loader here (:func:`models.gpt.weights.load_model`, tools/generate.py, tools/evaluate.py)
+already accepts an HF directory; this tool writes the converted tensors once, with the GPTConfig in
+the file's metadata. To start training from HF weights, build the model at any TP degree and call
+:func:`models.gpt.weights.init_from_pretrained(model, hf_dir)` before the optimizer is created.
+Only a single ``model.safetensors`` is read (no pickled ``.bin``: nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
+
+from models.gpt.hf import load_hf_directory  # noqa: E402
+from models.gpt.weights import save_canonical  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hf-dir", required=True, help="directory with config.json + model.safetensors")
+    p.add_argument("--out", required=True, help="canonical .safetensors file to write")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    args = p.parse_args(argv)
+    if not args.out.endswith(".safetensors"):
+        p.error(f"--out {args.out} must end in .safetensors")
+    state_dict, config = load_hf_directory(args.hf_dir,
+                                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    save_canonical(args.out, state_dict, config)
+    print(f"wrote {args.out}: {config.num_layers} layers, hidden {config.hidden_size}, "
+          f"{config.num_attention_heads} heads, vocab {config.vocab_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -110,12 +110,19 @@ def _step_probe(rank, world_size, tp, stage, steps):
     if not meta:
         model.init_weights(1)
     optimizer, engine = _optimizer(model, state, config, stage)
-    h = config.hidden_size   # the run's MLP GEMM, timed in the rank while its peer does the same
-    shape_rate = gemm_rate(MICRO_BATCH * config.seq_length, h, 4 * h // tp, torch.float32)
     gen = torch.Generator().manual_seed(100 + state.dp_rank)
     tokens = torch.randint(0, config.vocab_size, (MICRO_BATCH, config.seq_length + 1), generator=gen)
-    cpu, wall = [], []
-    for _ in range(steps + 2):                       # 2 warm-up steps
+    h = config.hidden_size
+    cpu, wall, rate = _time_steps(model, optimizer, tokens, steps, (MICRO_BATCH * config.seq_length,
+                                                                     h, 4 * h // tp))
+    return cpu, wall, engine, rate
+
+
+def _time_steps(model, optimizer, tokens, steps, gemm_shape):
+    """Median process-CPU and wall seconds per training step after 2 warm-ups, and the median rate of
+    the run's MLP GEMM timed between steps (so it sees the same load as the steps)."""
+    cpu, wall, rates = [], [], []
+    for _ in range(steps + 2):
         torch.distributed.barrier()
         c0, w0 = time.process_time(), time.perf_counter()
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
@@ -125,7 +132,8 @@ def _step_probe(rank, world_size, tp, stage, steps):
         cpu.append(time.process_time() - c0)
         torch.distributed.barrier()
         wall.append(time.perf_counter() - w0)
-    return statistics.median(cpu[2:]), statistics.median(wall[2:]), engine, shape_rate
+        rates.append(gemm_rate(*gemm_shape, torch.float32, repeats=5))
+    return (statistics.median(cpu[2:]), statistics.median(wall[2:]), statistics.median(rates[2:]))
 
 
 def _optimizer(model, state, config, stage):

@@ -3,8 +3,10 @@
 Each DP rank of a TP shard holds 1/Nd of every unit's 16-bit parameters, 16-bit gradients, fp32
 master weights and Adam moments: (2 + 2 + 12)Ψ/Nd bytes of model states (Ψ = this TP rank's
 parameters). Parameters are gathered unit by unit around their use (:mod:`.stage3_hooks`), gradients
-are reduce-scattered unit by unit as soon as all of a unit's gradients exist (``grad_ready``), so a
-step moves 3Ψ(n-1)/n per rank: two parameter all-gathers and one gradient reduce-scatter (§7.2.2).
+are reduce-scattered unit by unit (asynchronously, at most two in flight) as soon as all of a unit's
+gradients have been accumulated (a post-accumulate-grad hook counts them; a tied weight's hook fires
+once, after both of its uses), so a step moves 3Ψ(n-1)/n per rank: two parameter all-gathers and one
+gradient reduce-scatter (§7.2.2).
 
 Usage (the same engine interface as stages 0-2)::
 
@@ -17,6 +19,9 @@ Usage (the same engine interface as stages 0-2)::
 Small parameters (< ``stage3_param_persistence_threshold`` elements) stay whole on every rank in one
 persistent flat buffer; their gradients are still reduce-scattered and the updated chunks gathered
 once per step (2Ψ_small instead of 3Ψ_small), and the memory report counts them whole.
+
+Outside forward/backward the model's partitioned parameters hold no storage: read them through
+``gathered_state_dict()`` (collective) or ``named_local_params()``, never ``model.state_dict()``.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class Stage3Optimizer:
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
+        self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
+                           for i, v in enumerate(self.units) if v is u}
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
                        for k, u in enumerate(self.all_units) for slot in u.slots]
         self._ledger_mark, self._last_step_records = len(state.ledger.records), []
@@ -96,8 +103,8 @@ class Stage3Optimizer:
         """Release unit k (its backward is over) and start its gradient reduce-scatter. At most
         MAX_REDUCES_IN_FLIGHT full-size gradient buffers exist: older reduces are finished first."""
         unit = self.all_units[k]
-        if unit in self.units:
-            self.scheduler.release(self.units.index(unit))
+        if k in self._module_of:
+            self.scheduler.release(self._module_of[k])
         while len(self._in_flight) >= MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce(self._in_flight.pop(0))
         unit.reduce_gradients(1.0 / self.state.dp_size)      # DP mean: each rank's loss is a mean
@@ -169,29 +176,25 @@ class Stage3Optimizer:
             self.persistent.gathered = False
             self.persistent.gather(async_op=False)   # the updated small parameters, whole again
 
-    def _segments(self, k: int):
-        return self.all_units[k].segments
-
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         sharded, replicated = [], []
-        for k, grad in enumerate(grads):
-            for seg in self._segments(k):
-                piece = grad.narrow(0, seg.chunk_offset, seg.length)
+        for unit, grad in zip(self.all_units, grads):
+            for seg in unit.segments:
                 tp_sharded = getattr(seg.slot.param, "tensor_model_parallel", False)
-                (sharded if tp_sharded else replicated).append(piece)
+                (sharded if tp_sharded else replicated).append(seg.of(grad))
         return global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.state.world,
                                 device=self.device)
 
     def _adamw(self, grads: list[torch.Tensor]) -> None:
+        """AdamW on views of the owned segments (alignment padding is never touched)."""
         views: dict[str, list[torch.Tensor]] = {"p": [], "g": [], "m": [], "v": [], "decay": []}
         for k, grad in enumerate(grads):
-            for seg in self._segments(k):
-                cut = lambda t: t.narrow(0, seg.chunk_offset, seg.length)  # noqa: E731
-                p = cut(self.masters[k])
+            for seg in self.all_units[k].segments:
+                p = seg.of(self.masters[k])
                 views["p"].append(p)
-                views["g"].append(cut(grad))
-                views["m"].append(cut(self.adam.exp_avgs[k]))
-                views["v"].append(cut(self.adam.exp_avg_sqs[k]))
+                views["g"].append(seg.of(grad))
+                views["m"].append(seg.of(self.adam.exp_avgs[k]))
+                views["v"].append(seg.of(self.adam.exp_avg_sqs[k]))
                 if uses_weight_decay(seg.slot.param):
                     views["decay"].append(p)
         self.adam.step += 1
@@ -252,8 +255,7 @@ class Stage3Optimizer:
         for k, unit in enumerate(self.all_units):
             for kind, flat in (("master", self.masters[k]), ("exp_avg", self.adam.exp_avgs[k]),
                                ("exp_avg_sq", self.adam.exp_avg_sqs[k])):
-                out.extend(Fragment(seg.slot.name, kind, seg.param_offset,
-                                    flat.narrow(0, seg.chunk_offset, seg.length))
+                out.extend(Fragment(seg.slot.name, kind, seg.param_offset, seg.of(flat))
                            for seg in unit.segments)
         return out
 
@@ -271,7 +273,7 @@ class Stage3Optimizer:
 
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
         """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice)."""
-        return {seg.slot.name: (seg.param_offset, unit.shard.narrow(0, seg.chunk_offset, seg.length))
+        return {seg.slot.name: (seg.param_offset, seg.of(unit.shard))
                 for unit in self.all_units for seg in unit.segments}
 
     @torch.no_grad()

@@ -52,6 +52,10 @@ class Segment:
     chunk_offset: int
     length: int
 
+    def of(self, chunk: torch.Tensor) -> torch.Tensor:
+        """This segment's view of a [chunk]-shaped partition (params, grads, master, moments)."""
+        return chunk.narrow(0, self.chunk_offset, self.length)
+
 
 class ShardedUnit:
     """Flat DP-partitioned storage of one unit's parameters; see the module docstring."""
@@ -114,7 +118,7 @@ class ShardedUnit:
                 raise ValueError(f"initial value of {seg.slot.name!r} has shape {tuple(value.shape)}, "
                                  f"expected the TP-local shape {seg.slot.shape}")
             flat = value.reshape(-1).narrow(0, seg.param_offset, seg.length)
-            self.shard.narrow(0, seg.chunk_offset, seg.length).copy_(flat)
+            seg.of(self.shard).copy_(flat)
 
     # ---- parameter all-gather / release ----------------------------------------------------
     def gather(self, async_op: bool = True) -> None:

@@ -25,6 +25,9 @@ nothing; ``init_weights(seed, std=, prefix=)`` fills materialised parameters fro
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -255,6 +258,19 @@ class VocabParallelEmbedding(_TPModule):
                 f"reduce_scatter_output={self.reduce_scatter_output}")
 
 
+@functools.lru_cache(maxsize=1)
+def _apex_fused_layer_norm():
+    """NVIDIA apex's fused CUDA layer norm when apex is installed with its CUDA extension (optional,
+    DESIGN.md "Dependencies"), else None; torch's own kernel is the fallback."""
+    if importlib.util.find_spec("fused_layer_norm_cuda") is None:
+        return None
+    try:
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine
+    except ImportError:
+        return None
+    return fused_layer_norm_affine
+
+
 class LayerNorm(_TPModule):
     """Layer norm over the last dim with replicated weight (ones) and bias (zeros).
 
@@ -281,6 +297,9 @@ class LayerNorm(_TPModule):
         weight, bias = self.weight, self.bias
         if self.sequence_parallel:
             weight, bias = copy_to_tp(weight, self.group), copy_to_tp(bias, self.group)
+        fused = _apex_fused_layer_norm() if x.is_cuda else None
+        if fused is not None:
+            return fused(x, weight, bias, (self.hidden,), self.eps)
         return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
 
     def extra_repr(self) -> str:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan, Recomputer
-from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbedding, copy_to_tp,
-                                    gather_from_sequence, set_tp_attributes,
+from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbedding,
+                                    column_parallel_linear, copy_to_tp, set_tp_attributes,
                                     vocab_parallel_cross_entropy)
 from models.gpt.config import GPTConfig
 from models.gpt.layer import TransformerLayer, dropout
@@ -174,11 +173,9 @@ class GPTModel(nn.Module):
 
     def _output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Tied output layer, column-parallel over the vocab: [s(/tp), b, h] -> [s, b, V_p/tp]."""
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)                 # g-bar: [s, b, h]
-        else:
-            x = copy_to_tp(x, self.group)                           # f: grad summed over TP
-        return F.linear(x, self.embedding.word.weight)
+        # f (or g-bar with SP) then the GEMM, backward collective overlapped with the dW GEMM
+        return column_parallel_linear(x, self.embedding.word.weight, None, self.group,
+                                      self.sequence_parallel)
 
     def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:
         if tokens.dim() != 2:

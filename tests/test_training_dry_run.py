@@ -45,3 +45,14 @@ def test_entry_point_exit_codes(capsys):
     assert main(["--config", "table5-megatron-170B", "--dry-run"]) == 0
     assert "TP groups cross nodes" in capsys.readouterr().out
     assert main(["--num-layer", "3"]) == 2
+
+
+def test_every_table5_preset_fits_a_32gb_v100():
+    """The paper ran every Table 5 row on 32 GB V100s: model states + activations (with the preset's
+    recompute) + buffers + reserve must fit by hybrid.perf's estimate."""
+    from models.gpt.presets import paper_run_names
+    for name in paper_run_names("table5"):
+        r = dry_run_report(parse_args(["--config", name])[0])
+        total = (r["model_states_per_rank"]["total"] + r["activations_per_rank"]
+                 + r["buffers_per_rank"] + r["reserved_per_rank"])
+        assert total < 32e9, (name, total / 1e9)

@@ -194,15 +194,21 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
-    """How long to train, seeding and evaluation cadence."""
+    """How long to train, seeding, evaluation cadence and activation recompute (ZeRO-R §6.1)."""
 
     train_iters: int = _help("optimizer steps to run", default=100)
     seed: int = _help("seed of weights, dropout and data order", default=1234)
     exit_duration_in_mins: float | None = _help("save and stop after this many minutes", default=None)
     eval_interval: int = _help("validate every N iterations", default=50)
     eval_iters: int = _help("validation batches per evaluation (0 = none)", default=4)
+    recompute: str = _help("activation recompute: none | selective | full | full-pa (ZeRO-R Pa) | "
+                           "full-pa-cpu (Pa+cpu)", default="none")
 
     def __post_init__(self) -> None:
+        from hybrid.recompute.plan import MODES
+        if self.recompute not in MODES:
+            raise TrainConfigError(f"--recompute must be one of {', '.join(MODES)}, got "
+                                   f"{self.recompute!r}")
         _positive(self, "train_iters", "eval_interval")
         _non_negative(self, "seed", "eval_iters")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:

@@ -4,13 +4,15 @@ No process group and no communication (torchtitan-style dry run): the pure :clas
 out every rank, :meth:`ParallelState.dry_run` gives one rank's groups, the real tensor-parallel GPT is
 built on the meta device (shapes only) to count that rank's parameters, and the pure models of
 :mod:`hybrid.perf` give model-state bytes per rank (ZeRO §5), DP traffic per step (ZeRO §7) and
-FLOPs per iteration (Megatron's formula, PAPER.md).
+FLOPs per iteration (Megatron's formula, PAPER.md), plus the activation estimate of
+:func:`hybrid.perf.memory.device_memory` for ``--recompute``.
 """
 
 from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
+from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
 from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig, TrainConfigError
@@ -45,11 +47,22 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     global_batch = cfg.global_batch(world)
     flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
                                       gcfg.padded_vocab_size(state.tp_size))
+    mode = cfg.training.recompute
+    estimate = device_memory(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+                             seq=m.seq_length, vocab=gcfg.vocab_size, micro_batch=cfg.data.micro_batch_size,
+                             tp=state.tp_size, dp=dp, stage=p.zero_stage,
+                             recompute="full" if mode.startswith("full") else mode,
+                             sequence_parallel=p.sequence_parallel,
+                             partition_activations=mode.startswith("full-pa"),
+                             cpu_offload=mode == "full-pa-cpu",
+                             bucket_elements=p.zero_bucket_size if p.zero_stage else None)
     return {"topology": topology.describe(), "rank": rank, "tp_rank": state.tp_rank,
             "dp_rank": state.dp_rank, "tp_group": state.tp.ranks, "dp_group": state.dp.ranks,
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states.as_dict(), "dp_bytes_per_step": comm_bytes,
+            "recompute": mode, "activations_per_rank": estimate.activations,
+            "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
             "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
@@ -71,6 +84,10 @@ def format_report(r: dict) -> str:
              f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
              f"model states per rank: 16-bit params {s['params_16bit']}, grads {s['grads_16bit']}, "
              f"fp32 master {s['master_fp32']}, Adam moments {s['adam_moments']}, total {s['total']}",
+             f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "
+             f"{_bytes(r['activations_per_rank'])}; buffers {_bytes(r['buffers_per_rank'])}; reserved "
+             f"{_bytes(r['reserved_per_rank'])}; total "
+             f"{_bytes(r['model_states_per_rank']['total'] + r['activations_per_rank'] + r['buffers_per_rank'] + r['reserved_per_rank'])}",
              f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])}",
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "

@@ -100,10 +100,19 @@ def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
     gcfg.validate_for_tp(state.tp_size)
     meta = cfg.parallel.zero_stage == 3
     model = GPTModel(gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
-                     device="meta" if meta else state.device, dtype=torch.float32, rng=rng)
+                     device="meta" if meta else state.device, dtype=torch.float32, rng=rng,
+                     recompute=recompute_plan(cfg))
     if not meta:
         model.init_weights(cfg.training.seed)
     return model, rng
+
+
+def recompute_plan(cfg: TrainConfig):
+    """--recompute as a hybrid.recompute plan (None: keep every activation)."""
+    if cfg.training.recompute == "none":
+        return None
+    from hybrid.recompute import RecomputePlan
+    return RecomputePlan.from_flag(cfg.training.recompute, cfg.model.num_layers)
 
 
 def build_optimizer(cfg: TrainConfig, model, state: ParallelState):

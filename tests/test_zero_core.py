@@ -119,3 +119,25 @@ def test_flat_layout_buckets_chunks_and_pieces():
         for _, piece in layout.owned_pieces(rank):
             covered[piece.index] += piece.numel
     assert covered == numels
+
+
+def test_engine_rejects_misuse_with_actionable_errors():
+    from hybrid.zero.optimizer import build_zero_optimizer
+    state = ParallelState.single_process()
+    with pytest.raises(ValueError, match="init_weights"):
+        build_zero_optimizer(torch.nn.Linear(3, 3, device="meta"), state, ZeroConfig(), AdamWConfig())
+    with pytest.raises(TypeError, match="stage 3 only"):
+        build_zero_optimizer(torch.nn.Linear(3, 3), state, ZeroConfig(), AdamWConfig(), seed=1)
+    model = torch.nn.Linear(3, 3)
+    opt = build_zero_optimizer(model, state, ZeroConfig(stage=1, gradient_accumulation_steps=2),
+                               AdamWConfig())
+    opt.backward(model(torch.ones(2, 3)).sum())
+    with pytest.raises(RuntimeError, match="after 1 backward"):
+        opt.step()
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="opt.zero_grad"):
+        opt.backward(model(torch.ones(2, 3)).sum())
+    opt.zero_grad()
+    for _ in range(2):
+        opt.backward(model(torch.ones(2, 3)).sum())
+    assert not opt.step().skipped and opt.step_count == 1

@@ -93,21 +93,29 @@ class ZeroOptimizer:
                     src[piece.param_offset:piece.param_offset + piece.numel])
         for p, slot in zip(self.params, layout.slots):
             p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
-        self.grad_flat, self.grad_chunks = None, None
-        if self.config.stage < 2:
+        self.grad_flat, self.grad_chunks, self.grad_part, self._grad_views = None, None, None, []
+        if self.config.stage < 2:   # param.grad are views: autograd accumulates into the buffer
             self.grad_flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
-            for p, slot in zip(self.params, layout.slots):
-                p.grad = self.grad_flat[slot.start:slot.start + slot.numel].view(p.shape)
-            self.grad_part = None
+            self._grad_views = [self.grad_flat[s.start:s.start + s.numel].view(p.shape)
+                                for p, s in zip(self.params, layout.slots)]
         else:
             self.grad_part = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
             self.grad_chunks = list(torch.split(self.grad_part, sizes))
+        self._attach_grads()
+
+    def _attach_grads(self) -> None:
+        """Stages 0/1: ``param.grad`` = views of the flat buffer; stage 2: no full-size grads."""
+        for i, p in enumerate(self.params):
+            p.grad = self._grad_views[i] if self._grad_views else None
 
     # ---- training-loop API -----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (the caller divides the loss by the number of them)."""
         if self.config.stage == 2 and self._micro_batches:
             self.reducer.finish()   # previous micro-batch's reduce-scatters land before new ones
+        if any(p.grad is not v for p, v in zip(self.params, self._grad_views)):
+            raise RuntimeError("param.grad no longer points into the ZeRO gradient buffer (was "
+                               "model.zero_grad() called?); call opt.zero_grad() instead")
         self._micro_batches += 1
         last = self._micro_batches % self.config.gradient_accumulation_steps == 0
         self.reducer.enabled = self.config.stage == 2 or last
@@ -115,10 +123,9 @@ class ZeroOptimizer:
         (loss * scale if scale != 1.0 else loss).backward()
 
     def zero_grad(self) -> None:
-        if self.grad_flat is not None:
-            self.grad_flat.zero_()
-        else:
-            self.grad_part.zero_()
+        """Zero the gradient buffer (stages 0/1) or partition (stage 2); re-attach grad views."""
+        (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()
+        self._attach_grads()
         self._micro_batches = 0
 
     def _owned_grads_fp32(self) -> list[torch.Tensor]:

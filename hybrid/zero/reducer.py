@@ -118,11 +118,6 @@ class GradReducer:
             self._complete_oldest()
         self._reset_counters()
 
-    @property
-    def pending(self) -> bool:
-        return self._next > 0 or any(m != len(b.params) for m, b in
-                                     zip(self._missing, self.layout.buckets))
-
     def _reset_counters(self) -> None:
         self._missing = [len(b.params) for b in self.layout.buckets]
         self._next = 0

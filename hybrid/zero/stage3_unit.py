@@ -119,6 +119,7 @@ class ShardedUnit:
                                  f"expected the TP-local shape {seg.slot.shape}")
             flat = value.reshape(-1).narrow(0, seg.param_offset, seg.length)
             seg.of(self.shard).copy_(flat)
+            del value, flat   # free it before the next parameter's value is computed
 
     # ---- parameter all-gather / release ----------------------------------------------------
     def gather(self, async_op: bool = True) -> None:

@@ -1,0 +1,114 @@
+"""Our HF export loads in Hugging Face transformers and gives our logits (tools/export_hf.py).
+
+transformers is not a project dependency: this test makes its own venv (``--system-site-packages``,
+so it reuses this torch) under ``$HYBRID_CACHE/hf-venv`` (default ./data-cache), ``pip install
+transformers`` into it once, and runs a small script there. If pip cannot reach a package index the
+test is skipped with pip's message. In the venv, ``GPT2LMHeadModel.from_pretrained`` loads the export
+of a random model (non-trivial biases and LayerNorms, vocab padded at TP 1) and its fp32 logits must
+match our GPTModel's to 1e-4 (max abs); ``AutoTokenizer`` must encode and decode like our
+sentencepiece tokenizer.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybrid.data.default_corpus import default_cache_dir
+from hybrid.data.tokenizer import Tokenizer, train_tokenizer
+from hybrid.parallel_state import ParallelState
+from models.gpt.config import GPTConfig
+from models.gpt.weights import build_model, save_canonical
+from tests.test_hf_export import random_canonical
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "  indented\n\nand blank lines", "héllo wörld 123",
+         "import os\nprint(os.getcwd())"]
+
+SCRIPT = r"""
+import json, sys, torch, transformers
+from safetensors.torch import save_file
+model_dir, tokens, texts, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+model = transformers.GPT2LMHeadModel.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+with torch.no_grad():
+    logits = model(torch.tensor(tokens)).logits.contiguous()
+save_file({"logits": logits}, out + ".safetensors")
+tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+ids = [tok.encode(t) for t in texts]
+json.dump({"version": transformers.__version__, "ids": ids, "decoded": [tok.decode(i) for i in ids],
+           "eos": tok.eos_token_id, "tied": model.lm_head.weight.data_ptr() ==
+           model.transformer.wte.weight.data_ptr()}, open(out + ".json", "w"))
+"""
+
+# pip's messages when no index is reachable (offline machine, proxy, DNS)
+_OFFLINE = ("no matching distribution", "could not find a version", "connection", "network is",
+            "temporary failure in name resolution", "max retries", "proxyerror", "timed out")
+
+
+def _pip_install(venv: Path) -> subprocess.CompletedProcess:
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True,
+                   capture_output=True)
+    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                           "--disable-pip-version-check", "transformers"],
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def hf_python() -> str:
+    """Python of a cached venv with transformers (built once; concurrent builders race safely)."""
+    final = default_cache_dir().resolve() / "hf-venv"
+    if not (final / ".ready").is_file():
+        tmp = final.with_name(f".tmp-hf-venv-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            result = _pip_install(tmp)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(tmp, ignore_errors=True)
+            pytest.skip("pip install transformers timed out (no usable package index?)")
+        if result.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            if any(s in result.stderr.lower() for s in _OFFLINE):
+                pytest.skip(f"pip cannot reach a package index to install transformers: {last}")
+            pytest.fail(f"pip install transformers failed: {result.stderr[-2000:]}")
+        (tmp / ".ready").write_text("transformers\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:                        # another process finished first: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final / "bin" / "python")
+
+
+def test_transformers_loads_export_with_same_logits_and_tokenizer(tmp_path, hf_python):
+    from tools import export_hf
+    spm_model = train_tokenizer(TEXTS * 20, tmp_path / "spm", 400)
+    ours_tok = Tokenizer(spm_model)
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                       vocab_size=ours_tok.vocab_size, seq_length=24,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+    canonical = random_canonical(config, seed=5)
+    weights = save_canonical(tmp_path / "w.safetensors", canonical, config)
+    out_dir = tmp_path / "hf"
+    assert export_hf.main(["--load", str(weights), "--out", str(out_dir),
+                           "--tokenizer-model", spm_model]) == 0
+    tokens = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    result = tmp_path / "result"
+    run = subprocess.run([hf_python, "-c", SCRIPT, str(out_dir), json.dumps(tokens.tolist()),
+                          json.dumps(TEXTS), str(result)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = load_file(str(result) + ".safetensors")["logits"]
+    model = build_model(config, ParallelState.single_process(), canonical)
+    with torch.no_grad():
+        ours = model(tokens)[..., :config.vocab_size]
+    diff = (theirs - ours).abs().max().item()
+    assert diff < 1e-4, f"max |logits diff| = {diff}"
+    meta = json.loads(Path(str(result) + ".json").read_text())
+    assert meta["tied"], "lm_head is not tied to wte after from_pretrained"
+    assert meta["eos"] == ours_tok.eod
+    assert meta["ids"] == [ours_tok.encode(t) for t in TEXTS], meta["version"]
+    assert meta["decoded"] == TEXTS

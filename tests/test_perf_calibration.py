@@ -14,8 +14,10 @@ def test_cpu_prediction_is_flops_over_gemm_rate_plus_communication():
                                       m["hidden_size"], m["vocab_size"])
     tp2 = cal.predict(2, 1, 0, cluster, shape_rate=10e9)
     assert tp2.compute_s == pytest.approx(flops / 2 / 10e9)
-    # 4 all-reduces of b s h fp32 per layer, ring factor 2 (n-1)/n = 1 at n = 2, no recompute
-    tp_bytes = m["num_layers"] * 4 * cal.MICRO_BATCH * m["seq_length"] * m["hidden_size"] * 4
+    # 4 all-reduces of b s h fp32 per layer + embedding and output layer, 3 fp32 per token for the
+    # loss; ring factor 2 (n-1)/n = 1 at n = 2; no recompute
+    tokens = cal.MICRO_BATCH * m["seq_length"]
+    tp_bytes = (m["num_layers"] * 4 + 2) * tokens * m["hidden_size"] * 4 + 3 * tokens * 4
     assert tp2.tp_comm_s == pytest.approx(tp_bytes / 1e9)
     dp2 = cal.predict(1, 2, 2, cluster, shape_rate=10e9)
     assert dp2.tp_comm_s == 0 and dp2.dp_comm_s > 0

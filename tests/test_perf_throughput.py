@@ -6,7 +6,9 @@ import json
 import pytest
 
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
-from hybrid.perf.throughput import ThroughputAssumptions, estimate_iteration, sustained_efficiency
+from hybrid.perf.throughput import (ThroughputAssumptions, estimate_iteration, sustained_efficiency,
+                                    tp_ring_bytes_per_microbatch)
+from tests.multirank import run_on_ranks
 from tools import paper_claims, paper_tables
 
 RUN_100B = dict(layers=125, hidden=8192, seq=1024, vocab=50257, micro_batch=32, tp=16, dp=25, stage=2)
@@ -33,6 +35,36 @@ def test_efficiency_anchor_megatron_1_2B_on_one_v100():
                            stage=0)
     assert e.tflops_per_gpu() == pytest.approx(39, rel=0.1)
     assert e.tp_comm_s == 0 and e.dp_comm_s == 0
+
+
+def _gpt_tp_traffic(rank, world_size, dims):
+    """TP ring bytes and all-reduce count the real GPTModel records for one forward + backward."""
+    import torch
+
+    from hybrid.parallel_state import ParallelState
+    from hybrid.tensor_parallel import RNGTracker
+    from hybrid.topology import Topology
+    from models.gpt.config import GPTConfig
+    from models.gpt.model import GPTModel
+    state = ParallelState.initialize(Topology(world_size, world_size, gpus_per_node=world_size))
+    config = GPTConfig(num_layers=dims["layers"], hidden_size=dims["hidden"], num_attention_heads=4,
+                       vocab_size=256, seq_length=dims["seq"], make_vocab_size_divisible_by=64,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, state, rng=RNGTracker(1, state.tp_rank, state.device))
+    tokens = torch.randint(0, 256, (dims["micro_batch"], dims["seq"]))
+    state.ledger.reset()
+    model(tokens, tokens).mean().backward()
+    return state.ledger.bytes("tp"), state.ledger.count("tp")
+
+
+def test_tp_traffic_model_equals_the_real_gpt_ledger():
+    dims = dict(layers=3, hidden=64, seq=16, micro_batch=3)
+    measured_bytes, measured_calls = run_on_ranks(_gpt_tp_traffic, 2, args=(dims,))[0]
+    ring, calls = tp_ring_bytes_per_microbatch(dims["layers"], dims["hidden"], dims["seq"],
+                                               dims["micro_batch"], 2, full_recompute=False,
+                                               activation_bytes=4)
+    assert measured_bytes == pytest.approx(ring)
+    assert measured_calls == calls   # 4 per layer, embedding, output layer, 2 for the loss
 
 
 def test_tp_across_nodes_uses_infiniband_share():

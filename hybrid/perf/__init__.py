@@ -22,7 +22,7 @@ from hybrid.perf.model_states import (GB, STAGE_NAMES, ModelStateBytes, bytes_pe
                                       dp_communication_elements, max_params_for_memory,
                                       model_state_bytes)
 from hybrid.perf.throughput import (IterationEstimate, ThroughputAssumptions, estimate_iteration,
-                                    sustained_efficiency)
+                                    sustained_efficiency, tp_ring_bytes_per_microbatch)
 
 __all__ = [
     "activation_bytes_per_layer", "checkpoint_bytes", "constant_buffer_bytes",
@@ -31,4 +31,5 @@ __all__ = [
     "dgx2_v100_cluster", "MemoryEstimate", "device_memory", "GB", "STAGE_NAMES", "ModelStateBytes",
     "bytes_per_param", "dp_communication_elements", "max_params_for_memory", "model_state_bytes",
     "IterationEstimate", "ThroughputAssumptions", "estimate_iteration", "sustained_efficiency",
+    "tp_ring_bytes_per_microbatch",
 ]

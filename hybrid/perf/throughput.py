@@ -119,18 +119,38 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                                       "params_per_rank": psi_rank})
 
 
+def tp_ring_bytes_per_microbatch(layers: int, hidden: int, seq: int, micro_batch: int, tp: int, *,
+                                 full_recompute: bool = True, partition_activations: bool = False,
+                                 activation_bytes: int = 2,
+                                 assumptions: ThroughputAssumptions = ThroughputAssumptions()
+                                 ) -> tuple[float, int]:
+    """(bytes each rank moves, number of collectives) in the TP group for one micro-batch.
+
+    Per layer: Megatron's all-reduces of the b s h activations (2 forward + 2 backward, + 2 for the
+    recomputed forward), ring volume 2 (t-1)/t each, plus Pa's all-gather (t-1)/t of the checkpoint.
+    Per micro-batch: the vocab-parallel embedding's forward all-reduce and the tied output layer's
+    backward one (b s h each), and the vocab-parallel cross-entropy's 3 fp32 values per token.
+    """
+    if tp == 1:
+        return 0.0, 0
+    a = assumptions
+    message = micro_batch * seq * hidden * activation_bytes
+    per_layer = a.tp_allreduces_per_layer + (a.recompute_allreduces_per_layer if full_recompute else 0)
+    allreduce = 2 * (tp - 1) / tp
+    ring = allreduce * (per_layer * layers + 2) * message + allreduce * 3 * micro_batch * seq * 4
+    calls = per_layer * layers + 2 + 2
+    if partition_activations:
+        ring += layers * (tp - 1) / tp * message
+        calls += layers
+    return ring, calls
+
+
 def _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp, full_recompute, partitioned,
                             crosses_nodes, cluster: Cluster, a: ThroughputAssumptions) -> float:
-    if tp == 1:
-        return 0.0
-    message = micro_batch * seq * hidden * a.activation_bytes          # one b s h tensor
-    calls = a.tp_allreduces_per_layer + (a.recompute_allreduces_per_layer if full_recompute else 0)
-    ring = 2 * (tp - 1) / tp * message * calls
-    if partitioned:
-        ring += (tp - 1) / tp * message                                # Pa: all-gather the checkpoint
-        calls += 1
-    bandwidth = cluster.ring_bandwidth(crosses_nodes)
-    return layers * (ring / bandwidth + calls * cluster.collective_latency)
+    ring, calls = tp_ring_bytes_per_microbatch(
+        layers, hidden, seq, micro_batch, tp, full_recompute=full_recompute,
+        partition_activations=partitioned, activation_bytes=a.activation_bytes, assumptions=a)
+    return ring / cluster.ring_bandwidth(crosses_nodes) + calls * cluster.collective_latency
 
 
 def _dp_time(psi_rank, stage, dp, crosses_nodes, cluster: Cluster, a: ThroughputAssumptions) -> float:

@@ -342,5 +342,16 @@ def test_bad_input_raises_clear_errors():
         emb(torch.tensor([[3, 8]]))
     with pytest.raises(ValueError, match="target ids must lie in"):
         vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.tensor([1, 7]), single, vocab_size=6)
+    from hybrid.tensor_parallel import RNGTracker
+    tracker = RNGTracker(0, 0)
+    with tracker.fork():
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            with tracker.fork():
+                pass
+        with pytest.raises(RuntimeError, match="get_states"):
+            tracker.get_states()
+    tracker.get_states()   # usable again after the fork
+    with pytest.raises(ValueError, match="supports cpu and cuda"):
+        RNGTracker(0, 0, "meta")
     with pytest.raises(ValueError, match="disagree"):
         vocab_parallel_cross_entropy(torch.zeros(2, 8), torch.tensor([1, 2, 3]), single)

@@ -45,6 +45,7 @@ class RNGTracker:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"RNGTracker supports cpu and cuda devices, got {self.device}")
         self._tp_state = self._fresh_tp_state()
+        self._inside_fork = False   # while True the device generator holds the TP stream
 
     @property
     def tp_seed(self) -> int:
@@ -72,6 +73,7 @@ class RNGTracker:
     def seed_all(self) -> None:
         """Seed the default generators (CPU and every CUDA device) with ``seed`` and reset the
         TP-region stream: the start of a run."""
+        self._require_outside_fork("seed_all()")
         torch.manual_seed(self.seed)
         self._tp_state = self._fresh_tp_state()
 
@@ -79,21 +81,31 @@ class RNGTracker:
     def fork(self):
         """Run the block on the TP-region stream (differs across TP ranks), then restore the
         default stream exactly where it was."""
+        self._require_outside_fork("tracker.fork() is not re-entrant")
         outside = self._get_device_state()
         self._set_device_state(self._tp_state)
+        self._inside_fork = True
         try:
             yield
         finally:
+            self._inside_fork = False
             self._tp_state = self._get_device_state()
             self._set_device_state(outside)
 
+    def _require_outside_fork(self, what: str) -> None:
+        if self._inside_fork:
+            raise RuntimeError(f"{what}: the block is already inside tracker.fork(), where the "
+                               f"default generator holds the TP-region stream; call it outside")
+
     def get_states(self) -> RNGStates:
         """Snapshot of the default CPU (and CUDA) generator and of the TP-region stream."""
+        self._require_outside_fork("get_states()")
         cuda = torch.cuda.get_rng_state(self.device) if self._is_cuda() else None
         return RNGStates(torch.get_rng_state(), cuda, self._tp_state.clone())
 
     def set_states(self, states: RNGStates) -> None:
         """Restore a snapshot taken by :meth:`get_states`."""
+        self._require_outside_fork("set_states()")
         torch.set_rng_state(states.cpu)
         if self._is_cuda():
             if states.cuda is None:

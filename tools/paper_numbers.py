@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from decimal import ROUND_HALF_UP, Decimal
 
+from hybrid.perf.flops import gpt_param_count, pad_vocab
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import GB, STAGE_NAMES, model_state_bytes, paper_table2_params
 from hybrid.perf.throughput import estimate_iteration
@@ -98,7 +99,7 @@ def _largest_with_overheads(stage: int, dp: int, mp: int, device_bytes: float) -
                             micro_batch=8, tp=mp, dp=dp, stage=stage,
                             bucket_elements=None if stage == 0 else 200_000_000)
         lo, hi = (layers, hi) if mem.fits(device_bytes) else (lo, layers - 1)
-    return 12 * lo * hidden * hidden * (1 + 13 / (12 * hidden)) + 50304 * hidden
+    return gpt_param_count(lo, hidden, pad_vocab(50257, mp), 1024)
 
 
 # ---- Table 5 / Figure 2 and Table 6 / Figure 3 ------------------------------------------------

@@ -14,7 +14,8 @@ import torch
 from hybrid.checkpoint import CheckpointError, CheckpointReader, Piece, read_latest
 from hybrid.checkpoint.format import (FORMAT_VERSION, MANIFEST_FILE, METADATA_FILE,
                                       iteration_dir_name, rank_file_name)
-from hybrid.checkpoint.writer import commit_directory, prune_checkpoints, save_checkpoint, write_rank_file
+from hybrid.checkpoint.writer import (commit_directory, prune_checkpoints, save_checkpoint,
+                                      write_rank_file)
 from hybrid.parallel_state import ParallelState
 
 VOCAB = 10

@@ -60,7 +60,8 @@ def test_bad_input_is_explained(argv, message):
 def test_unknown_file_keys_are_named(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("model: {num_layyers: 3}\n")
-    with pytest.raises(TrainConfigError, match=r"unknown key\(s\) \['num_layyers'\] in config section 'model'"):
+    with pytest.raises(TrainConfigError,
+                       match=r"unknown key\(s\) \['num_layyers'\] in config section 'model'"):
         parse_args(["--config", str(f)])
     f.write_text("modle: {}\n")
     with pytest.raises(TrainConfigError, match="unknown config section"):

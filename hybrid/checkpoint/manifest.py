@@ -40,7 +40,8 @@ def file_entry(path: Path) -> dict:
 
 
 def write_manifest(directory: Path, entries: dict[str, dict]) -> None:
-    """``entries``: file name -> {"sha256", "bytes"}; every other file of the directory must be listed."""
+    """``entries``: file name -> {"sha256", "bytes"}; every other file of the directory must be
+    listed."""
     present = {p.name for p in directory.iterdir() if p.name != MANIFEST_FILE}
     unlisted = present - set(entries)
     if unlisted:

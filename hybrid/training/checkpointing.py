@@ -120,7 +120,8 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model_config,
                 "layout": _layout(state, config.parallel.zero_stage),
-                "optimizer": {"step_count": optimizer.step_count, "loss_scaler": _scaler_state(optimizer)}}
+                "optimizer": {"step_count": optimizer.step_count,
+                              "loss_scaler": _scaler_state(optimizer)}}
     return save_checkpoint(path, train_state.iteration, pieces, rng_tensors(rng), metadata, state.world,
                            keep_last=keep_last)
 
@@ -157,9 +158,10 @@ def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, co
             optimizer.scaler.load_state_dict(meta_opt["loss_scaler"])
     train_state = TrainState(**reader.metadata["train_state"])
     _restore_rng(reader, state, config, rng, train_state.iteration)
+    saved = reader.metadata["layout"]
     log.info("loaded checkpoint %s (iteration %d, written at TP %d x DP %d, ZeRO stage %d)",
-             reader.directory, train_state.iteration, reader.metadata["layout"]["tensor_model_parallel_size"],
-             reader.metadata["layout"]["data_parallel_size"], reader.metadata["layout"]["zero_stage"])
+             reader.directory, train_state.iteration, saved["tensor_model_parallel_size"],
+             saved["data_parallel_size"], saved["zero_stage"])
     return train_state
 
 

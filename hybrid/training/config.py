@@ -1,8 +1,9 @@
 """Training configuration: dataclasses that validate themselves (DESIGN.md invariant 9).
 
-One :class:`TrainConfig` groups seven sections. Every field name is the Megatron-LM command-line flag
-with dashes turned into underscores (``tensor_model_parallel_size`` <-> ``--tensor-model-parallel-size``),
-so a YAML/TOML preset, the command line and a checkpoint's stored config all speak one vocabulary.
+One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections`. Every field
+name is the Megatron-LM flag with dashes turned into underscores (``tensor_model_parallel_size`` <->
+``--tensor-model-parallel-size``), so a YAML/TOML preset, the command line and a checkpoint's stored
+config all speak one vocabulary.
 
 Each section checks its own values in ``__post_init__``; checks that need two sections or the world
 size (global batch = micro batch x DP x accumulation steps, Megatron-LM §3 "data parallel") live in
@@ -14,243 +15,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from hybrid.training.sections import (SECTIONS, CheckpointSection, DataSection, LoggingSection,
+                                      ModelSection, OptimizerSection, ParallelSection,
+                                      TrainConfigError, TrainingSection, flag_name)
 
-class TrainConfigError(ValueError):
-    """An invalid training configuration; the message says which flag to change and how."""
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _positive(section, *names: str, allow_none: bool = False) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value is None and allow_none:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise TrainConfigError(f"{_flag(name)} must be a positive integer, got {value!r}")
-
-
-def _non_negative(section, *names: str) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise TrainConfigError(f"{_flag(name)} must be a number >= 0, got {value!r}")
-
-
-def _help(text: str, **kw):
-    return field(metadata={"help": text}, **kw)
-
-
-@dataclass
-class ModelSection:
-    """GPT dimensions (Megatron-LM §3, ZeRO Table 5); turned into a models.gpt.GPTConfig."""
-
-    num_layers: int = _help("transformer layers", default=2)
-    hidden_size: int = _help("hidden size h", default=64)
-    num_attention_heads: int = _help("attention heads a", default=4)
-    seq_length: int = _help("tokens per sample s", default=64)
-    max_position_embeddings: int | None = _help("learned positions (default: seq length)", default=None)
-    ffn_hidden_size: int | None = _help("MLP width (default: 4 h)", default=None)
-    vocab_size: int | None = _help("vocab size (default: the tokenizer's)", default=None)
-    make_vocab_size_divisible_by: int = _help("pad the vocab to a multiple of this x TP", default=128)
-    hidden_dropout: float = _help("dropout after attention and MLP", default=0.0)
-    attention_dropout: float = _help("dropout on attention probabilities", default=0.0)
-    init_method_std: float = _help("std of the normal weight init", default=0.02)
-
-    def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                  "make_vocab_size_divisible_by")
-        _positive(self, "max_position_embeddings", "ffn_hidden_size", "vocab_size", allow_none=True)
-        if self.hidden_size % self.num_attention_heads:
-            raise TrainConfigError(
-                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
-                f"attention heads; change --hidden-size or --num-attention-heads")
-        if self.max_position_embeddings is not None and self.seq_length > self.max_position_embeddings:
-            raise TrainConfigError(
-                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                f"{self.max_position_embeddings}; raise the latter or shorten the sequence")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise TrainConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
-
-
-@dataclass
-class ParallelSection:
-    """Layout: TP inside a node, DP across (Megatron-LM §3; ZeRO §7); ZeRO-DP stage."""
-
-    tensor_model_parallel_size: int = _help("TP degree (ranks sharing each layer)", default=1)
-    sequence_parallel: bool = _help("shard LayerNorm/dropout activations along the sequence", default=False)
-    zero_stage: int = _help("ZeRO-DP stage: 0 baseline, 1 Pos, 2 Pos+g, 3 Pos+g+p", default=1)
-    zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)", default=5_000_000)
-    world_size: int | None = _help("GPUs the preset is meant for (checked at launch; used by --dry-run)",
-                                   default=None)
-    gpus_per_node: int = _help("GPUs per node (16 on a DGX-2)", default=16)
-    allow_tp_across_nodes: bool = _help("accept TP groups larger than a node", default=False)
-
-    def __post_init__(self) -> None:
-        _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node")
-        _positive(self, "world_size", allow_none=True)
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise TrainConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; "
-                                   "drop the flag or raise the TP degree")
-
-
-@dataclass
-class OptimizerSection:
-    """AdamW, its learning-rate schedule, clipping and mixed-precision loss scaling."""
-
-    lr: float = _help("peak learning rate", default=3e-4)
-    min_lr: float = _help("final learning rate of the decay", default=3e-5)
-    lr_warmup_iters: int = _help("linear warm-up iterations", default=0)
-    lr_decay_iters: int | None = _help("decay length (default: train iters)", default=None)
-    lr_decay_style: str = _help("cosine | linear | constant", default="cosine")
-    weight_decay: float = _help("AdamW decoupled weight decay (not on norms/biases)", default=0.01)
-    adam_beta1: float = _help("Adam beta1", default=0.9)
-    adam_beta2: float = _help("Adam beta2", default=0.95)
-    adam_eps: float = _help("Adam epsilon", default=1e-8)
-    clip_grad: float = _help("max global grad norm (0 = off)", default=1.0)
-    bf16: bool = _help("bf16 params/grads with fp32 master weights", default=False)
-    fp16: bool = _help("fp16 params/grads with fp32 master weights and dynamic loss scaling",
-                       default=False)
-    initial_loss_scale: float = _help("fp16: starting loss scale", default=2.0 ** 16)
-    min_loss_scale: float = _help("fp16: lowest loss scale", default=1.0)
-    loss_scale_window: int = _help("fp16: clean steps before the scale grows", default=1000)
-    hysteresis: int = _help("fp16: overflows tolerated before the scale shrinks", default=2)
-
-    def __post_init__(self) -> None:
-        _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "adam_eps")
-        _positive(self, "lr_decay_iters", allow_none=True)
-        _positive(self, "loss_scale_window", "hysteresis")
-        if self.min_lr > self.lr:
-            raise TrainConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; lower --min-lr")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise TrainConfigError(f"--lr-decay-style must be cosine, linear or constant, "
-                                   f"got {self.lr_decay_style!r}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise TrainConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
-        if self.bf16 and self.fp16:
-            raise TrainConfigError("--bf16 and --fp16 are exclusive; pick one")
-        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
-            raise TrainConfigError(f"need 0 < --min-loss-scale <= --initial-loss-scale, got "
-                                   f"{self.min_loss_scale} and {self.initial_loss_scale}")
-
-    @property
-    def precision(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-
-
-@dataclass
-class DataSection:
-    """Batch sizes and the GPT corpus (Megatron's weighted --data-path and --split)."""
-
-    micro_batch_size: int = _help("samples per rank per forward/backward", default=4)
-    global_batch_size: int | None = _help("samples per optimizer step (default: micro x DP)", default=None)
-    data_path: list[str] = _help("'prefix' or 'w1 prefix1 w2 prefix2 ...' (empty: embedded corpus)",
-                                 default_factory=list)
-    split: str = _help("train,valid,test proportions", default="969,30,1")
-    tokenizer_model: str | None = _help("sentencepiece model (default: the embedded corpus's)",
-                                        default=None)
-    data_cache_dir: str = _help("where the embedded corpus and sample indices are cached",
-                                default="data-cache")
-
-    def __post_init__(self) -> None:
-        _positive(self, "micro_batch_size")
-        _positive(self, "global_batch_size", allow_none=True)
-        if isinstance(self.data_path, str):
-            self.data_path = self.data_path.split()
-        self.weighted_data_paths()  # validates
-        parts = self.split.replace("/", ",").split(",")
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError:
-            raise TrainConfigError(f"--split {self.split!r} must be comma-separated numbers like "
-                                   f"'969,30,1'") from None
-        if len(weights) > 3 or any(w < 0 for w in weights) or weights[0] <= 0:
-            raise TrainConfigError(f"--split {self.split!r} needs up to 3 non-negative weights with a "
-                                   f"positive training share, e.g. '969,30,1'")
-
-    def weighted_data_paths(self) -> list[tuple[float, str]]:
-        """``[(weight, prefix), ...]``; a single bare prefix gets weight 1."""
-        items = self.data_path
-        if len(items) == 1:
-            return [(1.0, items[0])]
-        if len(items) % 2:
-            raise TrainConfigError(f"--data-path {' '.join(items)!r} must be one prefix or pairs "
-                                   f"'weight prefix ...'")
-        pairs = []
-        for w, prefix in zip(items[0::2], items[1::2]):
-            try:
-                pairs.append((float(w), prefix))
-            except ValueError:
-                raise TrainConfigError(f"--data-path weight {w!r} is not a number; write "
-                                       f"'0.7 prefixA 0.3 prefixB'") from None
-        return pairs
-
-
-@dataclass
-class TrainingSection:
-    """How long to train, seeding, evaluation cadence and activation recompute (ZeRO-R §6.1)."""
-
-    train_iters: int = _help("optimizer steps to run", default=100)
-    seed: int = _help("seed of weights, dropout and data order", default=1234)
-    exit_duration_in_mins: float | None = _help("save and stop after this many minutes", default=None)
-    eval_interval: int = _help("validate every N iterations", default=50)
-    eval_iters: int = _help("validation batches per evaluation (0 = none)", default=4)
-    recompute: str = _help("activation recompute: none | selective | full | full-pa (ZeRO-R Pa) | "
-                           "full-pa-cpu (Pa+cpu)", default="none")
-
-    def __post_init__(self) -> None:
-        from hybrid.recompute.plan import MODES
-        if self.recompute not in MODES:
-            raise TrainConfigError(f"--recompute must be one of {', '.join(MODES)}, got "
-                                   f"{self.recompute!r}")
-        _positive(self, "train_iters", "eval_interval")
-        _non_negative(self, "seed", "eval_iters")
-        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
-            raise TrainConfigError(f"--exit-duration-in-mins must be positive, got "
-                                   f"{self.exit_duration_in_mins}")
-
-
-@dataclass
-class CheckpointSection:
-    """Where and how often layout-independent checkpoints are written (DESIGN.md invariant 8)."""
-
-    save: str | None = _help("directory to save checkpoints to", default=None)
-    load: str | None = _help("directory to resume from (its `latest`)", default=None)
-    save_interval: int | None = _help("save every N iterations (default: only at the end)", default=None)
-    keep_last_checkpoints: int = _help("keep the newest K checkpoints, delete older ones", default=2)
-
-    def __post_init__(self) -> None:
-        _positive(self, "save_interval", allow_none=True)
-        _positive(self, "keep_last_checkpoints")
-
-
-@dataclass
-class LoggingSection:
-    """Console and TensorBoard metrics (Megatron's scalar names)."""
-
-    log_interval: int = _help("console/TensorBoard line every N iterations", default=10)
-    tensorboard_dir: str | None = _help("TensorBoard event directory (none: no TensorBoard)",
-                                        default=None)
-    peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
-                               default=125.0)
-
-    def __post_init__(self) -> None:
-        _positive(self, "log_interval")
-        if not self.peak_tflops > 0:
-            raise TrainConfigError(f"--peak-tflops must be positive, got {self.peak_tflops}")
-
-
-SECTIONS: dict[str, type] = {
-    "model": ModelSection, "parallel": ParallelSection, "optimizer": OptimizerSection,
-    "data": DataSection, "training": TrainingSection, "checkpoint": CheckpointSection,
-    "logging": LoggingSection,
-}
+__all__ = ["SECTIONS", "TrainConfig", "TrainConfigError"]
 
 
 @dataclass
@@ -303,7 +72,7 @@ class TrainConfig:
             value = getattr(self.model, name)
             if value % p.tensor_model_parallel_size:
                 raise TrainConfigError(
-                    f"{_flag(name)} {value} is not divisible by --tensor-model-parallel-size "
+                    f"{flag_name(name)} {value} is not divisible by --tensor-model-parallel-size "
                     f"{p.tensor_model_parallel_size}; choose a TP degree that divides it")
         if self.optimizer.lr_warmup_iters > self.training.train_iters:
             raise TrainConfigError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} exceeds "

@@ -49,7 +49,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                                       gcfg.padded_vocab_size(state.tp_size))
     mode = cfg.training.recompute
     estimate = device_memory(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
-                             seq=m.seq_length, vocab=gcfg.vocab_size, micro_batch=cfg.data.micro_batch_size,
+                             seq=m.seq_length, vocab=gcfg.vocab_size,
+                             micro_batch=cfg.data.micro_batch_size,
                              tp=state.tp_size, dp=dp, stage=p.zero_stage,
                              recompute="full" if mode.startswith("full") else mode,
                              sequence_parallel=p.sequence_parallel,
@@ -66,6 +67,12 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
+
+
+def total_bytes(r: dict) -> float:
+    """Estimated bytes of one device: model states + activations + buffers + reserve."""
+    return (r["model_states_per_rank"]["total"] + r["activations_per_rank"] + r["buffers_per_rank"]
+            + r["reserved_per_rank"])
 
 
 def _bytes(n: float) -> str:
@@ -86,8 +93,7 @@ def format_report(r: dict) -> str:
              f"fp32 master {s['master_fp32']}, Adam moments {s['adam_moments']}, total {s['total']}",
              f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "
              f"{_bytes(r['activations_per_rank'])}; buffers {_bytes(r['buffers_per_rank'])}; reserved "
-             f"{_bytes(r['reserved_per_rank'])}; total "
-             f"{_bytes(r['model_states_per_rank']['total'] + r['activations_per_rank'] + r['buffers_per_rank'] + r['reserved_per_rank'])}",
+             f"{_bytes(r['reserved_per_rank'])}; total {_bytes(total_bytes(r))}",
              f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])}",
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "

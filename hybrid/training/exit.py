@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class ExitCondition:
-    """Install with ``with ExitCondition(world, duration_mins) as stop:`` and poll ``stop.should_exit()``."""
+    """``with ExitCondition(world, duration_mins) as stop:`` installs the handler; poll
+    ``stop.should_exit()`` once per iteration."""
 
     def __init__(self, world: comm.Group, duration_mins: float | None = None,
                  signals: tuple[int, ...] = (signal.SIGTERM,), device: torch.device | str = "cpu"):

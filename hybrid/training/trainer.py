@@ -83,6 +83,7 @@ class Trainer:
                     break
                 if self.cfg.checkpoint.save_interval and self._due(self.cfg.checkpoint.save_interval):
                     self.save()
+        _close(loader)
         if self.ts.iteration >= self.train_iters and self.last_saved_iteration != self.ts.iteration:
             self.save()
         self.metrics.flush()
@@ -122,9 +123,7 @@ class Trainer:
         for _ in range(n):
             total += self._micro_batch_loss(next(loader)).item() / n
         self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.global_batch
-        close = getattr(loader, "close", None)
-        if close:
-            close()
+        _close(loader)
         loss = self._dp_mean(total)
         ppl = math.exp(min(loss, 20.0))
         self.metrics.log({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.ts.iteration)
@@ -203,3 +202,10 @@ class Trainer:
                          self.ts.iteration)
         self.metrics.log({f"model-state/{c}-paper-bytes": float(v) for c, v in r.formula.items()},
                          self.ts.iteration)
+
+
+def _close(loader) -> None:
+    """Stop a prefetching loader's thread (plain iterators have nothing to stop)."""
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()

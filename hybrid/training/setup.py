@@ -96,6 +96,9 @@ def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
     from models.gpt.model import GPTModel
     rng = RNGTracker(cfg.training.seed, state.tp_rank, state.device)
     rng.seed_all()
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab_size:
+        raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the tokenizer's "
+                         f"{vocab_size}; drop --vocab-size or raise it to at least {vocab_size}")
     gcfg = gpt_config(cfg, vocab_size)
     gcfg.validate_for_tp(state.tp_size)
     meta = cfg.parallel.zero_stage == 3
@@ -116,16 +119,10 @@ def recompute_plan(cfg: TrainConfig):
 
 
 def build_optimizer(cfg: TrainConfig, model, state: ParallelState):
-    """The ZeRO engine of --zero-stage; the fp32 replicated fallback only if hybrid.zero is absent."""
+    """The ZeRO engine of --zero-stage (stage 0 = plain data parallel), AdamW, mixed precision."""
+    from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
+    from hybrid.zero.optimizer import build_zero_optimizer
     o = cfg.optimizer
-    try:
-        from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
-        from hybrid.zero.optimizer import build_zero_optimizer
-    except ImportError:
-        from hybrid.training.fallback_optimizer import ReplicatedAdamW
-        log.warning("hybrid.zero is unavailable: FALLBACK replicated fp32 AdamW (no ZeRO)")
-        return ReplicatedAdamW(model, state, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                               eps=o.adam_eps, weight_decay=o.weight_decay, clip_grad=o.clip_grad)
     zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
                       gradient_accumulation_steps=cfg.grad_accumulation_steps(state.world_size),
@@ -155,7 +152,8 @@ def make_loader_factory(data: DataBundle, cfg: TrainConfig, state: ParallelState
         return build_pretraining_loader(dataset, consumed_samples=consumed,
                                         micro_batch_size=cfg.data.micro_batch_size,
                                         data_parallel_rank=state.dp_rank,
-                                        data_parallel_size=state.dp_size, device="cpu")
+                                        data_parallel_size=state.dp_size, device="cpu",
+                                        eod_mask_loss=data.eod if cfg.data.eod_mask_loss else None)
     return make
 
 
@@ -173,12 +171,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                                     m.hidden_size, model.config.padded_vocab_size(state.tp_size))
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank)
     metrics.log_text("config", cfg.describe())
-    return Trainer(cfg, state, model, optimizer, schedule=build_lr_schedule(cfg.optimizer,
-                   cfg.training.train_iters),
-                   make_loader=make_loader or make_loader_factory(data, cfg, state),
-                   metrics=metrics, throughput=ThroughputModel(flops, state.world_size,
-                                                               cfg.logging.peak_tflops),
-                   rng=rng, train_state=train_state)
+    trainer = Trainer(cfg, state, model, optimizer,
+                      schedule=build_lr_schedule(cfg.optimizer, cfg.training.train_iters),
+                      make_loader=make_loader or make_loader_factory(data, cfg, state),
+                      metrics=metrics,
+                      throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops),
+                      rng=rng, train_state=train_state)
+    if train_state is not None and cfg.checkpoint.save == cfg.checkpoint.load:
+        trainer.last_saved_iteration = train_state.iteration   # no need to write it again
+    return trainer
 
 
 def run(cfg: TrainConfig) -> Trainer:

@@ -115,3 +115,19 @@ def test_eod_mask_and_bad_sample_count(tmp_path):
         assert "--eval-samples" in str(err)
     else:
         raise AssertionError("too many samples accepted")
+
+
+def test_evaluate_cli_prints_json(tmp_path, capsys):
+    import json
+    from tools import evaluate
+    from models.gpt.config import GPTConfig
+    from models.gpt.weights import save_canonical
+    from tests.test_hf_export import random_canonical
+    config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=VOCAB,
+                       seq_length=16)
+    weights = save_canonical(tmp_path / "w.safetensors", random_canonical(config), config)
+    data = write_dataset(tmp_path / "data")
+    assert evaluate.main(_args(str(weights), data, 1, ["--data-cache-dir", str(tmp_path)])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == SAMPLES * 16 and out["tensor_model_parallel_size"] == 1
+    assert math.isclose(out["perplexity"], math.exp(out["loss"]))

@@ -133,3 +133,19 @@ def test_eod_stops_a_row_and_pads_it():
         assert out[1].tolist() == greedy[1].tolist()
     single = generate(model, prompt[:1], 6, SamplingParams(temperature=0), eod=eod)
     assert single.shape == (1, 6)                             # stopped after one token
+
+
+def test_generate_cli_with_text_prompt_and_hf_tokenizer(tmp_path, capsys):
+    """tools/generate.py main(): an HF export carrying its tokenizer, text prompts, JSON output."""
+    from hybrid.data.tokenizer import Tokenizer, train_tokenizer
+    from models.gpt.hf import save_hf_directory
+    from tools import generate as tool
+    spm = train_tokenizer(["def f(x):\n    return x * 2\n"] * 50, tmp_path / "spm", 300)
+    config = CONFIG.replace(vocab_size=Tokenizer(spm).vocab_size)
+    hf_dir = save_hf_directory(tmp_path / "hf", config, random_canonical(config), tokenizer_model=spm)
+    assert tool.main(["--load", str(hf_dir), "--prompt", "def f(", "--prompt", "return",
+                      "--max-new-tokens", "5", "--top-p", "0.8", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in lines] == [Tokenizer(spm).encode(t) for t in ("def f(", "return")]
+    for r in lines:
+        assert isinstance(r["text"], str) and 1 <= len(r["ids"]) <= 5

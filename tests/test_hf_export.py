@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel import RNGTracker
 from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
 from models.gpt.hf import (HFConversionError, from_hf_state_dict, gpt_config_from_hf, hf_config,
                            load_hf_directory, save_hf_directory, to_hf_state_dict)
 from models.gpt.reference import ReferenceGPT
-from models.gpt.weights import build_model, load_canonical, save_canonical
+from models.gpt.model import GPTModel
+from models.gpt.weights import build_model, init_from_pretrained, load_canonical, save_canonical
 from tests.multirank import run_on_ranks
 
 CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, seq_length=16,
@@ -112,13 +114,23 @@ def test_conversion_refuses_what_it_cannot_represent():
 
 
 def _import_ranks(rank, world_size, hf_dir, tokens):
+    from hybrid.generation import gather_vocab
     state = ParallelState.initialize(Topology(world_size, world_size, gpus_per_node=world_size))
     state_dict, config = load_canonical(hf_dir)
     model = build_model(config, state, state_dict)
-    from hybrid.generation import gather_vocab
     with torch.no_grad():
         local = model(tokens)                                             # [b, s, V_p/tp]
     full = gather_vocab(local.flatten(0, 1), state.tp, config.vocab_size)
+    # the trainer's path: a randomly initialised TP model overwritten in place
+    # (other dropout and vocab padding: 208 rows at TP 2 instead of 256)
+    trained = GPTModel(config.replace(make_vocab_size_divisible_by=8, hidden_dropout=0.1), state,
+                       rng=RNGTracker(0, state.tp_rank, state.device))
+    init_from_pretrained(trained, hf_dir)
+    with torch.no_grad():
+        again = gather_vocab(trained.eval()(tokens).flatten(0, 1), state.tp, config.vocab_size)
+    torch.testing.assert_close(again, full, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="other dims"):
+        init_from_pretrained(GPTModel(config.replace(num_layers=1), state), hf_dir)
     # numpy: tensors would travel through shared-memory handles that die with the rank
     gathered = {k: v.numpy() for k, v in model.canonical_state_dict().items()}
     return full.view(*tokens.shape, -1).numpy(), gathered
@@ -158,3 +170,17 @@ def test_checkpoint_to_hf_via_tools(tmp_path):
         assert torch.equal(back[name], t) and torch.equal(again[name], t), name
     save_canonical(tmp_path / "d.safetensors", again, config)
     assert load_canonical(tmp_path / "d.safetensors")[1] == config
+
+
+def test_model_only_checkpoint_falls_back_to_model_weights(tmp_path):
+    """A checkpoint without fp32 master weights (no optimizer) loads its model weights."""
+    from hybrid.checkpoint import save_checkpoint
+    from hybrid.training.checkpointing import model_pieces
+    state = ParallelState.single_process()
+    model = build_model(CONFIG, state, random_canonical(CONFIG))
+    pieces = model_pieces(model, None, state, for_save=True)
+    save_checkpoint(tmp_path / "ckpt", 1, pieces, {}, {"model_config": CONFIG.to_dict()}, state.world)
+    loaded, config = load_canonical(tmp_path / "ckpt")
+    assert config == CONFIG
+    for name, t in random_canonical(CONFIG).items():
+        assert torch.equal(loaded[name], t), name

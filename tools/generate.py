@@ -14,6 +14,7 @@ run used (checkpoint config). Rank 0 prints the completions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -100,9 +101,8 @@ def run(args: argparse.Namespace, state: ParallelState) -> list[dict]:
     out = []
     for i, ids in enumerate(prompts):
         ids = ids or ([tokenizer.eod] if tokenizer is not None else [0])   # empty: start a document
-        seq = generate(model, torch.tensor([ids]), args.max_new_tokens,
-                       SamplingParams(params.temperature, params.top_k, params.top_p, params.seed + i),
-                       eod=eod)[0].tolist()
+        seeded = dataclasses.replace(params, seed=params.seed + i)   # prompt i: its own stream
+        seq = generate(model, torch.tensor([ids]), args.max_new_tokens, seeded, eod=eod)[0].tolist()
         new = seq[len(ids):]
         text = tokenizer.decode([t for t in new if t != eod]) if tokenizer is not None else None
         out.append({"prompt": ids, "ids": new, "text": text})

@@ -191,10 +191,24 @@ class RecomputedGPT(GPTModel):
                                             vocab_size=self.config.vocab_size).t()
 
 
-def test_activation_recompute_inside_stage3_matches_reference():
+class InPlaceGPT(GPTModel):
+    """The same GPT updating each layer's output in place (legal for autograd here): stage 3's
+    backward hooks on unit outputs must survive it."""
+
+    def forward(self, tokens, labels):
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = layer(x).mul_(1.0)
+        logits = self._output_logits(self.final_norm(x))
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.group,
+                                            vocab_size=self.config.vocab_size).t()
+
+
+@pytest.mark.parametrize("model_class", [RecomputedGPT, InPlaceGPT])
+def test_recompute_and_in_place_outputs_inside_stage3_match_reference(model_class):
     ref_losses, _, ref_params = reference()
     state = ParallelState.single_process()
-    model, opt = build(state, ZeroConfig(stage=3), model_class=RecomputedGPT)
+    model, opt = build(state, ZeroConfig(stage=3), model_class=model_class)
     tokens, labels = data()
     losses = [train_step(model, opt, state, tokens[i], labels[i], 1)[0] for i in range(STEPS)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

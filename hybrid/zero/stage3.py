@@ -68,7 +68,7 @@ class Stage3Optimizer:
         self.units, self.persistent = build.make_units(
             model, groups, small, state.dp, dtype=self.dtype, device=self.device,
             alignment=zero_config.alignment_elements, init=build.initial_values(model, init_fn, seed))
-        self.all_units = [u for u in self.units if u is not None]
+        self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
         self.masters = [u.shard if not zero_config.mixed_precision else u.shard.float()

@@ -7,10 +7,10 @@ drive it:
 
 * forward pre-hook of unit i: wait for its gather (prefetched earlier) and *issue the next unit's
   gather* asynchronously, so that communication overlaps the current unit's compute;
-* forward hook of unit i: release it, and wrap its outputs in :class:`_BackwardTrigger` whose
-  backward runs when the gradient of the unit's output arrives, i.e. just before the unit's own
-  backward: there the unit is gathered again and the previous unit prefetched;
-* model forward hook: wraps the model's outputs so the start of backward prefetches the last unit.
+* forward hook of unit i: release it, and hook its outputs' gradients: the hook runs when the
+  gradient of the unit's output arrives, i.e. just before the unit's own backward; there the unit
+  is gathered again and the previous unit prefetched;
+* model forward hook: hooks the model's outputs so the start of backward prefetches the last unit.
 
 Tied weights (the output layer reusing the word embedding): the units in ``tied`` are gathered again
 after the last unit's forward and kept until the backward reaches the last unit, covering the output
@@ -33,34 +33,24 @@ from torch import nn
 from hybrid.zero.stage3_unit import ShardedUnit
 
 
-class _BackwardTrigger(torch.autograd.Function):
-    """Identity in forward; calls ``callback`` when the outputs' gradients arrive in backward."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-def _wrap_outputs(output, callback):
-    """Route the tensors of ``output`` needing grad through one trigger; keep the structure."""
+def _on_output_grad(output, callback) -> bool:
+    """Call ``callback`` once, when the first gradient of ``output``'s tensors arrives in backward
+    (just before the backward of what produced them). Tensor hooks leave the outputs untouched, so
+    later in-place updates of them stay legal. False when nothing in ``output`` needs a gradient."""
     if isinstance(output, torch.Tensor):
-        return _BackwardTrigger.apply(callback, output)[0] if output.requires_grad else output
-    if isinstance(output, (tuple, list)):
-        idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return output
-        wrapped = _BackwardTrigger.apply(callback, *(output[i] for i in idx))
-        out = list(output)
-        for i, t in zip(idx, wrapped):
-            out[i] = t
-        return type(output)(out) if isinstance(output, tuple) else out
-    return output
+        tensors = [output]
+    elif isinstance(output, (tuple, list)):
+        tensors = [t for t in output if isinstance(t, torch.Tensor)]
+    else:
+        tensors = []
+    tensors = [t for t in tensors if t.requires_grad]
+    if not tensors:
+        return False
+    if len(tensors) == 1:
+        tensors[0].register_hook(lambda grad: callback())
+    else:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback(), mode="any")
+    return True
 
 
 class Stage3Scheduler:
@@ -138,17 +128,12 @@ class Stage3Scheduler:
             if i == self.last:
                 for t in self.tied:       # the tied output layer runs next
                     self.gather(t, async_op=False)
-        if not torch.is_grad_enabled():
-            return output
-        return _wrap_outputs(output, functools.partial(self._pre_backward, i))
+        if torch.is_grad_enabled():
+            _on_output_grad(output, functools.partial(self._pre_backward, i))
 
     def _model_post_forward(self, module, args, output):
-        if torch.is_grad_enabled():
-            wrapped = _wrap_outputs(output, self._backward_starts)
-            if wrapped is not output:
-                return wrapped
-        self.release_all()              # evaluation: nothing will come back for these units
-        return output
+        if not (torch.is_grad_enabled() and _on_output_grad(output, self._backward_starts)):
+            self.release_all()          # evaluation: nothing will come back for these units
 
     # ---- backward triggers -----------------------------------------------------------------
     def _backward_starts(self) -> None:

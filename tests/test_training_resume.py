@@ -63,7 +63,8 @@ def test_exit_duration_saves_after_first_step(tmp_path):
 
 def _sigterm_on_rank_1(rank, world_size, ckpt):
     record = _Killer(at=3) if rank == 1 else []     # DP 2: 2 micro-batches per iteration
-    trainer = _losses(tiny_args(extra=FIXED_SCHEDULE + ["--train-iters", "4", "--save", ckpt]), record)
+    trainer = _losses(tiny_args(zero=0, extra=FIXED_SCHEDULE + ["--train-iters", "4", "--save", ckpt]),
+                      record)
     return trainer.ts.iteration
 
 
@@ -81,7 +82,18 @@ class _Killer(list):
 
 
 def test_sigterm_on_one_rank_stops_every_rank_together(tmp_path):
+    """Also: at stage 0 (state replicated over DP) only DP rank 0 writes tensors, and the run resumes
+    in one process at stage 1 on the curve of an uninterrupted single-process run."""
+    from safetensors import safe_open
+
     from tests.multirank import run_on_ranks
     iterations = run_on_ranks(_sigterm_on_rank_1, 2, args=(str(tmp_path),), timeout=300)
     assert iterations == [2, 2]
-    assert CheckpointReader(tmp_path).metadata["train_state"]["iteration"] == 2
+    reader = CheckpointReader(tmp_path)
+    assert reader.metadata["train_state"]["iteration"] == 2
+    with safe_open(str(reader.directory / "rank_00001.safetensors"), framework="pt") as f:
+        assert all(k.startswith("extra:") for k in f.keys())       # RNG states only
+    base = tiny_args(extra=FIXED_SCHEDULE + ["--train-iters", "4"])
+    resumed = _losses(base + ["--load", str(tmp_path)]).losses
+    reference = _losses(base).losses
+    assert resumed == pytest.approx(reference[2:], rel=1e-5)

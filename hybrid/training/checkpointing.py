@@ -79,12 +79,11 @@ def model_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save:
     return out
 
 
-def optimizer_pieces(model: nn.Module, optimizer, state: ParallelState, *,
-                     for_save: bool) -> tuple[list[Piece], list]:
+def optimizer_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save: bool,
+                     dp_replicated: bool = False) -> tuple[list[Piece], list]:
     """Pieces of fp32 master weights and Adam moments (and the raw fragments, for load_fragments)."""
     params = dict(model.named_parameters())
     fragments = optimizer.owned_fragments()
-    dp_replicated = getattr(optimizer, "fragments_replicated_over_dp", False)
     out, rows = [], _valid_rows(model)
     for f in fragments:
         p = params[f.param_name]
@@ -115,7 +114,9 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
          config, *, rng=None, keep_last: int = 2) -> Path:
     """Collective over ``state.world``: write one checkpoint of the current iteration."""
     pieces = model_pieces(model, optimizer, state, for_save=True)
-    pieces += optimizer_pieces(model, optimizer, state, for_save=True)[0]
+    # stage 0 keeps the whole optimizer state on every DP rank: only DP rank 0 writes it
+    pieces += optimizer_pieces(model, optimizer, state, for_save=True,
+                               dp_replicated=config.parallel.zero_stage == 0)[0]
     model_config = model.config.to_dict() if hasattr(model, "config") else None
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model_config,

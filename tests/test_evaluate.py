@@ -10,6 +10,7 @@ exp(mean loss) of the single-device reference GPT over the same samples, compute
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from hybrid.data import IndexedDatasetWriter, build_gpt_datasets
@@ -109,12 +110,8 @@ def test_eod_mask_and_bad_sample_count(tmp_path):
     masked = evaluate.evaluate_perplexity(model, dataset, state, num_samples=SAMPLES, eod_mask=EOD)
     eods = sum(int((dataset[i][:-1] == EOD).sum()) for i in range(SAMPLES))
     assert eods > 0 and masked.tokens == full.tokens - eods
-    try:
+    with pytest.raises(ValueError, match="--eval-samples"):
         evaluate.evaluate_perplexity(model, dataset, state, num_samples=len(dataset) + 1)
-    except ValueError as err:
-        assert "--eval-samples" in str(err)
-    else:
-        raise AssertionError("too many samples accepted")
 
 
 def test_evaluate_cli_prints_json(tmp_path, capsys):

@@ -110,3 +110,14 @@ def test_paper_tables_tool_writes_every_output(tmp_path, capsys):
     assert {"assumptions", "figure1", "table1", "table2", "table5", "table6", "table10",
             "predictions"} <= set(data)
     assert len(data["table5"]) == 18 and all(r["fits_32gb"] for r in data["table5"])
+
+
+def test_gradient_accumulation_multiplies_per_microbatch_dp_traffic():
+    dims = dict(layers=4, hidden=1024, seq=1024, vocab=50257, micro_batch=4, tp=1, dp=64)
+
+    def dp_seconds(stage, accumulation):
+        return estimate_iteration(**dims, stage=stage, grad_accumulation=accumulation).details["dp_total_s"]
+
+    assert dp_seconds(0, 4) == pytest.approx(dp_seconds(0, 1))      # one all-reduce per step
+    assert dp_seconds(2, 2) == pytest.approx(1.5 * dp_seconds(2, 1))  # reduce-scatter per micro-batch
+    assert dp_seconds(3, 2) == pytest.approx(2 * dp_seconds(3, 1))    # everything per micro-batch

@@ -6,11 +6,13 @@ time = compute + exposed TP communication + exposed DP communication + optimizer
 - compute: hardware FLOPs of the iteration (Megatron's formula, with the extra forward of full
   recompute) / GPUs / (peak x :func:`sustained_efficiency`);
 - TP: Megatron's all-reduces of the b s h activations - 2 in forward and 2 in backward per layer, 2
-  more when the forward is recomputed (+ Pa's all-gather of the checkpoint) - ring volume
-  2 (t-1)/t x 2 b s h bytes each, over NVSwitch when the TP group stays in a node, otherwise over the
+  more when the forward is recomputed (+ Pa's all-gather of the checkpoint), plus the embedding's
+  and the output layer's and the loss's 3 values per token - ring volume 2 (t-1)/t x 2 b s h bytes
+  each (:func:`tp_ring_bytes_per_microbatch`), over NVSwitch when the TP group stays in a node, otherwise over the
   GPU's share of the node's InfiniBand links; on the critical path (not overlapped);
 - DP: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements of the MP rank's parameters, ring factor
-  (Nd-1)/Nd, a named fraction overlapped with the backward pass;
+  (Nd-1)/Nd, a named fraction overlapped with the backward pass; with gradient accumulation stage 2
+  reduce-scatters every micro-batch and stage 3 repeats all its 3Ψ per micro-batch;
 - optimizer: the Adam step streams the fp32 states of the parameters this GPU updates through HBM.
 
 Every assumption is a field of :class:`ThroughputAssumptions` or of the :class:`Cluster`.
@@ -108,7 +110,7 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                                                           full_recompute, partition_activations,
                                                           topo.tp_crosses_nodes, cluster, a)
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp)
-    dp_total = _dp_time(psi_rank, stage, dp, _dp_crosses_nodes(topo), cluster, a)
+    dp_total = _dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
     updated = psi_rank / dp if stage >= 1 else psi_rank
@@ -153,10 +155,16 @@ def _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp, full_recompute
     return ring / cluster.ring_bandwidth(crosses_nodes) + calls * cluster.collective_latency
 
 
-def _dp_time(psi_rank, stage, dp, crosses_nodes, cluster: Cluster, a: ThroughputAssumptions) -> float:
+def _dp_time(psi_rank, stage, dp, grad_accumulation, crosses_nodes, cluster: Cluster,
+             a: ThroughputAssumptions) -> float:
     if dp == 1:
         return 0.0
-    volume = dp_communication_elements(psi_rank, stage) * a.grad_bytes * (dp - 1) / dp
+    elements = dp_communication_elements(psi_rank, stage)          # 2Ψ or 3Ψ per step
+    if stage == 2:
+        elements += (grad_accumulation - 1) * psi_rank             # a reduce-scatter per micro-batch
+    elif stage == 3:
+        elements *= grad_accumulation                               # gathers + reduce-scatter each
+    volume = elements * a.grad_bytes * (dp - 1) / dp
     return volume / cluster.ring_bandwidth(crosses_nodes)
 
 

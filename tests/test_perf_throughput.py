@@ -121,3 +121,17 @@ def test_gradient_accumulation_multiplies_per_microbatch_dp_traffic():
     assert dp_seconds(0, 4) == pytest.approx(dp_seconds(0, 1))      # one all-reduce per step
     assert dp_seconds(2, 2) == pytest.approx(1.5 * dp_seconds(2, 1))  # reduce-scatter per micro-batch
     assert dp_seconds(3, 2) == pytest.approx(2 * dp_seconds(3, 1))    # everything per micro-batch
+
+
+def test_perf_estimate_cli_agrees_with_the_table5_row(capsys):
+    from tools import perf_estimate
+    argv = ["--num-layers", "125", "--hidden-size", "8192", "--num-attention-heads", "64",
+            "--micro-batch-size", "32", "--tensor-model-parallel-size", "16",
+            "--data-parallel-size", "25", "--zero-stage", "2", "--partition-activations", "--json"]
+    assert perf_estimate.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = next(r for r in paper_tables.collect()["table5"] if r["name"] == "table5-zero-100B")
+    assert out["memory_gb"]["total"] == pytest.approx(row["total_gb"])
+    assert out["iteration"]["tflops_per_gpu"] == pytest.approx(row["tflops_per_gpu"])
+    with pytest.raises(ValueError, match="not divisible"):
+        perf_estimate.main(argv[:6] + ["--micro-batch-size", "1", "--tensor-model-parallel-size", "3"])

@@ -72,7 +72,8 @@ def write_layout(root: Path, iteration: int, tp: int, dp: int, keep_last: int = 
 
 
 @pytest.mark.parametrize("save_layout,load_layout", [((2, 2), (1, 3)), ((2, 3), (4, 1)),
-                                                     ((1, 1), (2, 2)), ((4, 2), (1, 1))])
+                                                     ((1, 1), (2, 2)), ((4, 2), (1, 1)),
+                                                     ((2, 2), (2, 3)), ((1, 3), (1, 2))])
 def test_reshard_any_layout_to_any_other(tmp_path, save_layout, load_layout):
     write_layout(tmp_path, 5, *save_layout)
     reader = CheckpointReader(tmp_path)
@@ -127,13 +128,30 @@ def test_truncated_shard(saved):
         CheckpointReader(saved)
 
 
-def test_hash_mismatch(saved):
-    path = saved / rank_file_name(2)
+def _corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_hash_mismatch(saved):
+    _corrupt(saved / rank_file_name(2))
     with pytest.raises(CheckpointError, match="hash mismatch .*rank_00002"):
-        CheckpointReader(saved)
+        CheckpointReader(saved, verify="all")
+    reader = CheckpointReader(saved)              # lazy: checked when rank 2's file is first read
+    with pytest.raises(CheckpointError, match="hash mismatch .*rank_00002"):
+        reader.fill(Piece("col", "master", (8, 6), 0, 0, 1, 0, torch.empty(48)))
+
+
+def test_same_tp_reads_only_the_files_it_needs(saved):
+    """Layout TP2 x DP2: rank r = dp * 2 + tp. A TP-rank-1 target (same TP degree) needs ranks 1 and
+    3 only, so a corrupted rank 2 file does not stop it, and the values are exact."""
+    _corrupt(saved / rank_file_name(2))
+    reader = CheckpointReader(saved)
+    full, _ = full_for("col", 2)
+    target = Piece("col", "master", full.shape, 0, 1, 2, 5, torch.empty(12))
+    reader.fill(target)
+    torch.testing.assert_close(target.tensor, full.chunk(2, 0)[1].reshape(-1)[5:17], rtol=0, atol=0)
 
 
 def test_missing_shard_file(saved):
@@ -150,7 +168,10 @@ def test_missing_pieces_detected_even_without_manifest_entry(saved):
     reader = CheckpointReader(saved)
     target = Piece("col", "master", (8, 6), 0, 0, 1, 0, torch.empty(48))
     with pytest.raises(CheckpointError, match="missing shard: master of 'col'"):
-        reader.fill(target)
+        reader.fill(target)                                   # resharding path
+    same_tp = Piece("col", "master", (8, 6), 0, 0, 2, 0, torch.empty(24))
+    with pytest.raises(CheckpointError, match=r"missing shard: master of 'col' \(TP rank 0 of 2\)"):
+        reader.fill(same_tp)                                  # same-TP fast path
 
 
 def test_newer_format_version(saved):

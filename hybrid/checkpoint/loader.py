@@ -7,8 +7,11 @@ headers only), and fills *target* pieces - the ranges the loading rank owns in i
         --concat along partition_dim-->  canonical full tensor  --pad/trim vocab padding-->
         --slice for the target tp_rank, flatten-->  copy [offset, offset + numel) into the target
 
-Only one parameter is assembled at a time, and tensors are read lazily with ``safe_open``, so peak
-extra memory is one full parameter. Nothing is unpickled.
+When the loading layout has the saved TP degree (a resume, or a change of DP degree or ZeRO stage
+only) a rank reads just the byte ranges that overlap what it owns, with ``safe_open(...).get_slice``.
+Otherwise one parameter is assembled at a time, so peak extra memory is one full parameter.
+Integrity: every file's size is checked up front, each rank file's sha256 when this rank first reads
+it (``verify="lazy"``; ``"all"`` hashes everything at once). Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -40,14 +43,19 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
 
 
 class CheckpointReader:
-    def __init__(self, path: str | Path, verify: bool = True):
+    def __init__(self, path: str | Path, verify: str = "lazy"):
         self.directory = resolve_checkpoint_dir(path)
         if not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist; "
                                   f"'{LATEST_FILE}' points to a deleted checkpoint")
-        entries = read_manifest(self.directory)
-        if verify:
-            verify_files(self.directory, entries)
+        if verify not in ("lazy", "all", "none"):
+            raise ValueError(f"verify must be 'lazy', 'all' or 'none', got {verify!r}")
+        entries = self._manifest = read_manifest(self.directory)
+        self._verify = verify
+        if verify != "none":
+            verify_files(self.directory, entries, hashes=verify == "all")
+            verify_files(self.directory, entries, [METADATA_FILE])
+        self._verified: set[str] = set(entries) if verify != "lazy" else {METADATA_FILE}
         with open(self.directory / METADATA_FILE) as f:
             self.metadata = json.load(f)
         if self.metadata.get("format_version", 0) > FORMAT_VERSION:
@@ -71,6 +79,15 @@ class CheckpointReader:
                     if key.startswith("extra:"):
                         self._extra[int(header["rank"])][key[len("extra:"):]] = (fname, key)
 
+    def _read(self, fname: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Tensor ``key`` of rank file ``fname`` (elements [lo, hi) of it if given), hash-checked
+        the first time this file is read."""
+        if fname not in self._verified:
+            verify_files(self.directory, self._manifest, [fname])
+            self._verified.add(fname)
+        with safe_open(str(self.directory / fname), framework="pt") as f:
+            return f.get_tensor(key) if lo is None else f.get_slice(key)[lo:hi]
+
     # ---- queries -----------------------------------------------------------------------------
     def names(self, kind: str) -> list[str]:
         return sorted(name for (k, name) in self._index if k == kind)
@@ -80,22 +97,15 @@ class CheckpointReader:
 
     def extra(self, rank: int) -> dict[str, torch.Tensor]:
         """Per-rank extra tensors (RNG states) written by ``rank``."""
-        out = {}
-        for name, (fname, key) in self._extra.get(rank, {}).items():
-            with safe_open(str(self.directory / fname), framework="pt") as f:
-                out[name] = f.get_tensor(key)
-        return out
+        return {name: self._read(fname, key)
+                for name, (fname, key) in self._extra.get(rank, {}).items()}
 
     # ---- assembly ----------------------------------------------------------------------------
     def full_tensor(self, kind: str, name: str) -> torch.Tensor:
         """The canonical (TP-unsharded) tensor of one parameter, assembled from all pieces."""
         if self._cache is not None and self._cache[0] == (kind, name):
             return self._cache[1]
-        entries = self._index.get((kind, name))
-        if not entries:
-            raise CheckpointError(f"checkpoint {self.directory} has no {kind} state for parameter "
-                                  f"{name!r}; the model has a parameter the checkpoint lacks (other "
-                                  f"model dims?)")
+        entries = self._entries(kind, name)
         first = entries[0]
         full_shape, pdim, tp = tuple(first["full_shape"]), first["partition_dim"], first["tp_size"]
         shape = local_shape(full_shape, pdim, tp)
@@ -106,9 +116,7 @@ class CheckpointReader:
         for e in entries:
             t = e["tp_rank"] if pdim >= 0 else 0
             lo, hi = e["offset"], e["offset"] + e["numel"]
-            with safe_open(str(self.directory / e["file"]), framework="pt") as f:
-                key = f"{kind}:{name}:tp{e['tp_rank']}:{e['offset']}"
-                buffers[t][lo:hi] = f.get_tensor(key)
+            buffers[t][lo:hi] = self._read(e["file"], _key(e))
             covered[t][lo:hi] = True
         for t, mask in covered.items():
             if not bool(mask.all()):
@@ -121,8 +129,21 @@ class CheckpointReader:
         self._cache = ((kind, name), full)
         return full
 
+    def _entries(self, kind: str, name: str) -> list[dict]:
+        entries = self._index.get((kind, name))
+        if not entries:
+            raise CheckpointError(f"checkpoint {self.directory} has no {kind} state for parameter "
+                                  f"{name!r}; the model has a parameter the checkpoint lacks (other "
+                                  f"model dims?)")
+        return entries
+
     def fill(self, target: Piece) -> None:
         """Copy the saved values of ``target``'s range (in the target layout) into ``target.tensor``."""
+        first = self._entries(target.kind, target.name)[0]
+        if (first["tp_size"] == target.tp_size and first["partition_dim"] == target.partition_dim
+                and tuple(first["full_shape"]) == target.full_shape):
+            self._fill_same_tp(target)
+            return
         saved_rows = self._index[(target.kind, target.name)][0].get("valid_rows") \
             if (target.kind, target.name) in self._index else None
         full = _fit_shape(self.full_tensor(target.kind, target.name), target, saved_rows,
@@ -138,6 +159,31 @@ class CheckpointReader:
                                   f"{target.name!r} exceeds its {flat.numel()} elements")
         with torch.no_grad():
             target.tensor.view(-1).copy_(flat[target.offset:target.offset + n])
+
+
+    def _fill_same_tp(self, target: Piece) -> None:
+        """Same TP layout: read only the overlapping ranges of this TP rank's saved pieces."""
+        t = target.tp_rank if target.partition_dim >= 0 else 0   # replicated: saved by TP rank 0
+        lo_t, n = target.offset, target.tensor.numel()
+        out = target.tensor.view(-1)
+        covered = torch.zeros(n, dtype=torch.bool)
+        for e in self._entries(target.kind, target.name):
+            lo, hi = max(lo_t, e["offset"]), min(lo_t + n, e["offset"] + e["numel"])
+            if e["tp_rank"] != t or lo >= hi:
+                continue
+            with torch.no_grad():
+                out[lo - lo_t:hi - lo_t].copy_(self._read(e["file"], _key(e), lo - e["offset"],
+                                                          hi - e["offset"]))
+            covered[lo - lo_t:hi - lo_t] = True
+        if not bool(covered.all()):
+            raise CheckpointError(f"missing shard: {target.kind} of {target.name!r} (TP rank {t} of "
+                                  f"{target.tp_size}) lacks {int((~covered).sum())} of the {n} "
+                                  f"elements this rank needs in {self.directory}; a rank file is "
+                                  f"missing from the checkpoint")
+
+
+def _key(entry: dict) -> str:
+    return f"{entry['kind']}:{entry['name']}:tp{entry['tp_rank']}:{entry['offset']}"
 
 
 def _fit_shape(full: torch.Tensor, target: Piece, saved_rows: int | None,

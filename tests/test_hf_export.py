@@ -93,6 +93,11 @@ def test_export_round_trip_and_hf_layout_forward(tmp_path):
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(hf_forward(saved, cfg, tokens),
                                reference_logits(CONFIG, canonical, tokens), rtol=0, atol=1e-5)
+    half = save_hf_directory(tmp_path / "bf16", CONFIG, canonical, dtype=torch.bfloat16)
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    bf16, _ = load_hf_directory(half)                         # read back as fp32
+    for name, t in canonical.items():
+        assert torch.equal(bf16[name], t.to(torch.bfloat16).float()), name
 
 
 def test_conversion_refuses_what_it_cannot_represent():

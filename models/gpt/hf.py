@@ -164,7 +164,7 @@ def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[st
     tensors = {k: v.to(dtype) for k, v in to_hf_state_dict(config, canonical).items()}
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     meta = hf_config(config, bos_token_id=bos, eos_token_id=eos)
-    meta["torch_dtype"] = str(dtype).removeprefix("torch.")
+    meta["torch_dtype"] = meta["dtype"] = str(dtype).removeprefix("torch.")  # transformers 4 / 5 key
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}, indent=2) + "\n")

@@ -127,8 +127,8 @@ class RecomputePlan:
         return any(m in self.modes for m in modes)
 
     def __str__(self) -> str:
-        runs = ", ".join(f"{s.start}-{s.stop - 1}: {s.mode}" if s.stop - s.start > 1 else f"{s.start}: {s.mode}"
-                         for s in _merge(self.segments()))
+        runs = ", ".join(f"{s.start}-{s.stop - 1}: {s.mode}" if s.stop - s.start > 1
+                         else f"{s.start}: {s.mode}" for s in _merge(self.segments()))
         lines = [f"RecomputePlan({self.num_layers} layers, granularity {self.granularity}) {runs}"]
         if self.arena_chunk_bytes:
             lines.append(f"  MD arena chunks {self.arena_chunk_bytes:,d} B (device tier)")

@@ -23,10 +23,12 @@ Cost model (seconds per layer and micro-batch, documented and deliberately simpl
 Peak activation bytes of a plan = ``other_bytes`` (embedding, output layer, loss) + the largest,
 over the segments in backward order, of what the layers up to it keep plus its transient: a
 ``full*`` segment of ``k`` layers rebuilds ``k`` layers' complete activations at once, a selective
-layer its attention core (an upper bound: the model ignores what a layer frees before its transient). With identical layers
-the optimum of this multiple-choice knapsack mixes at most two modes (a vertex of the lower convex
-hull of (bytes, seconds)), so the planner tries every pair of modes and every split - exact and
-O(25 L).
+layer its attention core (an upper bound: it ignores what a layer frees before its transient).
+
+Search: the layers are identical, and the LP relaxation of this multiple-choice knapsack is solved
+by mixing at most two modes (neighbours on the lower convex hull of (bytes, seconds)). The planner
+therefore tries every pair of modes and every split point - the first ``k`` layers in one mode, the
+rest in the other, O(25 L) plan estimates - and keeps the cheapest plan that fits.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class ModelDims:
         ``sbh`` tensors around the final LayerNorm and the output layer."""
         if other_bytes is None:
             sbh = config.seq_length * micro_batch * config.hidden_size
-            other_bytes = (act.logits_bytes(config.seq_length, micro_batch, config.padded_vocab_size(tp), tp=tp)
+            vocab = config.padded_vocab_size(tp)
+            other_bytes = (act.logits_bytes(config.seq_length, micro_batch, vocab, tp=tp)
                            + 4 * sbh * bytes_per_element)
         return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                    micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
@@ -190,6 +193,25 @@ def _transient(mode: str, layers: int, costs: dict[str, ModeCost]) -> float:
     return costs[mode].transient_bytes
 
 
+def _block_peak(kept: float, n: int, mode: str, costs: dict[str, ModeCost], granularity: int):
+    """(peak, kept after) of ``n`` consecutive layers in ``mode`` after layers keeping ``kept``:
+    :func:`estimate`'s loop in closed form. Along a block the kept bytes grow and transients only
+    depend on segment size, so the peak is at its last full-size or its last (partial) segment."""
+    if n == 0:
+        return 0.0, kept
+    per = costs[mode].device_bytes
+    size = granularity if mode in FULL_MODES else 1
+    full_segments, rest = divmod(n, size)
+    peaks = []
+    if full_segments:
+        before = kept + (full_segments - 1) * size * per
+        peaks.append(before + size * per + _transient(mode, size, costs))
+    if rest:
+        before = kept + full_segments * size * per
+        peaks.append(before + rest * per + _transient(mode, rest, costs))
+    return max(peaks), kept + n * per
+
+
 def plan_for_budget(d: ModelDims, budget_bytes: float, *, cost: CostModel = CostModel(),
                     modes: tuple[str, ...] = MODES, **plan_kw) -> RecomputePlan:
     """The plan with the least modelled recompute + transfer time whose peak fits ``budget_bytes``
@@ -197,22 +219,24 @@ def plan_for_budget(d: ModelDims, budget_bytes: float, *, cost: CostModel = Cost
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown recompute modes {bad}; choose from {MODES}")
-    L, best = d.num_layers, None
-    for low in modes:
-        for high in modes:
-            for k in range(L + 1):
-                plan = RecomputePlan((high,) * k + (low,) * (L - k), **plan_kw)
-                est = estimate(plan, d, cost)
-                if est.peak_bytes <= budget_bytes:
-                    key = (est.seconds, est.peak_bytes)
-                    if best is None or key < best[0]:
-                        best = (key, plan, est)
+    costs, L, best = mode_costs(d, cost), d.num_layers, None
+    granularity = plan_kw.get("granularity", 1)
+    for high in modes:
+        for low in modes:
+            for k in (range(1, L + 1) if high != low else [L]):   # first k layers in ``high``
+                peak_high, kept = _block_peak(0.0, k, high, costs, granularity)
+                peak_low, _ = _block_peak(kept, L - k, low, costs, granularity)
+                peak = d.other_bytes + max(peak_high, peak_low)
+                seconds = k * costs[high].seconds + (L - k) * costs[low].seconds
+                if peak <= budget_bytes and (best is None or (seconds, peak) < best[0]):
+                    best = ((seconds, peak), (high,) * k + (low,) * (L - k))
     if best is None:
         floor = min(estimate(RecomputePlan.uniform(m, L, **plan_kw), d, cost).peak_bytes for m in modes)
         raise ValueError(f"no recompute plan fits a budget of {budget_bytes:,.0f} B per rank; the "
                          f"smallest needs {floor:,.0f} B. Raise --memory-budget, lower "
                          f"--micro-batch-size, or raise --tensor-model-parallel-size")
-    _, plan, est = best
+    plan = RecomputePlan(best[1], **plan_kw)
+    est = estimate(plan, d, cost)
     full = estimate(RecomputePlan.uniform("full", L, **plan_kw), d, cost)
     note = (f"planned for {budget_bytes:,.0f} B: peak {est.peak_bytes:,.0f} B, host {est.host_bytes:,.0f} B, "
             f"recompute {est.recompute_flops:.3g} FLOP (full: {full.recompute_flops:.3g}), "

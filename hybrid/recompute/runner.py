@@ -3,8 +3,9 @@
 
 The model owns one :class:`Recomputer` and calls ``recomputer.run(layers, hidden)`` instead of its
 layer loop; an attention module whose layer is planned ``selective`` (``plan.selective(i)``) runs
-its core through :func:`~hybrid.recompute.checkpoint.checkpoint` itself. The recomputer owns the stores (one per ``full*`` mode) and the arenas,
-so the trainer can list the constant buffer sizes and the memory report can count the host tier.
+its core through :func:`~hybrid.recompute.checkpoint.checkpoint` itself. The recomputer owns the
+stores (one per ``full*`` mode) and the arenas, so the trainer can list the constant buffer sizes
+and the memory report can count the host tier.
 """
 
 from __future__ import annotations

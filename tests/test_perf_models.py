@@ -108,12 +108,14 @@ def test_selective_recompute_formulas_are_consistent():
     assert none1 == pytest.approx(sbh * (34 + 5 * a * s / h))
     # TP at t=1 is no parallelism; TP+SP divides everything by t; SP+selective is 34 sbh / t.
     assert act.activation_bytes_per_layer(s, b, h, a, tp=1, sequence_parallel=True) == pytest.approx(none1)
-    assert act.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True) == pytest.approx(none1 / 8)
+    assert act.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True) == \
+        pytest.approx(none1 / 8)
     assert act.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True,
                                           recompute="selective") == pytest.approx(34 * sbh / 8)
     assert act.activation_bytes_per_layer(s, b, h, a, tp=8, recompute="selective") == \
         pytest.approx(sbh * (10 + 24 / 8))
-    assert act.activation_bytes_per_layer(s, b, h, a, tp=8) == pytest.approx(sbh * (10 + 3 + 5 * a * s / (h * 8)))
+    assert act.activation_bytes_per_layer(s, b, h, a, tp=8) == \
+        pytest.approx(sbh * (10 + 3 + 5 * a * s / (h * 8)))
     assert act.activation_bytes_per_layer(s, b, h, a, tp=8, recompute="full") == 2 * sbh
     # The paper's headline: SP + selective needs 5x less than TP alone for the 530B-like layer.
     ratio = act.activation_bytes_per_layer(s, b, h, a, tp=8) / \

@@ -114,7 +114,8 @@ def predictions_intro(data: dict) -> str:
             f"The model's assumptions are listed in `tables.md`.")
 
 
-SECTIONS = {"assumptions": assumptions_section, "figure1": figure1_section, "table1": table1_section, "table2": table2_section,
+SECTIONS = {"assumptions": assumptions_section, "figure1": figure1_section,
+            "table1": table1_section, "table2": table2_section,
             "table5": lambda d: runs_section(d, "table5", "Table 5 / Figure 2: every run, per GPU"),
             "table6": lambda d: runs_section(d, "table6", "Table 6 / Figure 3: 60B superlinear scaling"),
             "table10": lambda d: runs_section(d, "table10", "Table 10: ZeRO-DP only (MP 1), 128 GPUs"),

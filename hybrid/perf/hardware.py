@@ -33,7 +33,8 @@ class Cluster:
                 raise ValueError(f"cluster {self.name!r}: {name} must be positive, got {getattr(self, name)}")
         for name in ("intra_node_efficiency", "ib_efficiency"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+                raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], "
+                                 f"got {getattr(self, name)}")
 
     @property
     def intra_node_ring_bandwidth(self) -> float:

@@ -8,8 +8,8 @@ time = compute + exposed TP communication + exposed DP communication + optimizer
 - TP: Megatron's all-reduces of the b s h activations - 2 in forward and 2 in backward per layer, 2
   more when the forward is recomputed (+ Pa's all-gather of the checkpoint), plus the embedding's
   and the output layer's and the loss's 3 values per token - ring volume 2 (t-1)/t x 2 b s h bytes
-  each (:func:`tp_ring_bytes_per_microbatch`), over NVSwitch when the TP group stays in a node, otherwise over the
-  GPU's share of the node's InfiniBand links; on the critical path (not overlapped);
+  each (:func:`tp_ring_bytes_per_microbatch`), over NVSwitch when the TP group stays in a node,
+  otherwise over the GPU's share of the node's InfiniBand links; on the critical path;
 - DP: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements of the MP rank's parameters, ring factor
   (Nd-1)/Nd, a named fraction overlapped with the backward pass; with gradient accumulation stage 2
   reduce-scatters every micro-batch and stage 3 repeats all its 3Ψ per micro-batch;

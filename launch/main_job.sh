@@ -12,6 +12,8 @@ fi
 .venv/bin/python -m pip install -q -r requirements.txt
 .venv/bin/python -m pip install -q --no-deps -e .
 export OMP_NUM_THREADS=1
+# SIGTERM to torchrun reaches every rank, which saves a checkpoint; allow it time before SIGKILL.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 .venv/bin/python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4 \
     launch/pretrain_gpt.py --config tiny-cpu "$@"
 cat <<MSG

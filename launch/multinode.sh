@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 : "${MASTER:?set MASTER=host:port of the rendezvous (any one node)}"
 PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# SIGTERM to torchrun reaches every rank, which saves a checkpoint; allow it time before SIGKILL.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "${NPROC:-16}" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER" --rdzv-id "${JOB_ID:-hybrid-gpt}" \
     --max-restarts 0 launch/pretrain_gpt.py "$@"

@@ -20,6 +20,10 @@ Small parameters (< ``stage3_param_persistence_threshold`` elements) stay whole 
 persistent flat buffer; their gradients are still reduce-scattered and the updated chunks gathered
 once per step (2Ψ_small instead of 3Ψ_small), and the memory report counts them whole.
 
+Optimizer offload (``offload=OffloadConfig(mode="cpu"|"nvme")``, :mod:`hybrid.offload`): the fp32
+masters and moments of the owned chunks live in a host or NVMe backend that runs AdamW and writes
+the updated values into the 16-bit partitions.
+
 Outside forward/backward the model's partitioned parameters hold no storage: read them through
 ``gathered_state_dict()`` (collective) or ``named_local_params()``, never ``model.state_dict()``.
 """
@@ -50,7 +54,8 @@ class Stage3Optimizer:
     """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring."""
 
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                 adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0):
+                 adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
+                 offload=None):
         if zero_config.stage != 3:
             raise ValueError(f"Stage3Optimizer implements ZeRO stage 3, got stage {zero_config.stage}; "
                              f"use build_zero_optimizer for stages 0-2")
@@ -71,9 +76,13 @@ class Stage3Optimizer:
         self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
-        self.masters = [u.shard if not zero_config.mixed_precision else u.shard.float()
-                        for u in self.all_units]
-        self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
+        self.offload = offload if offload is not None and offload.enabled else None
+        if self.offload is None:
+            self.masters = [u.shard if not zero_config.mixed_precision else u.shard.float()
+                            for u in self.all_units]
+            self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
+        else:
+            self.masters, self.adam = [], self._build_offload_state()   # it writes the shards
         self.scaler = build_loss_scaler(zero_config)
         self.scheduler = Stage3Scheduler(model, modules, self.units,
                                          tied=build.tied_units(model, modules),
@@ -84,8 +93,9 @@ class Stage3Optimizer:
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
-                       for k, u in enumerate(self.all_units) for slot in u.slots]
+        for k, unit in enumerate(self.all_units):
+            for slot in unit.slots:
+                slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
         self._ledger_mark, self._last_step_records = len(state.ledger.records), []
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
@@ -160,12 +170,32 @@ class Stage3Optimizer:
         factor = clip_coefficient(norm, self.config.clip_grad) / scale
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        self._adamw(grads)
+        if self.offload is not None:   # AdamW on the host / NVMe, writes the 16-bit shards
+            self.adam.update(grads, [u.shard for u in self.all_units], lr=self.lr)
+        else:
+            self._adamw(grads)
         self._publish_masters()
         self.scaler.update(False)
         self.zero_grad()
         self._mark_step()
         return StepResult(False, norm, scale)
+
+    def _build_offload_state(self):
+        """hybrid.offload backend holding the masters (from the shards) and moments on host/NVMe."""
+        from hybrid.offload.budget import build_offload_state
+        decay = [[(s.chunk_offset, s.length) for s in u.segments if uses_weight_decay(s.slot.param)]
+                 for u in self.all_units]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        chunks = sum(u.chunk for u in self.all_units)
+        largest = max(u.padded for u in self.all_units)
+        resident = item * (2 * chunks + 4 * largest) + (4 * chunks if self.config.mixed_precision
+                                                        else 0)
+        backend = build_offload_state(self.offload, [u.chunk for u in self.all_units], decay,
+                                      self.adamw_config, device=self.device, param_dtype=self.dtype,
+                                      rank=self.state.rank, resident_bytes=resident)
+        for k, unit in enumerate(self.all_units):
+            backend.write_master(k, 0, unit.shard)
+        return backend
 
     def _publish_masters(self) -> None:
         """Round the fp32 masters into the 16-bit partitions; re-gather the persistent parameters."""
@@ -211,9 +241,11 @@ class Stage3Optimizer:
         measured = measure_storages({
             "param16": [t for u in self.all_units for t in (u.shard, u.full)],
             "grad16": [u.grad for u in self.all_units],
-            "master32": self.masters,
-            "adam_moments": self.adam.tensors(),
-            "buffers": list(self.model.buffers())})
+            "master32": self.masters if self.offload is None else self.adam.resident()["master32"],
+            "adam_moments": (self.adam.tensors() if self.offload is None
+                             else self.adam.resident()["adam_moments"]),
+            "buffers": list(self.model.buffers()) + ([] if self.offload is None
+                                                     else self.adam.resident()["buffers"])})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         formula = formula_bytes(self.psi, 3, self.state.dp_size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)
@@ -252,9 +284,12 @@ class Stage3Optimizer:
 
     def owned_fragments(self) -> list[Fragment]:
         out = []
+        views = ({k: self.adam.fragment_views(k) for k in ("master", "exp_avg", "exp_avg_sq")}
+                 if self.offload is not None else
+                 {"master": self.masters, "exp_avg": self.adam.exp_avgs,
+                  "exp_avg_sq": self.adam.exp_avg_sqs})
         for k, unit in enumerate(self.all_units):
-            for kind, flat in (("master", self.masters[k]), ("exp_avg", self.adam.exp_avgs[k]),
-                               ("exp_avg_sq", self.adam.exp_avg_sqs[k])):
+            for kind, flat in ((kind, views[kind][k]) for kind in views):
                 out.extend(Fragment(seg.slot.name, kind, seg.param_offset, seg.of(flat))
                            for seg in unit.segments)
         return out
@@ -269,6 +304,8 @@ class Stage3Optimizer:
         if copied < expected:
             raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
                              f"elements this rank owns; was it saved from another model?")
+        if self.offload is not None:
+            self.adam.publish([u.shard for u in self.all_units])
         self._publish_masters()
 
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
@@ -291,6 +328,7 @@ class Stage3Optimizer:
 
 def build_stage3_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                            adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None,
-                           seed: int = 0) -> Stage3Optimizer:
+                           seed: int = 0, offload=None) -> Stage3Optimizer:
     """What :func:`hybrid.zero.optimizer.build_zero_optimizer` returns for stage 3."""
-    return Stage3Optimizer(model, state, zero_config, adamw_config, init_fn=init_fn, seed=seed)
+    return Stage3Optimizer(model, state, zero_config, adamw_config, init_fn=init_fn, seed=seed,
+                           offload=offload)

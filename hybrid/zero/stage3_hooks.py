@@ -69,17 +69,11 @@ class Stage3Scheduler:
         self.in_backward = False
         self.trace: list[tuple[str, int]] = []
         self.last = len(modules) - 1
-        self._handles = [model.register_forward_pre_hook(self._model_pre_forward),
-                         model.register_forward_hook(self._model_post_forward)]
+        model.register_forward_pre_hook(self._model_pre_forward)
+        model.register_forward_hook(self._model_post_forward)
         for i, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, i)))
-            self._handles.append(module.register_forward_hook(
-                functools.partial(self._post_forward, i)))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+            module.register_forward_pre_hook(functools.partial(self._pre_forward, i))
+            module.register_forward_hook(functools.partial(self._post_forward, i))
 
     # ---- primitives ------------------------------------------------------------------------
     def gather(self, i: int | None, async_op: bool) -> None:

@@ -1,1 +1,9 @@
-"""Training: config and command line, learning-rate schedule, metrics and the training loop."""
+"""GPT pretraining (Megatron-LM's training loop on ZeRO-DP x tensor parallelism).
+
+- ``sections`` / ``config``: self-validating config dataclasses named after Megatron's flags;
+  ``arguments``: YAML/TOML file + command-line overrides;
+- ``setup``: the ``build_*`` steps (parallel state, data, model, ZeRO optimizer) and ``run``;
+- ``trainer``: the loop; ``lr_schedule``; ``metrics`` (console + TensorBoard); ``exit`` (SIGTERM,
+  time limit); ``checkpointing`` (layout-independent save/resume via hybrid.checkpoint);
+- ``dry_run``: check a many-GPU layout on one CPU process.
+"""

@@ -165,7 +165,7 @@ class DataSection:
         if isinstance(self.data_path, str):
             self.data_path = self.data_path.split()
         self.weighted_data_paths()  # validates
-        parts = self.split.replace("/", ",").split(",")
+        parts = self.split.split(",")
         try:
             weights = [float(p) for p in parts]
         except ValueError:

@@ -182,7 +182,7 @@ def predict(tp: int, dp: int, stage: int, cluster: Cluster, shape_rate: float):
     m = MODEL
     return estimate_iteration(layers=m["num_layers"], hidden=m["hidden_size"], seq=m["seq_length"],
                               vocab=m["vocab_size"], micro_batch=MICRO_BATCH, tp=tp, dp=dp,
-                              stage=stage, full_recompute=False, cluster=cluster, assumptions=a)
+                              stage=stage, recompute="none", cluster=cluster, assumptions=a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from hybrid.perf import activations as act
 from hybrid.perf.flops import (gpt_param_count, megatron_param_count, model_flops_per_iteration,
-                               pad_vocab)
+                               pad_vocab, recompute_flops_per_iteration)
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import GB, max_params_for_memory, model_state_bytes
 from models.gpt.presets import PAPER_RUNS, PRESETS
@@ -99,6 +99,9 @@ def test_flops_formula_equals_explicit_matmul_count():
     assert model_flops_per_iteration(b, s, l, h, v) == pytest.approx(total, rel=1e-12)
     recompute = model_flops_per_iteration(b, s, l, h, v, full_recompute=True)
     assert recompute == pytest.approx(total + layers_forward, rel=1e-12)
+    assert recompute_flops_per_iteration(b, s, l, h, "full") == pytest.approx(layers_forward, rel=1e-12)
+    assert recompute_flops_per_iteration(b, s, l, h, "selective") == 2 * b * s * s * h * 2 * l
+    assert recompute_flops_per_iteration(b, s, l, h, "none") == 0
 
 
 def test_selective_recompute_formulas_are_consistent():

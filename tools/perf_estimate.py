@@ -47,7 +47,7 @@ def estimate(args: argparse.Namespace) -> dict:
                         cpu_offload=args.cpu_offload_activations,
                         bucket_elements=None if args.fused_gradient_buffer else 200_000_000)
     it = estimate_iteration(**dims, grad_accumulation=args.gradient_accumulation_steps,
-                            full_recompute=args.recompute == "full",
+                            recompute=args.recompute,
                             partition_activations=args.partition_activations)
     return {"memory_gb": {**{k: v / GB for k, v in mem.model_states.as_dict().items()
                              if k != "total"},

@@ -72,6 +72,19 @@ def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vo
     return 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
 
 
+def recompute_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, mode: str) -> float:
+    """Extra FLOPs of activation recompute per iteration (Korthikanti et al. 2022, §5):
+    "full" reruns every layer's forward, 24 B s l h² (1 + s/(6h)); "selective" reruns only the
+    attention core (QK^T and scores x V), 4 B s² h l; "none" adds nothing."""
+    _positive(batch=batch, seq=seq, layers=layers, hidden=hidden)
+    b, s, l, h = batch, seq, layers, hidden
+    extra = {"none": 0.0, "selective": 4.0 * b * s * s * h * l,
+             "full": 24.0 * b * s * l * h * h * (1 + s / (6 * h))}
+    if mode not in extra:
+        raise ValueError(f"recompute must be one of {sorted(extra)}, got {mode!r}")
+    return extra[mode]
+
+
 def flops_per_gpu(batch: int, seq: int, layers: int, hidden: int, vocab: int, gpus: int, *,
                   full_recompute: bool = False) -> float:
     """An iteration's FLOPs divided evenly across ``gpus`` (TP splits a replica's work, DP its batch)."""

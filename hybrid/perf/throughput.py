@@ -3,8 +3,9 @@ Megatron-LM §3 for the tensor-parallel communication).
 
 time = compute + exposed TP communication + exposed DP communication + optimizer step, per GPU:
 
-- compute: hardware FLOPs of the iteration (Megatron's formula, with the extra forward of full
-  recompute) / GPUs / (peak x :func:`sustained_efficiency`);
+- compute: hardware FLOPs of the iteration (Megatron's formula plus what recompute reruns: every
+  layer's forward when full, the attention core when selective) / GPUs / (peak x
+  :func:`sustained_efficiency`);
 - TP: Megatron's all-reduces of the b s h activations - 2 in forward and 2 in backward per layer, 2
   more when the forward is recomputed (+ Pa's all-gather of the checkpoint), plus the embedding's
   and the output layer's and the loss's 3 values per token - ring volume 2 (t-1)/t x 2 b s h bytes
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybrid.perf.flops import gpt_param_count, model_flops_per_iteration, pad_vocab
+from hybrid.perf.flops import (gpt_param_count, model_flops_per_iteration, pad_vocab,
+                               recompute_flops_per_iteration)
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.model_states import dp_communication_elements
 from hybrid.topology import Topology
@@ -71,7 +73,7 @@ def sustained_efficiency(tokens: float, hidden_per_rank: float,
 @dataclass(frozen=True)
 class IterationEstimate:
     gpus: int
-    model_flops_per_gpu: float   # without recompute: what "TFLOP/s per GPU" is reported in
+    model_flops_per_gpu: float   # model FLOPs, recompute not counted
     hardware_flops_per_gpu: float
     compute_s: float
     tp_comm_s: float
@@ -92,7 +94,7 @@ class IterationEstimate:
 
 
 def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_batch: int, tp: int,
-                       dp: int, stage: int, grad_accumulation: int = 1, full_recompute: bool = True,
+                       dp: int, stage: int, grad_accumulation: int = 1, recompute: str = "full",
                        partition_activations: bool = False, cluster: Cluster | None = None,
                        assumptions: ThroughputAssumptions = ThroughputAssumptions()
                        ) -> IterationEstimate:
@@ -102,8 +104,9 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
     topo = Topology(tp * dp, tp, cluster.gpus_per_node, allow_tp_across_nodes=True)
     gpus, a = topo.world_size, assumptions
     batch = micro_batch * grad_accumulation * dp
-    hw = model_flops_per_iteration(batch, seq, layers, hidden, vocab, full_recompute=full_recompute)
     model = model_flops_per_iteration(batch, seq, layers, hidden, vocab)
+    hw = model + recompute_flops_per_iteration(batch, seq, layers, hidden, recompute)
+    full_recompute = recompute == "full"
     eff = sustained_efficiency(micro_batch * seq, hidden / tp, a)
     compute = hw / gpus / (cluster.peak_flops * eff)
     tp_comm = grad_accumulation * _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp,

@@ -1,0 +1,17 @@
+"""Optimizer-state offload for every ZeRO stage: ZeRO-Offload (Ren et al. 2021; fp32 master and Adam
+moments in host memory, updated by a CPU Adam) and ZeRO-Infinity (Rajbhandari et al. 2021; the same
+state in files on NVMe, streamed through fixed-size buffers), under a host-memory budget.
+
+:mod:`.cpu_adam` the host AdamW kernel, :mod:`.host_state` host-memory backend and device transfers,
+:mod:`.nvme` file-backed backend, :mod:`.budget` configuration, CLI flags and buffer sizing.
+"""
+
+from hybrid.offload.budget import (OffloadConfig, add_offload_args, build_offload_state,
+                                   offload_config_from_args, parse_bytes, plan_block_elems)
+from hybrid.offload.cpu_adam import CPUAdamW
+from hybrid.offload.host_state import HostOptimizerState
+from hybrid.offload.nvme import NVMeOptimizerState
+
+__all__ = ["CPUAdamW", "HostOptimizerState", "NVMeOptimizerState", "OffloadConfig",
+           "add_offload_args", "build_offload_state", "offload_config_from_args", "parse_bytes",
+           "plan_block_elems"]

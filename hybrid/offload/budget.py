@@ -1,0 +1,123 @@
+"""Offload configuration and the host-memory budget (ZeRO-Offload §4, ZeRO-Infinity §5).
+
+``--offload-optimizer none|cpu|nvme`` chooses where the fp32 master and Adam moments live;
+``--host-memory-budget 4GiB`` caps the resident memory of each rank. With ``nvme`` the budget sets
+the size of the two streaming block buffers (24 bytes per block element: master + two moments, two
+buffers) so that what stays resident - the device-side model states (16-bit parameters and
+gradients, which on a CPU-only run are host memory too), communication buffers and the runtime's own
+footprint - plus the buffers fits; ``cpu`` must hold 12 bytes per owned parameter and is refused
+when that cannot fit. :func:`build_offload_state` is what the ZeRO engines call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.offload.cpu_adam import KERNELS, CPUAdamW
+from hybrid.zero.config import AdamWConfig
+
+MODES = ("none", "cpu", "nvme")
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+RUNTIME_ALLOWANCE = 400 * 2**20   # python + torch libraries + autograd/activations of small runs
+NVME_BYTES_PER_BLOCK_ELEM = 2 * 3 * 4
+MIN_BLOCK, MAX_BLOCK = 1 << 14, 1 << 24
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '1.5 GB', '512MiB', '1000000' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; write e.g. 4GiB, 1.5GB or 512MiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+@dataclass
+class OffloadConfig:
+    """Where optimizer state lives. ``block_elems`` 0 = chosen from the budget (or a default)."""
+
+    mode: str = "none"
+    nvme_path: str | None = None
+    host_memory_budget: int | None = None
+    block_elems: int = 0
+    kernel: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--offload-optimizer must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "nvme" and not self.nvme_path:
+            raise ValueError("--offload-optimizer nvme needs --offload-nvme-path DIR (a directory "
+                             "on a fast local disk) for the optimizer-state files")
+        if self.host_memory_budget is not None:
+            self.host_memory_budget = parse_bytes(self.host_memory_budget)
+            if self.host_memory_budget <= 0:
+                raise ValueError("--host-memory-budget must be positive")
+        if self.block_elems < 0:
+            raise ValueError(f"block_elems must be >= 0 (0 = automatic), got {self.block_elems}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"CPU Adam kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("optimizer offload (ZeRO-Offload / ZeRO-Infinity)")
+    group.add_argument("--offload-optimizer", choices=MODES, default="none")
+    group.add_argument("--offload-nvme-path", default=None)
+    group.add_argument("--host-memory-budget", default=None, help="per rank, e.g. 4GiB")
+
+
+def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig:
+    return OffloadConfig(args.offload_optimizer, args.offload_nvme_path, args.host_memory_budget)
+
+
+def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: int) -> int:
+    """Block size for the CPU Adam / NVMe streaming so the rank stays under the budget.
+
+    ``resident_bytes``: what the engine keeps in host memory anyway (device model states on a CPU
+    run, buffers). Raises a ValueError naming the shortfall when the budget cannot be met."""
+    if config.block_elems:
+        return config.block_elems
+    budget = config.host_memory_budget
+    if budget is None:
+        return 1 << 20 if config.mode == "nvme" else 1 << 18
+    free = budget - resident_bytes - RUNTIME_ALLOWANCE
+    if config.mode == "cpu":
+        need = 12 * owned_numel
+        if need > free:
+            raise ValueError(f"--offload-optimizer cpu keeps {need / 2**30:.2f} GiB of optimizer "
+                             f"state in host memory but the budget leaves {free / 2**30:.2f} GiB; use "
+                             f"--offload-optimizer nvme, more DP ranks or a larger budget")
+        return 1 << 18
+    block = free // (2 * NVME_BYTES_PER_BLOCK_ELEM)    # half of what is left, two buffers
+    if block < MIN_BLOCK:
+        raise ValueError(f"--host-memory-budget {budget / 2**30:.2f} GiB cannot hold this rank's "
+                         f"resident model states ({resident_bytes / 2**30:.2f} GiB) plus "
+                         f"{RUNTIME_ALLOWANCE / 2**20:.0f} MiB runtime and the NVMe buffers; raise "
+                         f"the budget, use more DP ranks or ZeRO stage 3")
+    return int(min(block, MAX_BLOCK))
+
+
+def build_offload_state(config: OffloadConfig, sizes: list[int],
+                        decay_ranges: list[list[tuple[int, int]]], adamw: AdamWConfig, *,
+                        device: torch.device, param_dtype: torch.dtype, rank: int,
+                        resident_bytes: int):
+    """The optimizer-state backend a ZeRO engine delegates master weights and AdamW to."""
+    from hybrid.offload.host_state import HostOptimizerState
+    from hybrid.offload.nvme import NVMeOptimizerState
+    if not config.enabled:
+        raise ValueError("build_offload_state needs --offload-optimizer cpu or nvme")
+    block = plan_block_elems(config, sum(sizes), resident_bytes)
+    adam = CPUAdamW(adamw, kernel=config.kernel, block_elems=block)
+    if config.mode == "cpu":
+        return HostOptimizerState(sizes, decay_ranges, adam, device=device, param_dtype=param_dtype)
+    return NVMeOptimizerState(sizes, decay_ranges, adam, device=device, param_dtype=param_dtype,
+                              directory=config.nvme_path, rank=rank)

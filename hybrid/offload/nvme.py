@@ -1,0 +1,155 @@
+"""Optimizer state on NVMe: ZeRO-Infinity's offload engine (Rajbhandari et al. 2021, §5.1-5.2).
+
+The fp32 master and both Adam moments of this rank's partition live in one file; host memory holds
+only two fixed-size block buffers. The step streams the file through them: while the CPU Adam
+updates block i in buffer i%2, one I/O thread (os.pwrite / os.preadv release the GIL) writes block
+i-1 back and reads block i+1 ahead - one FIFO thread, so the read into a buffer always follows the
+write-back out of it. Resident host memory: 2 x 3 x 4 x ``block_elems`` bytes (plus, on CUDA, the
+pinned transfer slots of :class:`~hybrid.offload.host_state.DeviceLink`), whatever the model size.
+
+File layout (little-endian fp32, no header; N = sum of the partition's chunk sizes, chunk c starts
+at element ``starts[c]``)::
+
+    offload_rank{R:05d}.bin   [ master: N x 4 B | exp_avg: N x 4 B | exp_avg_sq: N x 4 B ]
+                              size 12 N bytes; element e of region k at byte (k N + e) x 4
+
+The file is checkpoint-compatible: :meth:`NVMeOptimizerState.fragment_views` returns memory-mapped
+views of it, so a checkpoint writer copies fragments out page by page (and a loader writes them in)
+without the whole state ever being resident. Writes go through the page cache, which the kernel can
+evict: it is not part of the process's resident set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from hybrid.offload.cpu_adam import CPUAdamW
+from hybrid.offload.host_state import STATE_KINDS, DeviceLink, blocks_of, ranges_in
+
+log = logging.getLogger(__name__)
+ITEM = 4   # fp32 bytes
+
+
+class NVMeOptimizerState:
+    """fp32 master + Adam moments of a partition (chunk ``sizes``) in a file under ``directory``."""
+
+    def __init__(self, sizes: list[int], decay_ranges: list[list[tuple[int, int]]], adam: CPUAdamW,
+                 *, device: torch.device, param_dtype: torch.dtype, directory: str, rank: int):
+        if len(decay_ranges) != len(sizes):
+            raise ValueError("decay_ranges needs one list of (offset, numel) per chunk")
+        os.makedirs(directory, exist_ok=True)
+        self.sizes, self.decay_ranges, self.adam = list(sizes), decay_ranges, adam
+        self.starts = np.cumsum([0] + self.sizes[:-1]).tolist() if sizes else []
+        self.numel = sum(sizes)
+        self.path = os.path.join(directory, f"offload_rank{rank:05d}.bin")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(self.fd, 3 * self.numel * ITEM)    # sparse: zeros until written
+        n = adam.block_elems
+        self.slots = [{k: torch.zeros(n, dtype=torch.float32) for k in STATE_KINDS} for _ in range(2)]
+        self.link = DeviceLink(device, n, param_dtype)
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
+        self.step = 0
+        log.info("NVMe optimizer state: %s (%.1f MB), 2 buffers of %d elements", self.path,
+                 3 * self.numel * ITEM / 2**20, n)
+
+    # ---- file I/O ---------------------------------------------------------------------------
+    def _byte_offset(self, kind: int, chunk: int, lo: int) -> int:
+        return (kind * self.numel + self.starts[chunk] + lo) * ITEM
+
+    def _read(self, slot: int, chunk: int, lo: int, hi: int) -> None:
+        for k, kind in enumerate(STATE_KINDS):
+            view = memoryview(self.slots[slot][kind][:hi - lo].numpy()).cast("B")
+            got = os.preadv(self.fd, [view], self._byte_offset(k, chunk, lo))
+            if got != len(view):
+                raise IOError(f"short read of {self.path}: {got} of {len(view)} bytes")
+
+    def _write(self, slot: int, chunk: int, lo: int, hi: int) -> None:
+        for k, kind in enumerate(STATE_KINDS):
+            data = memoryview(self.slots[slot][kind][:hi - lo].numpy()).cast("B")
+            offset, done = self._byte_offset(k, chunk, lo), 0
+            while done < len(data):
+                done += os.pwrite(self.fd, data[done:], offset + done)
+
+    def write_master(self, chunk: int, offset: int, values: torch.Tensor) -> None:
+        """Initial (or loaded) master values for elements [offset, +numel) of ``chunk``."""
+        data = values.detach().reshape(-1).to(torch.float32).contiguous().numpy()
+        os.pwrite(self.fd, data.tobytes(), self._byte_offset(0, chunk, offset))
+
+    # ---- the step ---------------------------------------------------------------------------
+    def update(self, grads: list[torch.Tensor], params_out: list[torch.Tensor], *, lr: float) -> None:
+        """AdamW over the file, block by block (see module docstring); updated values go to
+        ``params_out`` (per chunk, device partition in the parameter dtype)."""
+        self.step += 1
+        self._stream(lambda i, blk, state: self._update_block(grads, params_out, blk, state, lr),
+                     write_back=True)
+
+    def _update_block(self, grads, params_out, blk, state, lr) -> None:
+        c, lo, hi = blk
+        host_grad = self.link.fetch_grad(grads[c][lo:hi], 0)
+        self.link.wait_grad(0)
+        out = self.link.out_buffer(params_out[c][lo:hi], 0)
+        self.adam.step_(state["master"], host_grad, state["exp_avg"], state["exp_avg_sq"],
+                        ranges_in(self.decay_ranges[c], lo, hi), step=self.step, lr=lr, out=out)
+        self.link.push(out, params_out[c][lo:hi], 0)
+
+    def publish(self, params_out: list[torch.Tensor]) -> None:
+        """Copy the master into the device parameter partition (after loading a checkpoint)."""
+        def copy(i, blk, state):
+            c, lo, hi = blk
+            params_out[c][lo:hi].copy_(state["master"])
+        self._stream(copy, write_back=False)
+
+    def _stream(self, body, *, write_back: bool) -> None:
+        """Run ``body(i, block, state views)`` over every block with read-ahead and write-back."""
+        blocks = blocks_of(self.sizes, self.adam.block_elems)
+        reads: dict[int, Future] = {}
+        writes: list[Future] = []
+        for i in range(min(2, len(blocks))):
+            reads[i] = self.io.submit(self._read, i, *blocks[i])
+        for i, blk in enumerate(blocks):
+            slot = i % 2
+            reads.pop(i).result()
+            n = blk[2] - blk[1]
+            body(i, blk, {k: t[:n] for k, t in self.slots[slot].items()})
+            if write_back:
+                writes.append(self.io.submit(self._write, slot, *blk))
+            if i + 2 < len(blocks):   # same FIFO thread: runs after this slot's write-back
+                reads[i + 2] = self.io.submit(self._read, slot, *blocks[i + 2])
+        for w in writes:
+            w.result()
+        self.link.finish()
+
+    # ---- checkpoints and reports ------------------------------------------------------------
+    def fragment_views(self, kind: str) -> list[torch.Tensor]:
+        """Per-chunk 1-D tensors of ``kind`` mapped from the file (paged in on access)."""
+        k = STATE_KINDS.index(kind)
+        region = np.memmap(self.path, dtype=np.float32, mode="r+", offset=k * self.numel * ITEM,
+                           shape=(self.numel,)) if self.numel else np.zeros(0, np.float32)
+        flat = torch.from_numpy(region)
+        return list(torch.split(flat, self.sizes)) if self.sizes else []
+
+    def resident(self) -> dict[str, list[torch.Tensor]]:
+        """Host storages by memory-report category: only the block buffers are resident."""
+        return {"master32": [], "adam_moments": [],
+                "buffers": [t for s in self.slots for t in s.values()] + self.link.buffers()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Resident Adam-moment storages (as FlatAdamWState.tensors, for the memory report)."""
+        return []
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:   # interpreter shutdown: the OS closes the descriptor anyway
+            pass

@@ -14,6 +14,10 @@ Every stage keeps this TP rank's parameters in one flat buffer of the training d
 The step: wait for communication -> unscale and average over DP (in fp32) -> agree on overflow
 (fp16) -> global norm over DP and TP -> clip -> AdamW on the owned chunks -> write the 16-bit
 chunk -> all-gather. An overflowed step returns before touching parameters or optimizer state.
+
+Optimizer offload (``offload=OffloadConfig(mode="cpu"|"nvme")``, :mod:`hybrid.offload`): the fp32
+master and moments of the owned chunks live in a backend object on the host (or NVMe) instead;
+the backend runs AdamW there and writes the updated values into this rank's parameter chunks.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class ZeroOptimizer:
     """Stages 0-2. Use: ``opt.backward(loss)`` per micro-batch, ``opt.step()``, ``opt.zero_grad()``."""
 
     def __init__(self, model: nn.Module, state: ParallelState, config: ZeroConfig,
-                 adamw: AdamWConfig):
+                 adamw: AdamWConfig, offload=None):
         if config.stage not in REDUCER_MODES:
             raise ValueError(f"ZeroOptimizer implements stages 0-2, got {config.stage}; "
                              f"build stage 3 with build_zero_optimizer")
@@ -55,8 +59,10 @@ class ZeroOptimizer:
         self.part_rank = state.dp_rank if config.stage >= 1 else 0
         self.layout = FlatLayout([p.numel() for p in self.params], config.bucket_size,
                                  self.partitions, config.alignment_elements)
+        self.offload = offload if offload is not None and offload.enabled else None
         self._build_buffers()
-        self.adam = FlatAdamWState(self.layout.chunk_sizes(), self.device)
+        if self.offload is None:   # otherwise _build_buffers made the offload backend
+            self.adam = FlatAdamWState(self.layout.chunk_sizes(), self.device)
         self.scaler = build_loss_scaler(config)
         self.reducer = GradReducer(self.params, self.layout, state.dp, REDUCER_MODES[config.stage],
                                    dtype=self.dtype, device=self.device,
@@ -74,7 +80,8 @@ class ZeroOptimizer:
 
     def _build_buffers(self) -> None:
         """Flat 16-bit params (+ full grads for stages 0/1), master chunks, gradient chunks."""
-        layout, mixed = self.layout, self.config.mixed_precision
+        layout = self.layout
+        mixed = self.config.mixed_precision and self.offload is None   # offload: backend's master
         self.flat_param = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         sizes = layout.chunk_sizes()
         self.master_flat = (torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
@@ -86,7 +93,9 @@ class ZeroOptimizer:
                 raise ValueError("ZeRO stages 0-2 need materialised parameters; call "
                                  "model.init_weights(seed) before building the optimizer")
             self.flat_param[slot.start:slot.start + slot.numel].copy_(p.detach().reshape(-1))
-        if mixed:  # the master starts from the ORIGINAL values (exact when the model was fp32)
+        if self.offload is not None:
+            self._build_offload_state()
+        elif mixed:  # the master starts from the ORIGINAL values (exact when the model was fp32)
             for b, piece in layout.owned_pieces(self.part_rank):
                 src = self.params[piece.index].detach().reshape(-1)
                 self.master[b][piece.chunk_offset:piece.chunk_offset + piece.numel].copy_(
@@ -102,6 +111,30 @@ class ZeroOptimizer:
             self.grad_part = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
             self.grad_chunks = list(torch.split(self.grad_part, sizes))
         self._attach_grads()
+
+    def _build_offload_state(self) -> None:
+        """The offload backend (hybrid.offload) holding master + moments of the owned chunks; its
+        master starts from the ORIGINAL parameter values (call before params become views)."""
+        from hybrid.offload.budget import build_offload_state
+        sizes, item = self.layout.chunk_sizes(), self.flat_param.element_size()
+        decay = [[] for _ in sizes]
+        for b, piece in self.layout.owned_pieces(self.part_rank):
+            if uses_weight_decay(self.params[piece.index]):
+                decay[b].append((piece.chunk_offset, piece.numel))
+        grads = self.layout.numel if self.config.stage < 2 else sum(sizes)
+        fp32_grads = 4 * sum(sizes) if self.config.mixed_precision else 0   # _owned_grads_fp32
+        resident = item * (self.layout.numel + grads + 3 * max(self.layout.chunk_sizes()) *
+                           self.partitions) + fp32_grads
+        self.adam = build_offload_state(self.offload, sizes, decay, self.adamw, device=self.device,
+                                        param_dtype=self.dtype, rank=self.state.rank,
+                                        resident_bytes=resident)
+        for b, piece in self.layout.owned_pieces(self.part_rank):
+            src = self.params[piece.index].detach().reshape(-1)
+            self.adam.write_master(b, piece.chunk_offset,
+                                   src[piece.param_offset:piece.param_offset + piece.numel])
+
+    def _own_param_chunks(self) -> list[torch.Tensor]:
+        return [self._chunk_of(self.flat_param, b) for b in self.layout.buckets]
 
     def _attach_grads(self) -> None:
         """Stages 0/1: ``param.grad`` = views of the flat buffer; stage 2: no full-size grads."""
@@ -157,8 +190,11 @@ class ZeroOptimizer:
         coef = clip_coefficient(norm, self.config.clip_grad)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
-        self.adam.update(self.master, grads, self._views(self.master, decay=True), self.adamw,
-                         lr=self.lr)
+        if self.offload is not None:   # AdamW on the host; writes this rank's parameter chunks
+            self.adam.update(grads, self._own_param_chunks(), lr=self.lr)
+        else:
+            self.adam.update(self.master, grads, self._views(self.master, decay=True), self.adamw,
+                             lr=self.lr)
         self._publish_params()
         self.scaler.update(False)
         self._mark_step()
@@ -188,7 +224,7 @@ class ZeroOptimizer:
         """Write the updated master into this rank's 16-bit chunks and all-gather every bucket."""
         for bucket, master in zip(self.layout.buckets, self.master):
             own = self._chunk_of(self.flat_param, bucket)
-            if self.config.mixed_precision:
+            if self.config.mixed_precision and self.offload is None:
                 own.copy_(master)
             if self.partitions > 1:
                 full = self.flat_param[bucket.start:bucket.start + bucket.numel]
@@ -211,6 +247,10 @@ class ZeroOptimizer:
                       "grad16": [self.grad_flat if self.grad_flat is not None else self.grad_part],
                       "master32": [self.master_flat] if self.master_flat is not None else self.master,
                       "adam_moments": self.adam.tensors(), "buffers": self.reducer.buffers()}
+        if self.offload is not None:   # what the backend keeps resident (nothing on NVMe)
+            host = self.adam.resident()
+            categories.update(master32=host["master32"], adam_moments=host["adam_moments"],
+                              buffers=self.reducer.buffers() + host["buffers"])
         itemsize = self.flat_param.element_size()
         formula = formula_bytes(self.num_local_params, self.config.stage, self.state.dp_size,
                                 param_bytes=itemsize, mixed_precision=self.config.mixed_precision)
@@ -240,8 +280,10 @@ class ZeroOptimizer:
     def owned_fragments(self) -> list[Fragment]:
         """Master and moment pieces this rank owns, addressed by parameter name and offset."""
         out = []
-        kinds = {"master": self.master, "exp_avg": self.adam.exp_avgs,
-                 "exp_avg_sq": self.adam.exp_avg_sqs}
+        kinds = ({k: self.adam.fragment_views(k) for k in ("master", "exp_avg", "exp_avg_sq")}
+                 if self.offload is not None else
+                 {"master": self.master, "exp_avg": self.adam.exp_avgs,
+                  "exp_avg_sq": self.adam.exp_avg_sqs})
         for b, piece in self.layout.owned_pieces(self.part_rank):
             for kind, chunks in kinds.items():
                 view = chunks[b][piece.chunk_offset:piece.chunk_offset + piece.numel]
@@ -257,6 +299,8 @@ class ZeroOptimizer:
         if copied < expected:
             raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
                              f"elements this rank owns; was it saved from another model?")
+        if self.offload is not None:
+            self.adam.publish(self._own_param_chunks())
         self._publish_params()
 
 
@@ -274,12 +318,15 @@ def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
 
 
 def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                         adamw_config: AdamWConfig, **stage3_options):
+                         adamw_config: AdamWConfig, offload=None, **stage3_options):
     """The engine for ``zero_config.stage``: stages 0-2 here, stage 3 in :mod:`.stage3`
-    (``stage3_options``, e.g. ``init_fn``/``seed`` for a meta-built model, go to stage 3 only)."""
+    (``stage3_options``, e.g. ``init_fn``/``seed`` for a meta-built model, go to stage 3 only).
+    ``offload``: a :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
     if zero_config.stage == 3:
         from hybrid.zero.stage3 import build_stage3_optimizer  # engineer E2's engine
+        if offload is not None:
+            stage3_options["offload"] = offload
         return build_stage3_optimizer(model, state, zero_config, adamw_config, **stage3_options)
     if stage3_options:
         raise TypeError(f"options {sorted(stage3_options)} apply to ZeRO stage 3 only")
-    return ZeroOptimizer(model, state, zero_config, adamw_config)
+    return ZeroOptimizer(model, state, zero_config, adamw_config, offload)

@@ -11,6 +11,10 @@ the ones the training run's validation saw for the same --split/--seed/--seq-len
 the model's vocab-parallel cross-entropy (identical on every TP rank); micro-batches are dealt to DP
 ranks round-robin and the (sum, count) pair is all-reduced over DP in fp64, so every layout gives
 the same number up to fp32 rounding of the forward pass.
+
+For a training checkpoint, --data-path, --split, --seed and --data-cache-dir default to the run's own
+(its resolved config is in the checkpoint), so the embedded-corpus run of README's first command is
+evaluated on the same validation samples with no data flags.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch  # noqa: E402
 from hybrid import comm  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
 from models.gpt.weights import load_model  # noqa: E402
-from tools.generate import parallel_state_from_env, resolve_tokenizer  # noqa: E402
+from tools.generate import (default_corpus, parallel_state_from_env, resolve_tokenizer,  # noqa: E402
+                            training_run_config)
 
 SPLITS = {"train": 0, "valid": 1, "test": 2}
 
@@ -93,14 +98,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
     p.add_argument("--data-path", nargs="*", default=None,
-                   help="indexed dataset prefix(es), Megatron-style (default: the embedded corpus)")
-    p.add_argument("--split", default="969,30,1")
+                   help="indexed dataset prefix(es), Megatron-style (default: the training run's)")
+    p.add_argument("--split", default=None, help="default: the training run's, else 969,30,1")
     p.add_argument("--eval-split", choices=tuple(SPLITS), default="valid")
     p.add_argument("--eval-samples", type=int, default=64)
     p.add_argument("--seq-length", type=int, default=None, help="default: the model's")
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1234, help="dataset shuffle seed (training's --seed)")
-    p.add_argument("--data-cache-dir", default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="dataset shuffle seed (default: the training run's, else 1234)")
+    p.add_argument("--data-cache-dir", default=None, help="default: the training run's")
     p.add_argument("--tokenizer-model", default=None, help="for --eod-mask-loss and the default corpus")
     p.add_argument("--eod-mask-loss", action="store_true", help="skip positions whose input is eod")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None)
@@ -108,17 +114,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def data_settings(args: argparse.Namespace, state: ParallelState) -> tuple[list[str], str, int, str | None]:
+    """``(data_path, split, seed, cache_dir)``: flags, else the training run's (a checkpoint stores
+    its config), else defaults. A run on the embedded corpus is evaluated on it again."""
+    run = training_run_config(args.load) or {"data": {}, "training": {}, "model": {}}
+    data, training = run["data"], run["training"]
+    cache_dir = args.data_cache_dir or data.get("data_cache_dir")
+    split = args.split or data.get("split") or "969,30,1"
+    seed = args.seed if args.seed is not None else training.get("seed", 1234)
+    data_path = args.data_path or data.get("data_path")
+    if not data_path:
+        if not run["data"]:
+            raise SystemExit(f"{args.load} does not say what data it saw; pass --data-path")
+        if state.rank == 0:        # build the embedded corpus once, the others wait
+            default_corpus(run)
+        comm.barrier(state.world)
+        data_path = [default_corpus(run)[0]]
+    return list(data_path), split, seed, cache_dir
+
+
 def run(args: argparse.Namespace, state: ParallelState) -> EvalResult:
     model = load_model(args.load, state, kind=args.weights)
     config = model.config
     seq = args.seq_length or config.seq_length
-    data_path = args.data_path
-    if not data_path:
-        from hybrid.data import ensure_default_dataset
-        if state.rank == 0:
-            ensure_default_dataset(args.data_cache_dir, config.vocab_size)
-        comm.barrier(state.world)
-        data_path = [ensure_default_dataset(args.data_cache_dir, config.vocab_size)[0]]
+    data_path, split, seed, cache_dir = data_settings(args, state)
     eod = None
     if args.eod_mask_loss:
         from hybrid.data import Tokenizer
@@ -126,12 +145,12 @@ def run(args: argparse.Namespace, state: ParallelState) -> EvalResult:
         if tok is None:
             raise SystemExit("--eod-mask-loss needs the tokenizer: pass --tokenizer-model")
         eod = Tokenizer(tok).eod
+    build = (data_path, split, args.eval_split, seq, args.eval_samples, seed, config.vocab_size,
+             cache_dir)
     if state.rank == 0:   # build (and cache) the sample index once, like the trainer
-        build_eval_dataset(data_path, args.split, args.eval_split, seq, args.eval_samples, args.seed,
-                           config.vocab_size, args.data_cache_dir)
+        build_eval_dataset(*build)
     comm.barrier(state.world)
-    dataset = build_eval_dataset(data_path, args.split, args.eval_split, seq, args.eval_samples,
-                                 args.seed, config.vocab_size, args.data_cache_dir)
+    dataset = build_eval_dataset(*build)
     return evaluate_perplexity(model, dataset, state, num_samples=args.eval_samples,
                                micro_batch_size=args.micro_batch_size, eod_mask=eod)
 

@@ -44,23 +44,35 @@ def parallel_state_from_env(tp: int | None) -> ParallelState:
     return ParallelState.initialize(Topology(world, tp, gpus_per_node=max(per_node, tp)))
 
 
+def training_run_config(load: str) -> dict | None:
+    """The resolved TrainConfig dict stored in a training checkpoint (None for other sources)."""
+    path = Path(load)
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    from hybrid.checkpoint import resolve_checkpoint_dir
+    from hybrid.checkpoint.format import METADATA_FILE
+    meta = json.loads((resolve_checkpoint_dir(path) / METADATA_FILE).read_text())
+    return meta.get("config")
+
+
+def default_corpus(run: dict) -> tuple[str, str]:
+    """``(data prefix, tokenizer)`` of the embedded corpus a run without --data-path trained on
+    (built with the requested vocab, as hybrid.training.setup does; cached, so normally a lookup)."""
+    from hybrid.data import ensure_default_dataset
+    return ensure_default_dataset(run["data"].get("data_cache_dir"), run["model"].get("vocab_size") or 4096)
+
+
 def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
     """The sentencepiece model for ``load``: explicit, the HF directory's, or the training run's."""
     if explicit:
         return explicit
-    path = Path(load)
-    if (path / "tokenizer.model").is_file():
-        return str(path / "tokenizer.model")
-    if path.is_dir() and not (path / "config.json").is_file():
-        from hybrid.checkpoint import CheckpointReader
-        meta = CheckpointReader(path, verify=False).metadata
-        data = meta.get("config", {}).get("data", {})
-        if data.get("tokenizer_model"):
-            return data["tokenizer_model"]
-        if not data.get("data_path"):   # trained on the embedded default corpus
-            from hybrid.data import ensure_default_dataset
-            return ensure_default_dataset(data.get("data_cache_dir"), meta["model_config"]["vocab_size"])[1]
-    return None
+    if (Path(load) / "tokenizer.model").is_file():
+        return str(Path(load) / "tokenizer.model")
+    run = training_run_config(load)
+    if run is None:
+        return None
+    return run["data"].get("tokenizer_model") or (None if run["data"].get("data_path")
+                                                  else default_corpus(run)[1])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -99,7 +99,7 @@ def test_efficiency_saturates_and_rejects_bad_input():
 def test_paper_tables_tool_writes_every_output(tmp_path, capsys):
     assert paper_tables.main(["--out", str(tmp_path)]) == 0
     for name in ("tables.md", "predictions.md", "figure1.png", "figure2.png", "figure3.png",
-                 "table1.csv", "table2.csv", "table5.csv", "table6.csv", "table10.csv",
+                 "table1.csv", "table2.csv", "table3.csv", "table5.csv", "table6.csv", "table10.csv",
                  "assumptions.csv", "predictions.csv"):
         assert (tmp_path / name).stat().st_size > 100, name
     text = (tmp_path / "predictions.md").read_text()
@@ -107,7 +107,7 @@ def test_paper_tables_tool_writes_every_output(tmp_path, capsys):
     capsys.readouterr()
     assert paper_tables.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert {"assumptions", "figure1", "table1", "table2", "table5", "table6", "table10",
+    assert {"assumptions", "figure1", "table1", "table2", "table3", "table5", "table6", "table10",
             "predictions"} <= set(data)
     assert len(data["table5"]) == 18 and all(r["fits_32gb"] for r in data["table5"])
 

@@ -31,6 +31,10 @@ TABLE2_PAPER = {1: ("2B", "7.6B", "14.4B", "128B", "1.3B", "6.2B"),
                 8: ("16B", "60.8B", "115.2B", "1T", "10B", "50B"),
                 16: ("32B", "121.6B", "230.4B", "2T", "20B", "100B")}
 ZERO_R_CONFIGS = (("C3", False, False), ("C4", True, False), ("C5", True, True))
+# ZeRO Table 3: configuration -> (stage, Pa, Pa+cpu, the paper's largest model on 400 GPUs, MP 16)
+TABLE3 = {"C1": (1, False, False, 40e9), "C2": (1, True, False, 60e9), "C3": (2, False, False, None),
+          "C4": (2, True, False, 140e9), "C5": (2, True, True, 150e9)}
+TABLE3_BATCH = 16   # the paper fixes the batch but does not print it; 16 is Table 5's 140B batch
 
 
 # ---- formatting as the paper prints ---------------------------------------------------------
@@ -100,6 +104,26 @@ def _largest_with_overheads(stage: int, dp: int, mp: int, device_bytes: float) -
                             bucket_elements=None if stage == 0 else 200_000_000)
         lo, hi = (layers, hi) if mem.fits(device_bytes) else (lo, layers - 1)
     return gpt_param_count(lo, hidden, pad_vocab(50257, mp), 1024)
+
+
+def table3(batch: int = TABLE3_BATCH) -> list[dict]:
+    """Largest GPT (hidden 8192, 64 heads, seq 1024) per ZeRO configuration on 400 GPUs with MP 16
+    and ``batch`` sequences per replica, by bisection on the layer count (ZeRO Table 3 / Figure 6)."""
+    rows = []
+    for name, (stage, partition, cpu, paper) in TABLE3.items():
+        def fits(layers: int) -> bool:
+            return device_memory(layers=layers, hidden=8192, heads=64, seq=1024, vocab=50257,
+                                 micro_batch=batch, tp=16, dp=25, stage=stage,
+                                 partition_activations=partition, cpu_offload=cpu).fits(DEVICE_BYTES)
+        lo, hi = 0, 2048
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        psi = gpt_param_count(lo, 8192, pad_vocab(50257, 16), 1024) if lo else 0.0
+        rows.append({"config": name, "stage": STAGE_NAMES[stage], "pa": partition, "cpu": cpu,
+                     "layers": lo, "params": psi, "formatted": format_params(psi),
+                     "paper": format_params(paper) if paper else ""})
+    return rows
 
 
 # ---- Table 5 / Figure 2 and Table 6 / Figure 3 ------------------------------------------------

@@ -27,7 +27,7 @@ def collect() -> dict:
     return {"assumptions": {**dataclasses.asdict(dgx2_v100_cluster()),
                             **dataclasses.asdict(ThroughputAssumptions())},
             "figure1": pn.figure1(), "table1": pn.table1(), "table2": pn.table2(),
-            "table5": pn.table5(), "table6": pn.table6(), "table10": pn.table10(),
+            "table3": pn.table3(), "table5": pn.table5(), "table6": pn.table6(), "table10": pn.table10(),
             "predictions": [c.as_dict() for c in paper_claims.claims()]}
 
 
@@ -40,7 +40,7 @@ def md_table(header: list[str], rows: list[list]) -> str:
 
 def _cell(v) -> str:
     if isinstance(v, bool):
-        return "yes" if v else "NO"
+        return "yes" if v else "no"
     if isinstance(v, float):
         if abs(v) >= 1e5:
             return f"{v:.4g}"
@@ -77,6 +77,14 @@ def table2_section(data: dict) -> tuple[str, list[str], list[list]]:
              " / ".join(r["paper_measured"])] for r in data["table2"]]
     return "Table 2: largest model with Nd = 64 on 32 GB (formula, and estimate with activations "\
            "and buffers)", header, rows
+
+
+def table3_section(data: dict) -> tuple[str, list[str], list[list]]:
+    header = ["config", "stage", "Pa", "Pa+cpu", "layers (h 8192)", "largest model", "paper"]
+    rows = [[r["config"], r["stage"], r["pa"], r["cpu"], r["layers"], r["formatted"], r["paper"]]
+            for r in data["table3"]]
+    return f"Table 3: largest model per ZeRO configuration, 400 GPUs, MP 16, batch " \
+           f"{pn.TABLE3_BATCH} per replica", header, rows
 
 
 RUN_COLUMNS = ["name", "gpus", "mp", "dp", "batch", "config", "params_b", "model_states_gb",
@@ -116,6 +124,7 @@ def predictions_intro(data: dict) -> str:
 
 SECTIONS = {"assumptions": assumptions_section, "figure1": figure1_section,
             "table1": table1_section, "table2": table2_section,
+            "table3": table3_section,
             "table5": lambda d: runs_section(d, "table5", "Table 5 / Figure 2: every run, per GPU"),
             "table6": lambda d: runs_section(d, "table6", "Table 6 / Figure 3: 60B superlinear scaling"),
             "table10": lambda d: runs_section(d, "table10", "Table 10: ZeRO-DP only (MP 1), 128 GPUs"),

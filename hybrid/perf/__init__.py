@@ -27,9 +27,8 @@ from hybrid.perf.throughput import (IterationEstimate, ThroughputAssumptions, es
 __all__ = [
     "activation_bytes_per_layer", "checkpoint_bytes", "constant_buffer_bytes",
     "fused_gradient_buffer_bytes", "logits_bytes", "zero_paper_activation_bytes", "flops_per_gpu",
-    "gpt_param_count", "megatron_param_count", "model_flops_per_iteration", "pad_vocab", "recompute_flops_per_iteration",
-    "Cluster",
-    "dgx2_v100_cluster", "MemoryEstimate", "device_memory", "GB", "STAGE_NAMES", "ModelStateBytes",
+    "gpt_param_count", "megatron_param_count", "model_flops_per_iteration", "pad_vocab",
+    "recompute_flops_per_iteration", "Cluster", "dgx2_v100_cluster", "MemoryEstimate", "device_memory", "GB", "STAGE_NAMES", "ModelStateBytes",
     "bytes_per_param", "dp_communication_elements", "max_params_for_memory", "model_state_bytes",
     "IterationEstimate", "ThroughputAssumptions", "estimate_iteration", "sustained_efficiency",
     "tp_ring_bytes_per_microbatch",

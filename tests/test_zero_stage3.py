@@ -73,7 +73,7 @@ def train_step(model, opt, state, tokens, labels, accum: int) -> tuple[float, fl
 
 
 def parity_case(state: ParallelState, accum: int, clip: float) -> dict:
-    model, opt = build(state, ZeroConfig(stage=3, clip_grad=clip))
+    model, opt = build(state, ZeroConfig(stage=3, clip_grad=clip, gradient_accumulation_steps=accum))
     tokens, labels = data()
     steps = [train_step(model, opt, state, tokens[i], labels[i], accum) for i in range(STEPS)]
     return {"tp_rank": state.tp_rank, "dp_rank": state.dp_rank, "losses": [s[0] for s in steps],
@@ -167,7 +167,7 @@ def test_reference_is_sensitive_to_one_wrong_step():
                                    ref_params["layers.0.mlp.fc1.weight"], rtol=1e-5, atol=1e-6)
 
 
-def test_stage3_rejects_other_stages_and_models_without_units():
+def test_stage3_rejects_misuse_with_actionable_errors():
     state = ParallelState.single_process()
     model = GPTModel(CONFIG, state, device="meta")
     with pytest.raises(ValueError, match="stage 3"):
@@ -176,6 +176,11 @@ def test_stage3_rejects_other_stages_and_models_without_units():
         Stage3Optimizer(model, state, ZeroConfig(stage=3), AdamWConfig())
     with pytest.raises(TypeError, match="sharding_units"):
         Stage3Optimizer(torch.nn.Linear(2, 2), state, ZeroConfig(stage=3), AdamWConfig())
+    model, opt = build(state, ZeroConfig(stage=3, gradient_accumulation_steps=2))
+    tokens, labels = data(steps=1)
+    opt.backward(model(tokens[0], labels[0]).mean())
+    with pytest.raises(RuntimeError, match="after 1 backward"):
+        opt.step()
 
 
 class RecomputedGPT(GPTModel):

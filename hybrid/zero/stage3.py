@@ -90,6 +90,7 @@ class Stage3Optimizer:
                                          prefetch=zero_config.stage3_prefetch)
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
+        self._micro_batches = 0
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
@@ -131,6 +132,7 @@ class Stage3Optimizer:
         """Backward of one micro-batch (the caller divides by the number of micro-batches)."""
         scale = self.scaler.scale
         self._backward_open = True
+        self._micro_batches += 1
         (loss * scale if scale != 1.0 else loss).backward()
         self._finish_backward()
 
@@ -150,6 +152,7 @@ class Stage3Optimizer:
         self._remaining = [len(u.slots) for u in self.all_units]
 
     def zero_grad(self) -> None:
+        self._micro_batches = 0
         for unit in self.all_units:
             unit.zero_grad()
             for slot in unit.slots:
@@ -158,6 +161,12 @@ class Stage3Optimizer:
     # ---- optimizer step --------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> StepResult:
+        """Update from the gradients of the micro-batches since the last step (or zero_grad)."""
+        accum = self.config.gradient_accumulation_steps
+        if self._micro_batches != accum:
+            raise RuntimeError(f"step() after {self._micro_batches} backward() calls but "
+                               f"ZeroConfig.gradient_accumulation_steps is {accum}; call "
+                               f"opt.backward once per micro-batch, then step")
         self._finish_backward()
         scale = self.scaler.scale
         grads = [u.grad.float() if u.grad.dtype != torch.float32 else u.grad for u in self.all_units]

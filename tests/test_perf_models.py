@@ -195,3 +195,11 @@ def test_saved_activations_of_a_reference_layer_match_the_selective_recompute_fo
         layer(x)
     formula = act.activation_bytes_per_layer(s, b, h, a)
     assert sum(saved.values()) == pytest.approx(formula, rel=0.15)
+
+
+def test_stage3_memory_counts_two_gathered_layers():
+    dims = dict(layers=24, hidden=2048, heads=16, seq=1024, vocab=50257, micro_batch=4, tp=2, dp=8)
+    s2, s3 = device_memory(**dims, stage=2), device_memory(**dims, stage=3)
+    layer = 12 * 2048 ** 2 + 13 * 2048
+    assert s3.buffers - s2.buffers == pytest.approx(2 * 2 * layer / 2)
+    assert s3.model_states.total < s2.model_states.total

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.perf import activations as act
-from hybrid.perf.flops import gpt_param_count, pad_vocab
+from hybrid.perf.flops import gpt_param_count, layer_param_count, pad_vocab
 from hybrid.perf.model_states import ModelStateBytes, model_state_bytes
 
 DEFAULT_RESERVED_BYTES = 1.0e9   # CUDA context + allocator slack per GPU (an assumption, not measured)
@@ -51,7 +51,8 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
     """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
 
     ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
-    an integer models ZeRO-R's constant buffers (CB) of that many elements.
+    an integer models ZeRO-R's constant buffers (CB) of that many elements. Stage 3 also holds the
+    gathered 16-bit parameters of two layers (the one running and the prefetched next one).
     """
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp)
     states = model_state_bytes(psi_rank, stage, dp)
@@ -62,6 +63,8 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
         buffers = act.fused_gradient_buffer_bytes(psi_rank)
     else:
         buffers = act.constant_buffer_bytes(bucket_elements)
+    if stage == 3:   # the all-gathered 16-bit parameters of the current and the prefetched layer
+        buffers += 2 * 2 * layer_param_count(hidden) / tp
     return MemoryEstimate(states, checkpoints, working, logits, buffers, reserved_bytes)
 
 

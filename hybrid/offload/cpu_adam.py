@@ -5,8 +5,9 @@ memory and runs the update on the CPU, so the update must be as fast as the host
 over the same flat 1-D tensors:
 
 * ``fused`` (default): torch's vectorised single-pass AdamW kernel (``aten::_fused_adamw_``, one
-  read and one write of each of param/grad/m/v per element). Same moments as ``torch.optim.AdamW``
-  bit for bit; parameters within one ulp per step (the final division is ordered differently).
+  read and one write of each of param/grad/m/v per element), as ``torch.optim.AdamW(fused=True)``.
+  Parameters and moments agree with the foreach AdamW to about an ulp per step (the kernel orders
+  a few multiplications differently).
 * ``exact``: the ``torch._foreach_*`` sequence of :func:`hybrid.zero.adamw.adamw_step`, so an
   offloaded run is bitwise identical to the in-device engine (used by parity tests and debugging).
 

@@ -1,0 +1,136 @@
+"""Pure checks of hybrid.offload without process groups: the CPU Adam against hybrid.zero.adamw and
+torch.optim.AdamW, the NVMe backend against the host backend (same numbers, documented file layout,
+memory-mapped checkpoint views), size parsing and the budget planner's decisions and errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid.offload import (CPUAdamW, HostOptimizerState, NVMeOptimizerState, OffloadConfig,
+                            parse_bytes, plan_block_elems)
+from hybrid.offload.cpu_adam import Span, split_spans
+from hybrid.zero.adamw import adamw_step
+from hybrid.zero.config import AdamWConfig
+
+CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+DECAY = [(10, 100), (300, 50), (900, 100)]
+
+
+def _grads(n, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for _ in range(steps)]
+
+
+def test_split_spans_covers_block_in_order():
+    spans = split_spans(50, 400, DECAY)
+    assert spans == [Span(0, 60, True), Span(60, 190, False), Span(250, 50, True),
+                     Span(300, 50, False)]
+    assert sum(s.numel for s in spans) == 350
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fused"])
+def test_cpu_adam_matches_reference_adamw(kernel):
+    """exact: bitwise equal to hybrid.zero.adamw.adamw_step; fused: within about an ulp per step. Blocks (128) cut through decayed ranges; bf16 write-back equals the rounded master."""
+    n = 1000
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    ref, mine = p0.clone(), p0.clone()
+    m_ref, v_ref, m, v = (torch.zeros(n) for _ in range(4))
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    adam = CPUAdamW(CFG, kernel=kernel, block_elems=128)
+    for step, g in enumerate(_grads(n, 4), start=1):
+        adamw_step([ref], [g], [m_ref], [v_ref], [ref[o:o + c] for o, c in DECAY], step=step,
+                   config=CFG)
+        adam.step_(mine, g, m, v, DECAY, step=step, lr=CFG.lr, out=out)
+    if kernel == "exact":
+        assert torch.equal(mine, ref) and torch.equal(m, m_ref) and torch.equal(v, v_ref)
+    else:
+        for a, b in ((mine, ref), (m, m_ref), (v, v_ref)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, mine.to(torch.bfloat16))
+
+
+def test_cpu_adam_fused_matches_torch_adamw_with_decay_groups():
+    n = 500
+    p = torch.nn.Parameter(torch.randn(n))
+    flat = p.detach().clone()
+    opt = torch.optim.AdamW([p], lr=CFG.lr, betas=CFG.betas, eps=CFG.eps,
+                            weight_decay=CFG.weight_decay)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for step, g in enumerate(_grads(n, 3), start=1):
+        p.grad = g.clone()
+        opt.step()
+        CPUAdamW(CFG, block_elems=77).step_(flat, g, m, v, [(0, n)], step=step, lr=CFG.lr)
+    torch.testing.assert_close(flat, p.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(v, opt.state[p]["exp_avg_sq"], rtol=1e-6, atol=0)
+
+
+def test_cpu_adam_rejects_bad_input():
+    with pytest.raises(ValueError, match="kernel"):
+        CPUAdamW(CFG, kernel="avx512")
+    with pytest.raises(ValueError, match="equal lengths"):
+        CPUAdamW(CFG).step_(torch.zeros(4), torch.zeros(3), torch.zeros(4), torch.zeros(4), [],
+                            step=1, lr=1e-3)
+
+
+def _backend_run(backend, sizes, steps=3):
+    """Drive a backend like an engine: masters from known values, updates into fp32 'params'."""
+    g = torch.Generator().manual_seed(7)
+    for c, size in enumerate(sizes):
+        backend.write_master(c, 0, torch.randn(size, generator=g))
+    params = [torch.zeros(s) for s in sizes]
+    for _ in range(steps):
+        backend.update([torch.randn(s, generator=g) for s in sizes], params, lr=CFG.lr)
+    return params
+
+
+def test_nvme_backend_equals_host_backend_and_file_layout(tmp_path):
+    """Odd block size (37) so blocks straddle chunk ends and the double buffers wrap many times."""
+    sizes, decay = [100, 64, 250], [[(0, 40)], [], [(10, 200)]]
+    host = HostOptimizerState(sizes, decay, CPUAdamW(CFG, kernel="exact", block_elems=37),
+                              device=torch.device("cpu"), param_dtype=torch.float32)
+    nvme = NVMeOptimizerState(sizes, decay, CPUAdamW(CFG, kernel="exact", block_elems=37),
+                              device=torch.device("cpu"), param_dtype=torch.float32,
+                              directory=str(tmp_path), rank=3)
+    p_host, p_nvme = _backend_run(host, sizes), _backend_run(nvme, sizes)
+    for a, b in zip(p_host, p_nvme):
+        assert torch.equal(a, b)
+    n = sum(sizes)
+    assert os.path.getsize(nvme.path) == 12 * n and nvme.path.endswith("offload_rank00003.bin")
+    raw = np.fromfile(nvme.path, dtype=np.float32).reshape(3, n)   # [master | exp_avg | exp_avg_sq]
+    for k, kind in enumerate(("master", "exp_avg", "exp_avg_sq")):
+        assert torch.equal(torch.from_numpy(raw[k].copy()), host.flat[kind])
+        for a, b in zip(nvme.fragment_views(kind), host.fragment_views(kind)):
+            assert torch.equal(a, b)
+    assert nvme.resident()["master32"] == [] and nvme.tensors() == []
+    nvme.fragment_views("master")[1][5] = 42.0          # a checkpoint load writes through the map
+    out = [torch.zeros(s) for s in sizes]
+    nvme.publish(out)
+    assert out[1][5] == 42.0 and torch.equal(out[2], host.flat["master"][164:])
+    nvme.close()
+
+
+def test_parse_bytes_and_config_errors():
+    assert parse_bytes("4GiB") == 4 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
+    with pytest.raises(ValueError, match="4GiB"):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="--offload-nvme-path"):
+        OffloadConfig("nvme")
+    with pytest.raises(ValueError, match="none"):
+        OffloadConfig("gpu")
+
+
+def test_budget_planner_sizes_buffers_and_refuses_impossible_budgets(tmp_path):
+    cfg = OffloadConfig("nvme", str(tmp_path), "1GiB")
+    block = plan_block_elems(cfg, owned_numel=10**8, resident_bytes=300 * 2**20)
+    # two buffers of master + two moments (24 B per element) take half of what is left
+    assert 24 * block <= (2**30 - 300 * 2**20 - 400 * 2**20) // 2 < 24 * (block + 1)
+    with pytest.raises(ValueError, match="raise the budget"):
+        plan_block_elems(cfg, owned_numel=10**8, resident_bytes=2**30)
+    with pytest.raises(ValueError, match="nvme"):   # 12 B x 1e8 of host state cannot fit 1 GiB
+        plan_block_elems(OffloadConfig("cpu", host_memory_budget="1GiB"), 10**8, 0)
+    assert plan_block_elems(OffloadConfig("cpu", host_memory_budget="4GiB"), 10**8, 0) > 0

@@ -125,9 +125,14 @@ class GPTModel(nn.Module):
             return   # a dry-run state: shapes only, no values to compute
         if any(p.is_meta for p in self.parameters()):
             self.to_empty(device=self.device)
-        tp_rank, tp = self.state.tp_rank, self.state.tp_size
         for name, p in self.named_parameters():
-            p.copy_(shard_tensor(self.config, name, canonical_init(self.config, name, seed), tp_rank, tp))
+            p.copy_(self.init_parameter(name, seed))
+
+    def init_parameter(self, name: str, seed: int) -> torch.Tensor:
+        """This rank's TP shard of parameter ``name``'s canonical initial value (what ZeRO stage 3
+        partitions further without ever materialising the whole model)."""
+        full = canonical_init(self.config, name, seed)
+        return shard_tensor(self.config, name, full, self.state.tp_rank, self.state.tp_size)
 
     @torch.no_grad()
     def load_canonical_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -86,6 +86,9 @@ class GPTTask:
     config = GPTConfig(2, 32, 4, vocab_size=101, seq_length=8, hidden_dropout=0.0,
                        attention_dropout=0.0, make_vocab_size_divisible_by=4)
 
+    def __init__(self, sequence_parallel=False):
+        self.sequence_parallel = sequence_parallel
+
     def data(self, steps=STEPS, seed=5):
         g = torch.Generator().manual_seed(seed)
         shape = (self.batch, self.config.seq_length)
@@ -93,7 +96,7 @@ class GPTTask:
                  torch.randint(0, self.config.vocab_size, shape, generator=g)) for _ in range(steps)]
 
     def model(self, state):
-        model = GPTModel(self.config, state, device="meta")
+        model = GPTModel(self.config, state, device="meta", sequence_parallel=self.sequence_parallel)
         model.init_weights(11)
         return model
 
@@ -214,6 +217,14 @@ def test_clipping_by_global_norm_across_dp_and_tp():
     torch.nn.utils.clip_grad_norm_ on the reference (TP-replicated parameters counted once)."""
     checked = run_on_ranks(_parity, 4, args=(MLPTask(), [2], [0, 1, 2], [1]), kwargs={"clip": 0.05})
     assert len(checked[0]) == 3
+
+
+def test_clipping_gpt_with_sequence_parallel():
+    """SP: LayerNorm and row-parallel biases see sequence shards and get their gradients summed
+    over TP by autograd; they are TP-replicated and must count once in the global norm."""
+    checked = run_on_ranks(_parity, 4, args=(GPTTask(sequence_parallel=True), [2], [1, 2], [1]),
+                           kwargs={"clip": 0.5})
+    assert len(checked[0]) == 2
 
 
 @pytest.mark.slow

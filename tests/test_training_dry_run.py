@@ -54,3 +54,10 @@ def test_every_table5_preset_fits_a_32gb_v100():
     for name in paper_run_names("table5"):
         r = dry_run_report(parse_args(["--config", name])[0])
         assert total_bytes(r) < 32e9, (name, total_bytes(r) / 1e9)
+
+
+def test_launch_scripts_are_valid_shell():
+    import subprocess
+    launch = Path(__file__).resolve().parents[1] / "launch"
+    for name in ("main_job.sh", "local.sh", "multinode.sh", "slurm_dgx2.sbatch"):
+        subprocess.run(["bash", "-n", str(launch / name)], check=True)

@@ -51,6 +51,9 @@ def test_file_then_flags_precedence(tmp_path):
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer"),
     (["--config", "no-such-preset"], "does not exist; presets in"),
+    (["--offload-optimizer", "cpu", "--zero-stage", "0"], "--offload-optimizer needs --zero-stage 1, 2"),
+    (["--offload-optimizer", "nvme"], "--offload-optimizer nvme needs --offload-nvme-path"),
+    (["--recompute", "fulll"], "--recompute must be one of none, selective, full"),
 ])
 def test_bad_input_is_explained(argv, message):
     with pytest.raises(TrainConfigError, match=message.replace("(", r"\(")):

@@ -1,6 +1,7 @@
 """Resume is exact: 2N uninterrupted steps give bit-identical losses to N steps + save + load + N
 steps (fp32 stage 1 with full recompute, bf16 stage 2 with selective recompute, fp16 stage 3 with
-its loss scaler), also when the stop comes from
+its loss scaler, bf16 stage 2 with the optimizer state offloaded to the CPU), also when the stop
+comes from
 SIGTERM or --exit-duration-in-mins. The oracle is the uninterrupted run in the same layout."""
 
 import os
@@ -20,14 +21,16 @@ def _losses(args, record=None):
     return trainer
 
 
-@pytest.mark.parametrize("precision,stage,recompute", [("fp32", 1, "full"), ("bf16", 2, "selective"),
-                                                       ("fp16", 3, "none")])
-def test_resume_is_bit_identical(tmp_path, precision, stage, recompute):
+@pytest.mark.parametrize("precision,stage,recompute,offload", [
+    ("fp32", 1, "full", "none"), ("bf16", 2, "selective", "none"), ("fp16", 3, "none", "none"),
+    ("bf16", 2, "none", "cpu")])
+def test_resume_is_bit_identical(tmp_path, precision, stage, recompute, offload):
     # fp16: a too-high initial loss scale makes the first 2 steps overflow and back off, so the
     # resumed half only matches if the scaler state came back from the checkpoint
     scaler = ["--initial-loss-scale", str(2.0 ** 20), "--hysteresis", "1"] if precision == "fp16" else []
     base = tiny_args(zero=stage, precision=precision,
-                     extra=FIXED_SCHEDULE + scaler + ["--recompute", recompute])
+                     extra=FIXED_SCHEDULE + scaler + ["--recompute", recompute,
+                                                      "--offload-optimizer", offload])
     full_record, part_record = [], []
     full_run = _losses(base + ["--train-iters", "4"], full_record)
     full = full_run.losses

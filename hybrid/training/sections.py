@@ -86,15 +86,35 @@ class ParallelSection:
                                    default=None)
     gpus_per_node: int = _help("GPUs per node (16 on a DGX-2)", default=16)
     allow_tp_across_nodes: bool = _help("accept TP groups larger than a node", default=False)
+    offload_optimizer: str = _help("where fp32 master + Adam moments live: none | cpu (ZeRO-Offload) | "
+                                   "nvme (ZeRO-Infinity)", default="none")
+    offload_nvme_path: str | None = _help("directory for --offload-optimizer nvme", default=None)
+    host_memory_budget: str | None = _help("host memory for offloaded state, e.g. 8GiB", default=None)
 
     def __post_init__(self) -> None:
+        try:
+            self.offload_config()
+        except ValueError as err:
+            raise TrainConfigError(str(err)) from None
         _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node")
         _positive(self, "world_size", allow_none=True)
         if self.zero_stage not in (0, 1, 2, 3):
             raise TrainConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise TrainConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3 (it offloads the "
+                                   "partitioned optimizer state)")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; "
                                    "drop the flag or raise the TP degree")
+
+
+    def offload_config(self):
+        """The hybrid.offload.OffloadConfig of these flags (None: no offload)."""
+        if self.offload_optimizer == "none" and self.offload_nvme_path is None:
+            return None
+        from hybrid.offload.budget import OffloadConfig
+        return OffloadConfig(mode=self.offload_optimizer, nvme_path=self.offload_nvme_path,
+                             host_memory_budget=self.host_memory_budget)
 
 
 @dataclass

@@ -119,7 +119,8 @@ def recompute_plan(cfg: TrainConfig):
 
 
 def build_optimizer(cfg: TrainConfig, model, state: ParallelState):
-    """The ZeRO engine of --zero-stage (stage 0 = plain data parallel), AdamW, mixed precision."""
+    """The ZeRO engine of --zero-stage (stage 0 = plain data parallel), AdamW, mixed precision,
+    optionally with the optimizer state offloaded to host memory or NVMe (hybrid.offload)."""
     from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
     from hybrid.zero.optimizer import build_zero_optimizer
     o = cfg.optimizer
@@ -132,14 +133,11 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState):
                                                  hysteresis=o.hysteresis))
     acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                        weight_decay=o.weight_decay)
-    if zcfg.stage == 3:
-        from hybrid.zero.stage3 import Stage3Optimizer
-        from models.gpt.sharding import canonical_init, shard_tensor
-        g, seed = model.config, cfg.training.seed
-        init_fn = lambda name: shard_tensor(g, name, canonical_init(g, name, seed),  # noqa: E731
-                                            state.tp_rank, state.tp_size)
-        return Stage3Optimizer(model, state, zcfg, acfg, init_fn=init_fn)
-    return build_zero_optimizer(model, state, zcfg, acfg)
+    offload = cfg.parallel.offload_config()
+    offload = offload if offload is not None and offload.enabled else None
+    if zcfg.stage == 3:   # meta-built model: each rank initialises only its partitions
+        return build_zero_optimizer(model, state, zcfg, acfg, offload, seed=cfg.training.seed)
+    return build_zero_optimizer(model, state, zcfg, acfg, offload)
 
 
 def make_loader_factory(data: DataBundle, cfg: TrainConfig, state: ParallelState):

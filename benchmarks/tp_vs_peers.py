@@ -5,7 +5,7 @@ A step is forward + backward + torch.optim.AdamW step for every variant (the opt
 the difference is the tensor-parallel layers and their communication):
 
     ours TP=2        models.gpt.GPTModel on 2 gloo ranks
-    ours TP=1        the same model on 1 rank (no tensor parallelism)
+    ours TP=1        the same model, an independent replica on each rank (no tensor parallelism)
     DTensor TP=2     torch.distributed.tensor.parallel.parallelize_module + loss_parallel
     mcore TP=2       megatron-core 0.16.1 ColumnParallel/RowParallel/VocabParallelEmbedding layers
 
@@ -43,71 +43,70 @@ def _model_state_bytes(model, optimizer) -> int:
     return sum(sizes.values())
 
 
-def _timed_steps(step, optimizer, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - start)
-    return times[2:]  # the first steps allocate optimizer state and warm caches
-
-
-def _ours(rank, world, steps):
+def _variant_ours(world, tp):
+    """Our GPT at TP degree ``tp``; TP=1 runs an independent replica on every rank."""
     import torch
     from hybrid.parallel_state import ParallelState
     from hybrid.tensor_parallel import RNGTracker
     from hybrid.topology import Topology
     from models.gpt.config import GPTConfig
     from models.gpt.model import GPTModel
-    state = ParallelState.initialize(Topology(world, world, gpus_per_node=world))
+    state = (ParallelState.initialize(Topology(world, world, gpus_per_node=world)) if tp > 1
+             else ParallelState.single_process())
     config = GPTConfig(LAYERS, HIDDEN, HEADS, vocab_size=VOCAB, seq_length=SEQ,
                        hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(config, state, device="meta", rng=RNGTracker(0, state.tp_rank, state.device))
     model.init_weights(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
-    step = lambda: model(tokens, tokens).mean().backward()  # noqa: E731
-    return _timed_steps(step, optimizer, steps), _model_state_bytes(model, optimizer)
+    return model, lambda tokens: model(tokens, tokens).mean().backward()
 
 
-def _dtensor(rank, world, steps):
+def _variant_dtensor(world):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from benchmarks.peer_gpt import DTensorGPT, dtensor_loss, parallelize_dtensor_gpt
     torch.manual_seed(0)
     model = parallelize_dtensor_gpt(DTensorGPT(LAYERS, HIDDEN, HEADS, VOCAB, SEQ),
                                     init_device_mesh("cpu", (world,)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
-    return _timed_steps(lambda: dtensor_loss(model, tokens), optimizer, steps), \
-        _model_state_bytes(model, optimizer)
+    return model, lambda tokens: dtensor_loss(model, tokens)
 
 
-def _mcore(rank, world, steps):
+def _variant_mcore(world):
     import torch
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: F401
     from benchmarks.peer_gpt import McoreGPT
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     torch.manual_seed(0)
     model = McoreGPT(LAYERS, HIDDEN, HEADS, VOCAB, SEQ, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
-    step = lambda: model.loss(tokens).backward()  # noqa: E731
-    return _timed_steps(step, optimizer, steps), _model_state_bytes(model, optimizer)
+    return model, lambda tokens: model.loss(tokens).backward()
 
 
-VARIANTS = {"ours TP=2": (_ours, 2), "ours TP=1": (_ours, 1),
-            "DTensor TP=2": (_dtensor, 2), "megatron-core TP=2": (_mcore, 2)}
+VARIANTS = {"ours TP=2": lambda w: _variant_ours(w, 2), "ours TP=1": lambda w: _variant_ours(w, 1),
+            "DTensor TP=2": _variant_dtensor, "megatron-core TP=2": _variant_mcore}
 
 
-def _worker(rank, world, name, steps):
+def _worker(rank, world, names, steps):
+    """Build every variant in the same two ranks and interleave their steps round-robin, so the
+    machine's load (shared, noisy) hits every variant alike."""
     import warnings
+    import torch
+    import torch.distributed as dist
     warnings.filterwarnings("ignore")
-    fn, _ = VARIANTS[name]
-    return fn(rank, world, steps)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name in names:
+        model, step = VARIANTS[name](world)
+        runs[name] = (model, step, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    times = {name: [] for name in names}
+    for _ in range(steps):
+        for name, (model, step, optimizer) in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(tokens)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            times[name].append(time.perf_counter() - start)
+    return {name: (times[name][2:], _model_state_bytes(model, opt))  # 2 warm-up steps dropped
+            for name, (model, _, opt) in runs.items()}
 
 
 def main() -> None:
@@ -117,14 +116,14 @@ def main() -> None:
     args = parser.parse_args()
     reexec_in_peer_env({"megatron.core": "megatron-core==0.16.1"})
     from tests.multirank import run_on_ranks
+    names = args.only or list(VARIANTS)
+    per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + 2), timeout=3600)
     rows = {}
-    for name in args.only or VARIANTS:
-        world = VARIANTS[name][1]
-        per_rank = run_on_ranks(_worker, world, args=(name, args.steps + 2), timeout=1800)
+    for name in names:
         # a step ends when the slowest rank finishes it
-        step_times = [max(ts) for ts in zip(*(times for times, _ in per_rank))]
+        step_times = [max(ts) for ts in zip(*(r[name][0] for r in per_rank))]
         rows[name] = {"median_step_ms": 1e3 * statistics.median(step_times),
-                      "model_state_bytes_per_rank": per_rank[0][1], "ranks": world}
+                      "model_state_bytes_per_rank": per_rank[0][name][1]}
         print(f"{name:>20}: {rows[name]['median_step_ms']:8.1f} ms/step   "
               f"{rows[name]['model_state_bytes_per_rank'] / 2**20:7.1f} MiB model states/rank", flush=True)
     ours = rows.get("ours TP=2", {}).get("median_step_ms")

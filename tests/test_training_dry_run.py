@@ -61,3 +61,11 @@ def test_launch_scripts_are_valid_shell():
     launch = Path(__file__).resolve().parents[1] / "launch"
     for name in ("main_job.sh", "local.sh", "multinode.sh", "slurm_dgx2.sbatch"):
         subprocess.run(["bash", "-n", str(launch / name)], check=True)
+
+
+def test_offloaded_optimizer_state_leaves_the_device():
+    base = dry_run_report(parse_args(["--config", "table5-zero-170B"])[0])
+    off = dry_run_report(parse_args(["--config", "table5-zero-170B", "--offload-optimizer", "cpu"])[0])
+    s = base["model_states_per_rank"]
+    assert off["offloaded_per_rank"] == s["master_fp32"] + s["adam_moments"]
+    assert total_bytes(base) - total_bytes(off) == pytest.approx(off["offloaded_per_rank"])

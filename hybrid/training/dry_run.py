@@ -62,6 +62,9 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states.as_dict(), "dp_bytes_per_step": comm_bytes,
+            "offload_optimizer": p.offload_optimizer,
+            "offloaded_per_rank": (states.master_fp32 + states.adam_moments
+                                   if p.offload_optimizer != "none" else 0.0),
             "recompute": mode, "activations_per_rank": estimate.activations,
             "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
             "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
@@ -70,9 +73,10 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
 
 
 def total_bytes(r: dict) -> float:
-    """Estimated bytes of one device: model states + activations + buffers + reserve."""
-    return (r["model_states_per_rank"]["total"] + r["activations_per_rank"] + r["buffers_per_rank"]
-            + r["reserved_per_rank"])
+    """Estimated bytes of one device: model states (minus what is offloaded to host/NVMe) +
+    activations + buffers + reserve."""
+    return (r["model_states_per_rank"]["total"] - r["offloaded_per_rank"] + r["activations_per_rank"]
+            + r["buffers_per_rank"] + r["reserved_per_rank"])
 
 
 def _bytes(n: float) -> str:
@@ -94,6 +98,9 @@ def format_report(r: dict) -> str:
              f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "
              f"{_bytes(r['activations_per_rank'])}; buffers {_bytes(r['buffers_per_rank'])}; reserved "
              f"{_bytes(r['reserved_per_rank'])}; total {_bytes(total_bytes(r))}",
+             *([f"optimizer state offloaded to {r['offload_optimizer']}: "
+                f"{_bytes(r['offloaded_per_rank'])} per rank off the device"]
+               if r["offloaded_per_rank"] else []),
              f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])}",
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "

@@ -10,14 +10,20 @@ GPT: 4 layers, hidden 256, 4 heads, seq 128, vocab 8192, micro-batch 4 per rank,
 
 Peers run models.gpt.reference.ReferenceGPT (plain torch, same canonical initial weights). bf16 for
 DDP / ZeroRedundancyOptimizer is torch.autocast (fp32 params and states, bf16 compute); for FSDP2 a
-MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 sharded params. DeepSpeed is not
-run (see benchmarks/README.md).
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 sharded params.
 
-Reported per variant: median step time (a step ends when the slower rank finishes), model-state
+DeepSpeed ZeRO 1/2/3 (``--deepspeed``) runs only inside benchmarks/.venv-deepspeed, a virtual
+environment this script creates (``pip install deepspeed`` with DS_BUILD_OPS=0; never a project
+dependency), with DS_ACCELERATOR=cpu on gloo and torch.optim.AdamW as its client optimizer. Its
+model-state bytes are every live tensor storage after the step (DeepSpeed's partitions are internal).
+
+Reported per variant: median step time, wall and process CPU (a step ends when the slower rank
+finishes; on a shared machine the CPU time is the meaningful one), model-state
 bytes per rank (params, grads, fp32 master, Adam moments: real storages, deduplicated), peak RSS of
 rank 0, and the loss (mean over ranks) at the last step.
 
 Run:  python benchmarks/zero_vs_peers.py [--steps 6] [--only NAME ...]
+      python benchmarks/zero_vs_peers.py --deepspeed        # DeepSpeed rows, merged into the JSON
 Writes benchmarks/results/zero_vs_peers.json and prints a markdown table.
 """
 
@@ -28,12 +34,15 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+DS_VENV = ROOT / "benchmarks" / ".venv-deepspeed"
+RESULTS = ROOT / "benchmarks" / "results" / "zero_vs_peers.json"
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO, SEED = 4, 256, 4, 128, 8192, 4, 0
 
@@ -52,12 +61,13 @@ def _batches(rank: int, steps: int):
 
 
 def _run_steps(one_step, batches):
-    """Time ``one_step(tokens, labels) -> loss`` over ``batches``; drop two warm-up steps."""
+    """Time ``one_step(tokens, labels) -> loss`` over ``batches``: (wall, process CPU) seconds per
+    step without two warm-up steps, and the last loss."""
     times, losses = [], []
     for tokens, labels in batches:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         losses.append(float(one_step(tokens, labels)))
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
     return times[2:], losses[-1]
 
 
@@ -151,6 +161,51 @@ def _peer(rank, world, steps, kind, precision):
     return times, total.item() / world, nbytes
 
 
+def _deepspeed(rank, world, steps, stage, precision):
+    import gc
+    import torch
+    import deepspeed
+    model = _peer_model()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 1_000_000,
+                                    "allgather_bucket_size": 1_000_000},
+              "bf16": {"enabled": precision == "bf16"}, "zero_allow_untested_optimizer": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
+                                           dist_init_required=False)
+
+    def one_step(tokens, labels):
+        loss = engine(tokens, labels).mean()
+        engine.backward(loss)
+        engine.step()
+        return loss.detach().float()
+
+    times, loss = _run_steps(one_step, _batches(rank, steps))
+    from hybrid.zero.report import measure_storages
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+    nbytes = sum(measure_storages({"param16": live}).values())
+    total = torch.tensor([loss])
+    torch.distributed.all_reduce(total)
+    return times, total.item() / world, nbytes
+
+
+def _deepspeed_variants() -> dict:
+    return {f"DeepSpeed ZeRO-{s} {p}": (_deepspeed, (s, p)) for p in ("fp32", "bf16") for s in (1, 2, 3)}
+
+
+def _reexec_in_deepspeed_venv() -> None:
+    """Create benchmarks/.venv-deepspeed (sees the system torch) with deepspeed, re-run in it."""
+    python = DS_VENV / "bin" / "python"
+    if Path(sys.prefix).resolve() == DS_VENV.resolve():
+        return
+    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu")
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(DS_VENV)],
+                       check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "deepspeed"], check=True, env=env)
+    os.execve(str(python), [str(python), *sys.argv], env)
+
+
 VARIANTS = {
     **{f"ours stage {s} {p}": (_ours, (s, p)) for p in ("fp32", "bf16") for s in (0, 1, 2, 3)},
     **{f"{name} {p}": (_peer, (kind, p)) for p in ("fp32", "bf16")
@@ -163,7 +218,9 @@ VARIANTS = {
 def _worker(rank, world, name, steps):
     import warnings
     warnings.filterwarnings("ignore")
-    fn, args = VARIANTS[name]
+    fn, args = {**VARIANTS, **_deepspeed_variants()}[name]
+    if fn is _deepspeed:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     times, loss, nbytes = fn(rank, world, steps, *args)
     if fn is _ours:
         import torch
@@ -181,44 +238,56 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (+2 warm-up)")
-    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="run a subset")
+    parser.add_argument("--only", nargs="*", choices=sorted({**VARIANTS, **_deepspeed_variants()}),
+                        help="run a subset")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="run DeepSpeed ZeRO 1/2/3 in benchmarks/.venv-deepspeed instead")
     args = parser.parse_args()
+    if args.deepspeed:
+        _reexec_in_deepspeed_venv()
+        VARIANTS.update(_deepspeed_variants())
     from tests.multirank import run_on_ranks
     rows = {}
-    for name in args.only or VARIANTS:
+    for name in args.only or (_deepspeed_variants() if args.deepspeed else VARIANTS):
         try:
             per_rank = run_on_ranks(_worker, 2, args=(name, args.steps + 2), timeout=3600)
         except Exception as err:  # one failing peer must not lose the others' numbers
             rows[name] = {"error": str(err).splitlines()[-1][:200]}
             print(f"{name:>40}: FAILED {rows[name]['error']}", flush=True)
             continue
-        step_times = [max(ts) for ts in zip(*(r[0] for r in per_rank))]
+        step_times = [max(t[0] for t in ts) for ts in zip(*(r[0] for r in per_rank))]
+        cpu_times = [max(t[1] for t in ts) for ts in zip(*(r[0] for r in per_rank))]
         rows[name] = {"median_step_ms": 1e3 * statistics.median(step_times),
+                      "median_step_cpu_ms": 1e3 * statistics.median(cpu_times),
                       "model_state_mib_per_rank": per_rank[0][2] / 2**20,
                       "peak_rss_mib_rank0": per_rank[0][3] / 2**20,
                       "loss_after_steps": per_rank[0][1]}
         r = rows[name]
-        print(f"{name:>40}: {r['median_step_ms']:8.1f} ms/step {r['model_state_mib_per_rank']:7.1f} "
+        print(f"{name:>40}: {r['median_step_ms']:8.1f} ms/step {r['median_step_cpu_ms']:8.1f} ms CPU "
+              f"{r['model_state_mib_per_rank']:7.1f} "
               f"MiB states {r['peak_rss_mib_rank0']:7.1f} MiB RSS  loss {r['loss_after_steps']:.4f}",
               flush=True)
+    previous = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else {}
+    rows = {**previous, **rows}   # later runs (e.g. --deepspeed) add or replace their rows
     print(_markdown(rows, args.steps + 2))
-    out = ROOT / "benchmarks" / "results" / "zero_vs_peers.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
-                                              vocab=VOCAB, micro_batch_per_rank=MICRO, dp=2, tp=1,
-                                              threads_per_rank=1),
-                               "steps": args.steps, "results": rows}, indent=2))
-    print(f"wrote {out.relative_to(ROOT)}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
+                                                  vocab=VOCAB, micro_batch_per_rank=MICRO, dp=2,
+                                                  tp=1, threads_per_rank=1),
+                                   "steps": args.steps, "results": rows}, indent=2))
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 
 def _markdown(rows: dict, steps: int) -> str:
-    lines = ["| variant | median step (ms) | model states / rank (MiB) | peak RSS rank 0 (MiB) | "
-             f"loss after {steps} steps |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| variant | median step wall (ms) | median step CPU (ms) | model states / rank (MiB) | "
+             f"peak RSS rank 0 (MiB) | loss after {steps} steps |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | |")
+            lines.append(f"| {name} | failed: {r['error']} | | | | |")
         else:
-            lines.append(f"| {name} | {r['median_step_ms']:.0f} | {r['model_state_mib_per_rank']:.1f} "
+            lines.append(f"| {name} | {r['median_step_ms']:.0f} | {r['median_step_cpu_ms']:.0f} "
+                         f"| {r['model_state_mib_per_rank']:.1f} "
                          f"| {r['peak_rss_mib_rank0']:.0f} | {r['loss_after_steps']:.4f} |")
     return "\n".join(lines)
 

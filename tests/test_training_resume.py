@@ -100,3 +100,10 @@ def test_sigterm_on_one_rank_stops_every_rank_together(tmp_path):
     resumed = _losses(base + ["--load", str(tmp_path)]).losses
     reference = _losses(base).losses
     assert resumed == pytest.approx(reference[2:], rel=1e-5)
+
+
+def test_loading_other_model_dims_is_refused(tmp_path):
+    from hybrid.checkpoint import CheckpointError
+    _losses(tiny_args(iters=1, extra=["--save", str(tmp_path)]))
+    with pytest.raises(CheckpointError, match="other dims .*hidden-size: checkpoint 32 vs this run 64"):
+        make_trainer(tiny_args(iters=2, extra=["--load", str(tmp_path), "--hidden-size", "64"]))

@@ -127,25 +127,27 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
                            keep_last=keep_last)
 
 
-def check_model_compatible(saved_config: dict, config) -> None:
-    """The model dims must match; parallel layout, batch sizes and precision may change."""
-    keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-            "max_position_embeddings", "vocab_size")
-    mine = dataclasses.asdict(config.model)
-    diffs = [f"{k}: checkpoint {saved_config['model'].get(k)!r} vs this run {mine[k]!r}"
-             for k in keys if mine[k] is not None and saved_config["model"].get(k) is not None
-             and saved_config["model"].get(k) != mine[k]]
+_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+         "max_position_embeddings", "vocab_size")
+
+
+def check_model_compatible(saved: dict, mine: dict) -> None:
+    """The model dims (resolved GPTConfig dicts) must match; parallel layout, batch sizes, precision,
+    dropout and recompute may change."""
+    diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k)!r} vs this run {mine.get(k)!r}"
+             for k in _DIMS if saved.get(k) != mine.get(k)]
     if diffs:
         raise CheckpointError("the checkpoint was written by a model with other dims (" +
-                              "; ".join(diffs) + "); use the same --num-layers/--hidden-size/... or "
-                              "another checkpoint")
+                              "; ".join(diffs) + "); use the checkpoint's dims (its metadata.json "
+                              "holds its config) or another checkpoint")
 
 
 def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, config, *, rng=None,
          load_optimizer: bool = True) -> TrainState:
     """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState."""
     reader = CheckpointReader(path)
-    check_model_compatible(reader.metadata["config"], config)
+    if reader.metadata.get("model_config") and hasattr(model, "config"):
+        check_model_compatible(reader.metadata["model_config"], model.config.to_dict())
     for piece in model_pieces(model, optimizer, state, for_save=False):
         reader.fill(piece)
     meta_opt = reader.metadata["optimizer"]

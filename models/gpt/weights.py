@@ -21,11 +21,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybrid.checkpoint import CheckpointError
 from hybrid.parallel_state import ParallelState
 from models.gpt.config import GPTConfig
 from models.gpt.hf import is_hf_directory, load_hf_directory
 from models.gpt.model import GPTModel
+from models.gpt.sharding import WORD_EMBEDDING
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,12 @@ def load_canonical(path: str | Path, kind: str = "master") -> tuple[dict[str, to
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a checkpoint directory (--save of a "
                                 f"training run), a Hugging Face GPT-2 directory or a .safetensors file")
+    from hybrid.checkpoint import CheckpointReader
     from hybrid.checkpoint.export import canonical_state_dict
-    try:
-        state_dict, config = canonical_state_dict(path, kind)
-    except CheckpointError as err:
-        if kind != "master" or "no master state" not in str(err):
-            raise
+    if kind == "master" and not CheckpointReader(path).has("master", WORD_EMBEDDING):
         log.info("%s holds no fp32 master weights; using the model weights", path)
-        state_dict, config = canonical_state_dict(path, "model")
+        kind = "model"
+    state_dict, config = canonical_state_dict(path, kind)
     return {k: v.float() for k, v in state_dict.items()}, GPTConfig.from_dict(config)
 
 

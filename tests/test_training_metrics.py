@@ -53,7 +53,7 @@ def test_tensorboard_scalars_and_dp_traffic(tmp_path):
 
 
 def test_console_line_has_every_field():
-    m = {"consumed-samples": 64, "iteration-time": 0.25, "throughput": 4096, "tflops-per-rank": 0.5,
+    m = {"consumed-samples": 64, "iteration-time": 0.25, "tokens-per-second": 4096, "throughput": 0.5,
          "mfu": 0.004, "learning-rate": 1e-3, "lm loss": 5.5, "loss-scale": 65536, "grad-norm": 1.25,
          "skipped-iterations": 1, "mem-rss-bytes": 300 * 2**20}
     line = console_line(m, 8, 100, 3725)

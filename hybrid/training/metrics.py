@@ -1,7 +1,8 @@
 """Training metrics: one ``log(metrics, step)`` interface, a console line and TensorBoard scalars.
 
 Scalar names follow Megatron-LM so its users' dashboards work: ``lm loss``, ``learning-rate``,
-``loss-scale``, ``grad-norm``, ``batch-size``, ``iteration-time``, ``throughput``, ``mem-*``, and
+``loss-scale``, ``grad-norm``, ``batch-size``, ``iteration-time`` (s), ``throughput`` (model TFLOP/s
+per rank, as in Megatron), ``mem-*``, and
 for evaluation ``lm loss validation`` / ``lm loss validation ppl``. Beyond Megatron we log the
 measured model-state bytes per category (``model-state/<category>-bytes``, ZeRO §5) and the bytes
 each rank moved per step per group (``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7).
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+# Megatron's "throughput" is model TFLOP/s per GPU; tokens/s has no Megatron scalar, ours is
+# "tokens-per-second".
 SCALAR_NAMES = ("lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size", "iteration-time",
-                "throughput", "tflops-per-rank", "mfu", "skipped-iterations", "consumed-samples",
+                "throughput", "tokens-per-second", "mfu", "skipped-iterations", "consumed-samples",
                 "mem-rss-bytes", "mem-max-allocated-bytes")
 VALIDATION_NAMES = ("lm loss validation", "lm loss validation ppl")
 
@@ -104,8 +107,8 @@ def console_line(m: dict[str, float], iteration: int, train_iters: int, eta_seco
     parts = [f"iteration {iteration:>6}/{train_iters}",
              f"consumed samples {int(m['consumed-samples'])}",
              f"ms/iter {m['iteration-time'] * 1e3:.1f}",
-             f"tokens/s {m['throughput']:.0f}",
-             f"TFLOP/s/rank {m['tflops-per-rank']:.4f}",
+             f"tokens/s {m['tokens-per-second']:.0f}",
+             f"TFLOP/s/rank {m['throughput']:.4f}",
              f"MFU {100 * m['mfu']:.3f}%",
              f"lr {m['learning-rate']:.3e}",
              f"lm loss {m['lm loss']:.4f}",

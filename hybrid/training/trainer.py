@@ -175,8 +175,8 @@ class Trainer:
              "learning-rate": self.schedule(self.ts.iteration - 1),
              "loss-scale": stats.last_loss_scale, "grad-norm": stats.last_grad_norm,
              "batch-size": float(self.global_batch), "iteration-time": seconds,
-             "throughput": self.global_batch * self.cfg.model.seq_length / seconds,
-             "tflops-per-rank": self.throughput.tflops_per_rank(seconds),
+             "tokens-per-second": self.global_batch * self.cfg.model.seq_length / seconds,
+             "throughput": self.throughput.tflops_per_rank(seconds),      # Megatron: TFLOP/s/GPU
              "mfu": self.throughput.mfu(seconds),
              "skipped-iterations": float(self.ts.skipped_iterations),
              "consumed-samples": float(self.ts.consumed_train_samples),

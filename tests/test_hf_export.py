@@ -24,7 +24,8 @@ from models.gpt.hf import (HFConversionError, from_hf_state_dict, gpt_config_fro
                            load_hf_directory, save_hf_directory, to_hf_state_dict)
 from models.gpt.reference import ReferenceGPT
 from models.gpt.model import GPTModel
-from models.gpt.weights import build_model, init_from_pretrained, load_canonical, save_canonical
+from models.gpt.weights import (build_model, init_from_pretrained, load_canonical,
+                                pretrained_init_fn, save_canonical)
 from tests.multirank import run_on_ranks
 
 CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, seq_length=16,
@@ -136,9 +137,18 @@ def _import_ranks(rank, world_size, hf_dir, tokens):
     torch.testing.assert_close(again, full, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="other dims"):
         init_from_pretrained(GPTModel(config.replace(num_layers=1), state), hf_dir)
+    # ZeRO stage 3 builds on meta and materialises partitions through init_fn
+    from hybrid.zero import AdamWConfig, ZeroConfig
+    from hybrid.zero.stage3 import Stage3Optimizer
+    meta = GPTModel(config, state, device="meta")
+    Stage3Optimizer(meta, state, ZeroConfig(stage=3), AdamWConfig(),
+                    init_fn=pretrained_init_fn(hf_dir, meta))
+    labels = tokens.roll(-1, dims=1)
+    with torch.no_grad():
+        stage3_loss = meta.eval()(tokens, labels).numpy()
     # numpy: tensors would travel through shared-memory handles that die with the rank
     gathered = {k: v.numpy() for k, v in model.canonical_state_dict().items()}
-    return full.view(*tokens.shape, -1).numpy(), gathered
+    return full.view(*tokens.shape, -1).numpy(), gathered, stage3_loss
 
 
 def test_import_hf_at_tp1_and_tp2_matches_reference(tmp_path):
@@ -151,8 +161,11 @@ def test_import_hf_at_tp1_and_tp2_matches_reference(tmp_path):
     with torch.no_grad():
         tp1 = model(tokens)[..., :200]
     torch.testing.assert_close(tp1, expected, rtol=0, atol=1e-5)
-    for logits, gathered in run_on_ranks(_import_ranks, 2, args=(hf_dir, tokens)):
+    expected_loss = F.cross_entropy(expected.flatten(0, 1), tokens.roll(-1, dims=1).flatten(),
+                                    reduction="none").view_as(tokens)
+    for logits, gathered, stage3_loss in run_on_ranks(_import_ranks, 2, args=(hf_dir, tokens)):
         torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(stage3_loss), expected_loss, rtol=0, atol=1e-5)
         for name, t in canonical.items():                 # sharding (QKV interleave) undone exactly
             assert torch.equal(torch.from_numpy(gathered[name]), t), name
 

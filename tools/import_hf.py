@@ -6,7 +6,9 @@
 Every loader here (:func:`models.gpt.weights.load_model`, tools/generate.py, tools/evaluate.py)
 already accepts an HF directory; this tool writes the converted tensors once, with the GPTConfig in
 the file's metadata. To start training from HF weights, build the model at any TP degree and call
-:func:`models.gpt.weights.init_from_pretrained(model, hf_dir)` before the optimizer is created.
+``models.gpt.weights.init_from_pretrained(model, hf_dir)`` before the optimizer is created (ZeRO
+stages 0-2), or pass ``init_fn=pretrained_init_fn(hf_dir, model)`` to the stage-3 optimizer of a
+meta-built model. (The trainer has no --init-from-hf flag yet; these are the hooks to wire.)
 Only a single ``model.safetensors`` is read (no pickled ``.bin``: nothing is unpickled).
 """
 

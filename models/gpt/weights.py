@@ -25,7 +25,7 @@ from hybrid.parallel_state import ParallelState
 from models.gpt.config import GPTConfig
 from models.gpt.hf import is_hf_directory, load_hf_directory
 from models.gpt.model import GPTModel
-from models.gpt.sharding import WORD_EMBEDDING
+from models.gpt.sharding import WORD_EMBEDDING, shard_tensor
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,25 @@ def init_from_pretrained(model: GPTModel, path: str | Path, *, kind: str = "mast
     optimizer is built) with those of a checkpoint / HF GPT-2 directory / canonical file of the same
     dims. Dropout and the vocab padding multiple of ``model.config`` are kept."""
     state_dict, source = load_canonical(path, kind)
+    _check_same_dims(path, source, model.config)
+    model.load_canonical_state_dict(state_dict)
+
+
+def _check_same_dims(path, source: GPTConfig, target: GPTConfig) -> None:
     keys = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
             "max_position_embeddings")
-    diffs = [f"{k}: {getattr(source, k)} there vs {getattr(model.config, k)} here" for k in keys
-             if getattr(source, k) != getattr(model.config, k)]
+    diffs = [f"{k}: {getattr(source, k)} there vs {getattr(target, k)} here" for k in keys
+             if getattr(source, k) != getattr(target, k)]
     if diffs:
         raise ValueError(f"{path} holds a model of other dims ({'; '.join(diffs)}); set the model "
                          f"flags to match it")
-    model.load_canonical_state_dict(state_dict)
+
+
+def pretrained_init_fn(path: str | Path, model: GPTModel, *, kind: str = "master"):
+    """``init_fn(name) -> this TP rank's full local tensor`` for ZeRO stage 3, whose meta-built model
+    is materialised partition by partition (``Stage3Optimizer(..., init_fn=...)``): the stage-3
+    counterpart of :func:`init_from_pretrained`. The canonical tensors are loaded once."""
+    state_dict, source = load_canonical(path, kind)
+    _check_same_dims(path, source, model.config)
+    config, tp_rank, tp = model.config, model.state.tp_rank, model.state.tp_size
+    return lambda name: shard_tensor(config, name, state_dict[name], tp_rank, tp)

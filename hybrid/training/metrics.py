@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # "tokens-per-second".
 SCALAR_NAMES = ("lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size", "iteration-time",
                 "throughput", "tokens-per-second", "mfu", "skipped-iterations", "consumed-samples",
-                "mem-rss-bytes", "mem-max-allocated-bytes")
+                "mem-rss-bytes", "mem-max-rss-bytes", "mem-max-allocated-bytes")
 VALIDATION_NAMES = ("lm loss validation", "lm loss validation ppl")
 
 
@@ -84,14 +84,18 @@ def gpt_flops_per_iteration(global_batch: int, seq: int, layers: int, hidden: in
 
 
 def memory_bytes(device) -> dict[str, float]:
-    """Process memory: CUDA allocator peak on GPU, resident set size on CPU."""
+    """Process memory: CUDA allocator (current and peak) on GPU, resident set size (current and
+    peak) on CPU."""
     import torch
     if getattr(device, "type", "cpu") == "cuda":
         return {"mem-allocated-bytes": float(torch.cuda.memory_allocated(device)),
                 "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated(device))}
+    import resource
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
-    return {"mem-rss-bytes": float(rss_pages * os.sysconf("SC_PAGE_SIZE"))}
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss     # Linux reports KiB
+    return {"mem-rss-bytes": float(rss_pages * os.sysconf("SC_PAGE_SIZE")),
+            "mem-max-rss-bytes": float(peak_kib * 1024)}
 
 
 def format_duration(seconds: float) -> str:

@@ -107,3 +107,13 @@ def test_loading_other_model_dims_is_refused(tmp_path):
     _losses(tiny_args(iters=1, extra=["--save", str(tmp_path)]))
     with pytest.raises(CheckpointError, match="other dims .*hidden-size: checkpoint 32 vs this run 64"):
         make_trainer(tiny_args(iters=2, extra=["--load", str(tmp_path), "--hidden-size", "64"]))
+
+
+def test_resume_with_dropout_restores_the_random_streams(tmp_path):
+    """Dropout draws from the default and the TP-region generators: only restoring both (saved per
+    rank) makes the resumed half identical."""
+    base = tiny_args(extra=FIXED_SCHEDULE + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"])
+    full = _losses(base + ["--train-iters", "4"]).losses
+    first = _losses(base + ["--train-iters", "2", "--save", str(tmp_path)]).losses
+    second = _losses(base + ["--train-iters", "4", "--load", str(tmp_path)]).losses
+    assert first + second == full

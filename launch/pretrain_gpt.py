@@ -34,8 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(dry_run_report(cfg, options.dry_run_rank)))
         return 0
     from hybrid.training.setup import run
-    trainer = run(cfg)
     log = logging.getLogger("pretrain_gpt")
+    try:
+        trainer = run(cfg)
+    except TrainConfigError as err:      # checks that need the launched world size
+        log.error("%s", err)
+        return 2
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
     if cfg.logging.tensorboard_dir:

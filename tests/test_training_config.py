@@ -84,6 +84,9 @@ def test_batch_arithmetic_against_the_world():
     cfg.parallel.world_size = 16
     with pytest.raises(TrainConfigError, match="laid out for --world-size 16 but 8 ranks"):
         cfg.validate_for_world(8)
+    cfg, _ = parse_args(["--lr-warmup-iters", "10", "--lr-decay-iters", "5"])
+    with pytest.raises(TrainConfigError, match="--lr-decay-iters 5 is shorter than --lr-warmup-iters"):
+        cfg.validate_for_world(1)
 
 
 def test_presets_parse_and_name_a_world_size():

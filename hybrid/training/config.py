@@ -74,9 +74,11 @@ class TrainConfig:
                 raise TrainConfigError(
                     f"{flag_name(name)} {value} is not divisible by --tensor-model-parallel-size "
                     f"{p.tensor_model_parallel_size}; choose a TP degree that divides it")
-        if self.optimizer.lr_warmup_iters > self.training.train_iters:
-            raise TrainConfigError(f"--lr-warmup-iters {self.optimizer.lr_warmup_iters} exceeds "
-                                   f"--train-iters {self.training.train_iters}")
+        o = self.optimizer
+        if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:
+            raise TrainConfigError(f"--lr-decay-iters {o.lr_decay_iters} is shorter than "
+                                   f"--lr-warmup-iters {o.lr_warmup_iters}; raise the first or lower "
+                                   f"the second")
 
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -44,7 +44,8 @@ class LRSchedule:
 
 
 def build_lr_schedule(optimizer_section, train_iters: int) -> LRSchedule:
-    """From the config's optimizer section (decay length defaults to the training length)."""
+    """From the config's optimizer section. The decay length defaults to the training length (a run
+    shorter than the warm-up stays in the warm-up)."""
     o = optimizer_section
-    return LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters or train_iters,
-                      o.lr_decay_style)
+    decay = o.lr_decay_iters or max(train_iters, o.lr_warmup_iters)
+    return LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, decay, o.lr_decay_style)

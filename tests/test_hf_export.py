@@ -32,15 +32,15 @@ CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_si
                    hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def random_canonical(config: GPTConfig, seed: int = 3) -> dict[str, torch.Tensor]:
-    """Canonical weights with non-trivial biases and LayerNorm gains (init gives zeros / ones)."""
+def random_canonical(config: GPTConfig, seed: int = 3, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Canonical weights with non-trivial biases and LayerNorm gains (init gives zeros / ones);
+    ``scale`` multiplies the matrices so activations reach the range where GELU variants differ."""
     ref = ReferenceGPT(config)
     ref.init_weights(seed)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, p in ref.state_dict().items():
-        if p.dim() == 1:
-            p = p + 0.1 * torch.randn(p.shape, generator=g)
+        p = p + 0.1 * torch.randn(p.shape, generator=g) if p.dim() == 1 else p * scale
         out[name] = p.clone()
     return out
 
@@ -52,7 +52,8 @@ def reference_logits(config: GPTConfig, state_dict, tokens) -> torch.Tensor:
         return ref.eval()(tokens)
 
 
-def hf_forward(t: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tensor) -> torch.Tensor:
+def hf_forward(t: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tensor,
+               exact_gelu: bool = False) -> torch.Tensor:
     """GPT-2 from HF-named tensors (independent of our code): tokens [b, s] -> logits [b, s, V]."""
     b, s = tokens.shape
     h, heads, eps = cfg["n_embd"], cfg["n_head"], cfg["layer_norm_epsilon"]
@@ -74,12 +75,12 @@ def hf_forward(t: dict[str, torch.Tensor], cfg: dict, tokens: torch.Tensor) -> t
         x = x + conv1d(y.transpose(1, 2).reshape(b, s, h), p + "attn.c_proj")
         u = conv1d(ln(x, p + "ln_2"), p + "mlp.c_fc")
         gelu_new = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u ** 3)))
-        x = x + conv1d(gelu_new, p + "mlp.c_proj")
+        x = x + conv1d(F.gelu(u) if exact_gelu else gelu_new, p + "mlp.c_proj")
     return ln(x, "transformer.ln_f") @ t["transformer.wte.weight"].t()
 
 
 def test_export_round_trip_and_hf_layout_forward(tmp_path):
-    canonical = random_canonical(CONFIG)
+    canonical = random_canonical(CONFIG, scale=8.0)
     out = save_hf_directory(tmp_path / "hf", CONFIG, canonical)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["activation_function"] == "gelu_new" and cfg["vocab_size"] == 200
@@ -92,8 +93,10 @@ def test_export_round_trip_and_hf_layout_forward(tmp_path):
         assert torch.equal(back[name], canonical[name]), name
     assert gpt_config_from_hf(cfg) == CONFIG.replace(make_vocab_size_divisible_by=128)
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(hf_forward(saved, cfg, tokens),
-                               reference_logits(CONFIG, canonical, tokens), rtol=0, atol=1e-5)
+    expected = reference_logits(CONFIG, canonical, tokens)
+    torch.testing.assert_close(hf_forward(saved, cfg, tokens), expected, rtol=0, atol=1e-5)
+    # the checks can tell GELU variants apart: the erf GELU misses by more than their tolerances
+    assert (hf_forward(saved, cfg, tokens, exact_gelu=True) - expected).abs().max() > 3e-4
     half = save_hf_directory(tmp_path / "bf16", CONFIG, canonical, dtype=torch.bfloat16)
     assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
     bf16, _ = load_hf_directory(half)                         # read back as fp32

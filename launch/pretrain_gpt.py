@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
 
+from hybrid.checkpoint.format import CheckpointError  # noqa: E402
 from hybrid.training.arguments import parse_args  # noqa: E402
 from hybrid.training.config import TrainConfigError  # noqa: E402
 from hybrid.training.metrics import install_rank_logging  # noqa: E402
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("pretrain_gpt")
     try:
         trainer = run(cfg)
-    except TrainConfigError as err:      # checks that need the launched world size
+    except (TrainConfigError, CheckpointError) as err:   # found at launch: world size, --load
         log.error("%s", err)
         return 2
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,

@@ -106,6 +106,16 @@ def test_keep_last_k_deletes_oldest(tmp_path):
     assert prune_checkpoints(tmp_path, 1) == [tmp_path / iteration_dir_name(3)]
 
 
+def test_commit_refuses_when_rank_files_are_missing(tmp_path):
+    """Rank files of other nodes that rank 0 cannot see: not a shared filesystem."""
+    tmp = tmp_path / "iter_0000001.tmp"
+    tmp.mkdir()
+    write_rank_file(tmp, 0, layout_pieces(1, 1)[0], {})
+    with pytest.raises(CheckpointError, match="sees 1 of 4 rank files .* every node shares"):
+        commit_directory(tmp_path, tmp, tmp_path / "iter_0000001", {}, 2, expected_ranks=4)
+    assert read_latest(tmp_path) is None
+
+
 def test_single_rank_collective_save(tmp_path):
     world = ParallelState.single_process().world
     piece = Piece("w", "model", (3, 2), -1, 0, 1, 0, torch.arange(6.0))
@@ -196,3 +206,23 @@ def test_no_checkpoint_here(tmp_path):
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         CheckpointReader(tmp_path)
     assert not (tmp_path / METADATA_FILE).exists()
+
+
+def _save_with_a_failing_rank(rank, world_size, root):
+    from hybrid.topology import Topology
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    piece = Piece("w", "model", (4,), -1, 0, 1, 0, torch.arange(4.0))
+    pieces = [piece, piece] if rank == 1 else [piece]          # rank 1: duplicate key -> error
+    try:
+        save_checkpoint(root, 1, pieces, {}, {}, state.world)
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_a_failing_rank_fails_the_save_on_every_rank(tmp_path):
+    from tests.multirank import run_on_ranks
+    messages = run_on_ranks(_save_with_a_failing_rank, 2, args=(str(tmp_path),), timeout=120)
+    assert "writing the rank file failed on rank 1" in messages[0]
+    assert "failed on this rank: two pieces with key" in messages[1]
+    assert read_latest(tmp_path) is None                         # nothing was committed

@@ -3,12 +3,15 @@
 Protocol (every rank calls :func:`save_checkpoint`; the directory must be on a filesystem all ranks
 share):
 
-1. rank 0 creates an empty ``iter_N.tmp/``; barrier;
+1. rank 0 creates an empty ``iter_N.tmp/``;
 2. every rank writes ``rank_R.safetensors`` (its pieces + its RNG states), fsyncs it, hashes it and
-   leaves the hash in a small side file; barrier;
+   leaves the hash in a small side file;
 3. rank 0 folds the side files into ``manifest.json``, writes ``metadata.json``, fsyncs, renames
    ``iter_N.tmp`` to ``iter_N``, fsyncs the parent, then replaces ``latest`` (temp + rename), and
-   finally deletes checkpoints beyond the newest ``keep_last``; barrier.
+   finally deletes checkpoints beyond the newest ``keep_last``.
+
+After each step the ranks all-reduce a failure flag (it doubles as the barrier), so an error on
+one rank (disk full, unshared directory) raises on every rank instead of hanging the others.
 
 A crash at any point leaves ``latest`` naming the previous complete checkpoint; a stale ``.tmp``
 directory is removed by the next save.
@@ -62,8 +65,14 @@ def write_rank_file(directory: Path, rank: int, pieces: list[Piece],
     return path
 
 
-def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, keep_last: int) -> None:
+def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, keep_last: int,
+                     expected_ranks: int | None = None) -> None:
     """Rank 0, after every rank file is in ``tmp``: manifest, metadata, rename, ``latest``, prune."""
+    found = len(list(tmp.glob("rank_*" + _HASH_SUFFIX)))
+    if expected_ranks is not None and found != expected_ranks:
+        raise CheckpointError(f"rank 0 sees {found} of {expected_ranks} rank files in {tmp}: --save "
+                              f"must be a directory every node shares (a parallel or network "
+                              f"filesystem)")
     entries = {}
     for side in sorted(tmp.glob("*" + _HASH_SUFFIX)):
         with open(side) as f:
@@ -103,25 +112,53 @@ def read_latest(save_dir: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
+def _agree(world: comm.Group, step, what: str, device) -> None:
+    """Run ``step`` (or nothing when None) and make every rank raise if any rank's step failed, so
+    a failed save never leaves the other ranks waiting in a barrier (DESIGN.md 10)."""
+    error = None
+    if step is not None:
+        try:
+            step()
+        except Exception as err:  # reported to every rank below, re-raised here with its cause
+            error = err
+    flag = torch.tensor([0 if error is None else world.ranks[world.rank] + 1], dtype=torch.int64,
+                        device=device)
+    enabled, world.ledger.enabled = world.ledger.enabled, False   # bookkeeping, not traffic
+    try:
+        comm.all_reduce(flag, world, op="max")
+    finally:
+        world.ledger.enabled = enabled
+    if error is not None:
+        raise CheckpointError(f"{what} failed on this rank: {error}") from error
+    if int(flag.item()):
+        raise CheckpointError(f"{what} failed on rank {int(flag.item()) - 1}; see its log")
+
+
 def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],
                     extra: dict[str, torch.Tensor], metadata: dict, world: comm.Group,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = 2, device: str | torch.device = "cpu") -> Path:
     """Collective: every rank of ``world`` calls it with its own pieces; returns the final directory.
-    ``metadata`` (JSON-able) is taken from rank 0."""
+    ``metadata`` (JSON-able) is taken from rank 0. Any rank's failure raises on every rank."""
     save_dir = Path(save_dir)
     final = save_dir / iteration_dir_name(iteration)
     tmp = save_dir / (final.name + ".tmp")
-    if world.rank == 0:
+    first = world.rank == 0
+
+    def prepare() -> None:
         save_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-    comm.barrier(world)
-    write_rank_file(tmp, world.ranks[world.rank], pieces, extra)
-    comm.barrier(world)
-    if world.rank == 0:
+
+    def commit() -> None:
         commit_directory(save_dir, tmp, final, {**metadata, "iteration": iteration,
-                                       "world_size": world.size}, keep_last)
+                                                "world_size": world.size}, keep_last,
+                         expected_ranks=world.size)
+
+    _agree(world, prepare if first else None, f"creating {tmp}", device)
+    _agree(world, lambda: write_rank_file(tmp, world.ranks[world.rank], pieces, extra),
+           "writing the rank file", device)
+    _agree(world, commit if first else None, f"committing {final}", device)
+    if first:
         log.info("saved checkpoint %s", final)
-    comm.barrier(world)
     return final

@@ -124,7 +124,7 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
                 "optimizer": {"step_count": optimizer.step_count,
                               "loss_scaler": _scaler_state(optimizer)}}
     return save_checkpoint(path, train_state.iteration, pieces, rng_tensors(rng), metadata, state.world,
-                           keep_last=keep_last)
+                           keep_last=keep_last, device=state.device)
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

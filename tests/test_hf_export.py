@@ -24,7 +24,7 @@ from models.gpt.hf import (HFConversionError, from_hf_state_dict, gpt_config_fro
                            load_hf_directory, save_hf_directory, to_hf_state_dict)
 from models.gpt.reference import ReferenceGPT
 from models.gpt.model import GPTModel
-from models.gpt.weights import (build_model, init_from_pretrained, load_canonical,
+from models.gpt.weights import (build_model, init_from_pretrained, load_canonical, load_model,
                                 pretrained_init_fn, save_canonical)
 from tests.multirank import run_on_ranks
 
@@ -205,3 +205,6 @@ def test_model_only_checkpoint_falls_back_to_model_weights(tmp_path):
     assert config == CONFIG
     for name, t in random_canonical(CONFIG).items():
         assert torch.equal(loaded[name], t), name
+    direct = load_model(tmp_path / "ckpt", state)            # shard-by-shard path of the reader
+    for name, t in direct.canonical_state_dict().items():
+        assert torch.equal(t, loaded[name]), name

@@ -85,11 +85,39 @@ def build_model(config: GPTConfig, state: ParallelState, state_dict: dict[str, t
 
 def load_model(path: str | Path, state: ParallelState, *, kind: str = "master",
                dtype: torch.dtype = torch.float32, dropout: bool = False) -> GPTModel:
-    """:func:`load_canonical` then :func:`build_model` (dropout off unless asked: inference)."""
+    """A :class:`GPTModel` at the TP degree of ``state`` with the weights at ``path`` (dropout off
+    unless asked: inference). A training checkpoint fills each parameter's shard straight from the
+    reader (peak: one full parameter); other sources go through the canonical state dict."""
+    path = Path(path)
+    if path.is_dir() and not is_hf_directory(path):
+        return _load_from_checkpoint(path, state, kind, dtype, dropout)
     state_dict, config = load_canonical(path, kind)
-    if not dropout:
-        config = config.replace(hidden_dropout=0.0, attention_dropout=0.0)
-    return build_model(config, state, state_dict, dtype=dtype)
+    return build_model(_inference(config, dropout), state, state_dict, dtype=dtype)
+
+
+def _inference(config: GPTConfig, dropout: bool) -> GPTConfig:
+    return config if dropout else config.replace(hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _load_from_checkpoint(path: Path, state: ParallelState, kind: str, dtype: torch.dtype,
+                          dropout: bool) -> GPTModel:
+    from hybrid.checkpoint import CheckpointReader
+    from hybrid.training.checkpointing import model_pieces
+    reader = CheckpointReader(path)
+    if "model_config" not in reader.metadata:
+        raise ValueError(f"{reader.directory} stores no model_config; it was not written by "
+                         f"hybrid.training.checkpointing")
+    config = _inference(GPTConfig.from_dict(reader.metadata["model_config"]), dropout)
+    if kind == "master" and not reader.has("master", WORD_EMBEDDING):
+        log.info("%s holds no fp32 master weights; using the model weights", path)
+        kind = "model"
+    model = GPTModel(config, state, device="meta", dtype=dtype)
+    model.to_empty(device=state.device)
+    model.device = state.device
+    for piece in model_pieces(model, None, state, for_save=False):   # this rank's whole shards
+        piece.kind = kind
+        reader.fill(piece)
+    return model.eval()
 
 
 def init_from_pretrained(model: GPTModel, path: str | Path, *, kind: str = "master") -> None:

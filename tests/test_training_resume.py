@@ -117,3 +117,27 @@ def test_resume_with_dropout_restores_the_random_streams(tmp_path):
     first = _losses(base + ["--train-iters", "2", "--save", str(tmp_path)]).losses
     second = _losses(base + ["--train-iters", "4", "--load", str(tmp_path)]).losses
     assert first + second == full
+
+
+def _load_corrupted_on_rank_1(rank, world_size, ckpt):
+    from hybrid.checkpoint import CheckpointError
+    args = tiny_args(zero=1, extra=FIXED_SCHEDULE + ["--train-iters", "4", "--load", ckpt])
+    try:
+        make_trainer(args)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_corrupted_checkpoint_fails_every_rank(tmp_path):
+    """Loading a corrupted checkpoint at DP 2 fails both ranks with the reason (the ranks agree on
+    the outcome before any training collective, so none is left waiting)."""
+    from tests.multirank import run_on_ranks
+    _losses(tiny_args(zero=0, extra=FIXED_SCHEDULE + ["--train-iters", "1", "--save", str(tmp_path)]))
+    path = next(tmp_path.glob("iter_*")) / "rank_00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    messages = run_on_ranks(_load_corrupted_on_rank_1, 2, args=(str(tmp_path),), timeout=300)
+    assert all("loading checkpoint" in m and "hash mismatch" in m or "failed on rank" in m
+               for m in messages), messages

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from hybrid.checkpoint.format import CheckpointError, Piece, full_shape_of, partition_dim_of
 from hybrid.checkpoint.loader import CheckpointReader
-from hybrid.checkpoint.writer import save_checkpoint
+from hybrid.checkpoint.writer import agree_on_failure, save_checkpoint
 from hybrid.parallel_state import ParallelState
 
 log = logging.getLogger(__name__)
@@ -144,17 +144,26 @@ def check_model_compatible(saved: dict, mine: dict) -> None:
 
 def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, config, *, rng=None,
          load_optimizer: bool = True) -> TrainState:
-    """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState."""
-    reader = CheckpointReader(path)
-    if reader.metadata.get("model_config") and hasattr(model, "config"):
-        check_model_compatible(reader.metadata["model_config"], model.config.to_dict())
-    for piece in model_pieces(model, optimizer, state, for_save=False):
-        reader.fill(piece)
+    """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState.
+    Collective: if reading fails on any rank (e.g. a corrupted file only it reads), every rank raises."""
+    found = {}
+
+    def read() -> None:
+        reader = found["reader"] = CheckpointReader(path)
+        if reader.metadata.get("model_config") and hasattr(model, "config"):
+            check_model_compatible(reader.metadata["model_config"], model.config.to_dict())
+        for piece in model_pieces(model, optimizer, state, for_save=False):
+            reader.fill(piece)
+        if load_optimizer:
+            pieces, found["fragments"] = optimizer_pieces(model, optimizer, state, for_save=False)
+            for piece in pieces:
+                reader.fill(piece)
+
+    agree_on_failure(state.world, read, f"loading checkpoint {path}", state.device)
+    reader = found["reader"]
     meta_opt = reader.metadata["optimizer"]
     if load_optimizer:
-        pieces, fragments = optimizer_pieces(model, optimizer, state, for_save=False)
-        for piece in pieces:
-            reader.fill(piece)
+        fragments = found["fragments"]
         optimizer.step_count = meta_opt["step_count"]
         optimizer.load_fragments(fragments)   # in place already; refreshes the 16-bit copies
         if getattr(optimizer, "scaler", None) is not None and meta_opt["loss_scaler"]:

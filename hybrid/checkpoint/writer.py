@@ -112,9 +112,10 @@ def read_latest(save_dir: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-def _agree(world: comm.Group, step, what: str, device) -> None:
-    """Run ``step`` (or nothing when None) and make every rank raise if any rank's step failed, so
-    a failed save never leaves the other ranks waiting in a barrier (DESIGN.md 10)."""
+def agree_on_failure(world: comm.Group, step, what: str, device) -> None:
+    """Collective over ``world``: run ``step`` (or nothing when None) and make every rank raise if
+    any rank's step failed, so a failed save or load never leaves the other ranks waiting in a
+    collective (DESIGN.md 10)."""
     error = None
     if step is not None:
         try:
@@ -155,10 +156,10 @@ def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],
                                                 "world_size": world.size}, keep_last,
                          expected_ranks=world.size)
 
-    _agree(world, prepare if first else None, f"creating {tmp}", device)
-    _agree(world, lambda: write_rank_file(tmp, world.ranks[world.rank], pieces, extra),
-           "writing the rank file", device)
-    _agree(world, commit if first else None, f"committing {final}", device)
+    agree_on_failure(world, prepare if first else None, f"creating {tmp}", device)
+    agree_on_failure(world, lambda: write_rank_file(tmp, world.ranks[world.rank], pieces, extra),
+                     "writing the rank file", device)
+    agree_on_failure(world, commit if first else None, f"committing {final}", device)
     if first:
         log.info("saved checkpoint %s", final)
     return final

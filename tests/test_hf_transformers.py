@@ -1,17 +1,20 @@
 """Our HF export loads in Hugging Face transformers and gives our logits (tools/export_hf.py).
 
-transformers is not a project dependency: this test makes its own venv (``--system-site-packages``,
-so it reuses this torch) under ``$HYBRID_CACHE/hf-venv`` (default ./data-cache), ``pip install
-transformers`` into it once, and runs a small script there. If pip cannot reach a package index the
-test is skipped with pip's message. In the venv, ``GPT2LMHeadModel.from_pretrained`` loads the export
-of a random model (non-trivial biases and LayerNorms, vocab padded at TP 1) and its fp32 logits must
-match our GPTModel's to 1e-4 (max abs); ``AutoTokenizer`` must encode and decode like our
+transformers is not a project dependency: this test makes its own venv (``--system-site-packages``
+plus a .pth file, so it reuses this interpreter's torch) under ``$HYBRID_CACHE/hf-venv-<key>``
+(default ./data-cache; one per parent interpreter), ``pip install transformers`` into it once, and
+runs a small script there. If pip cannot reach a package index the test is skipped with pip's
+message. In the venv, ``GPT2LMHeadModel.from_pretrained`` loads the export of a random model
+(non-trivial biases and LayerNorms, vocab padded at TP 1) and its fp32 logits must match our
+GPTModel's to 1e-4 (max abs); ``AutoTokenizer`` must encode and decode like our
 sentencepiece tokenizer.
 """
 
+import hashlib
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +56,12 @@ _OFFLINE = ("no matching distribution", "could not find a version", "connection"
 def _pip_install(venv: Path) -> subprocess.CompletedProcess:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True,
                    capture_output=True)
+    # If this interpreter is itself a venv (launch/run_tests.sh's .venv), --system-site-packages
+    # reaches the base Python only: a .pth file puts this torch, safetensors, ... on the path too.
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c",
+                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "_hybrid_parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
                            "--disable-pip-version-check", "transformers"],
                           capture_output=True, text=True, timeout=900)
@@ -61,7 +70,8 @@ def _pip_install(venv: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def hf_python() -> str:
     """Python of a cached venv with transformers (built once; concurrent builders race safely)."""
-    final = default_cache_dir().resolve() / "hf-venv"
+    key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]     # one venv per parent interpreter
+    final = default_cache_dir().resolve() / f"hf-venv-{key}"
     if not (final / ".ready").is_file():
         tmp = final.with_name(f".tmp-hf-venv-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -36,8 +36,9 @@ def _memory_and_comm(rank, world_size, tps, precisions):
                 for cat, expected in mem.formula.items():
                     assert abs(mem.measured[cat] - expected) <= 0.01 * expected + 1, (what, cat, mem)
                 assert abs(cr.dp_bytes - cr.expected_dp_bytes) <= 0.01 * cr.expected_dp_bytes, (what, cr)
-                if stage == 2:   # the full-size gradient never persists
+                if stage == 2:   # the full-size gradient never persists; staging is two buckets
                     assert all(p.grad is None for p in model.parameters()), what
+                    assert len(opt.reducer.buffers()) <= 4, what
                 rows.append((what, mem.measured_model_states, mem.formula_model_states,
                              cr.dp_bytes, cr.expected_dp_bytes))
     return rows

@@ -170,7 +170,7 @@ def assert_matches_reference(task, state, model, losses, ref, rtol, atol, what):
                                    msg=lambda m: f"{what} param {name}: {m}")
 
 
-def _parity(rank, world_size, task, tps, stages, accums, clip=0.0):
+def _parity(rank, world_size, task, tps, stages, accums, clip=0.0, overlap=True):
     data = task.data()
     ref = reference_run(task, data, clip)
     checked = []
@@ -179,7 +179,7 @@ def _parity(rank, world_size, task, tps, stages, accums, clip=0.0):
         for stage in stages:
             for accum in accums:
                 cfg = ZeroConfig(stage=stage, bucket_size=300, gradient_accumulation_steps=accum,
-                                 clip_grad=clip)
+                                 clip_grad=clip, overlap_communication=overlap)
                 model = task.model(state)
                 opt = build_zero_optimizer(model, state, cfg, task.adamw)
                 losses, results = train(task, state, opt, model, data, accum)
@@ -202,8 +202,16 @@ def test_fp32_stages_match_reference_two_ranks():
 
 
 def test_fp32_stages_match_reference_four_ranks():
-    checked = run_on_ranks(_parity, 4, args=(MLPTask(), [1, 2], [0, 1, 2], [1, 2]))
+    """Odd sizes (hidden 10, ffn 22): buckets get padding, chunks split parameters mid-way."""
+    checked = run_on_ranks(_parity, 4, args=(MLPTask(hidden=10, ffn=22), [1, 2], [0, 1, 2], [1, 2]))
     assert len(checked[0]) == 12
+
+
+def test_fp32_stages_without_overlap_match_reference():
+    """overlap_communication=False: every bucket is reduced at step() instead of in the hooks."""
+    checked = run_on_ranks(_parity, 2, args=(MLPTask(), [1], [0, 1, 2], [2]),
+                           kwargs={"overlap": False})
+    assert len(checked[0]) == 3
 
 
 def test_fp32_gpt_stages_match_reference_four_ranks():

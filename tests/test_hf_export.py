@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import RNGTracker
@@ -102,6 +102,16 @@ def test_export_round_trip_and_hf_layout_forward(tmp_path):
     bf16, _ = load_hf_directory(half)                         # read back as fp32
     for name, t in canonical.items():
         assert torch.equal(bf16[name], t.to(torch.bfloat16).float()), name
+    # a sharded directory (model.safetensors.index.json), as save_pretrained writes big models
+    keys = sorted(saved)
+    (out / "model.safetensors").unlink()
+    weight_map = {}
+    for i, part in enumerate((keys[:10], keys[10:])):
+        save_file({k: saved[k] for k in part}, str(out / f"model-0000{i + 1}-of-00002.safetensors"))
+        weight_map.update({k: f"model-0000{i + 1}-of-00002.safetensors" for k in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    sharded, _ = load_hf_directory(out)
+    assert all(torch.equal(sharded[n], t) for n, t in canonical.items())
 
 
 def test_conversion_refuses_what_it_cannot_represent():

@@ -9,7 +9,7 @@ the file's metadata. To start training from HF weights, build the model at any T
 ``models.gpt.weights.init_from_pretrained(model, hf_dir)`` before the optimizer is created (ZeRO
 stages 0-2), or pass ``init_fn=pretrained_init_fn(hf_dir, model)`` to the stage-3 optimizer of a
 meta-built model. (The trainer has no --init-from-hf flag yet; these are the hooks to wire.)
-Only a single ``model.safetensors`` is read (no pickled ``.bin``: nothing is unpickled).
+Reads model.safetensors or the shards of model.safetensors.index.json (never a pickled ``.bin``).
 """
 
 from __future__ import annotations

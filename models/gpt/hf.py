@@ -38,6 +38,7 @@ from models.gpt.sharding import canonical_shapes
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+INDEX_FILE = "model.safetensors.index.json"   # sharded checkpoints: {"weight_map": {key: file}}
 TOKENIZER_FILE = "tokenizer.model"
 _TOP = {"embedding.word.weight": "wte.weight", "embedding.position.weight": "wpe.weight",
         "final_norm.weight": "ln_f.weight", "final_norm.bias": "ln_f.bias"}
@@ -192,20 +193,27 @@ def write_tokenizer_files(out_dir: Path, tokenizer_model: str | Path) -> tuple[i
 
 
 def is_hf_directory(path: str | Path) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file() and (Path(path) / WEIGHTS_FILE).is_file()
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and ((path / WEIGHTS_FILE).is_file()
+                                               or (path / INDEX_FILE).is_file())
 
 
 def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 128
                       ) -> tuple[dict[str, torch.Tensor], GPTConfig]:
-    """``(canonical fp32 state dict, GPTConfig)`` of an HF GPT-2 directory (single model.safetensors)."""
+    """``(canonical fp32 state dict, GPTConfig)`` of an HF GPT-2 directory (model.safetensors, or
+    shards listed in model.safetensors.index.json). Pickled ``.bin`` weights are refused."""
     path = Path(path)
     if not is_hf_directory(path):
         raise HFConversionError(f"{path} is not a Hugging Face model directory with {CONFIG_FILE} and "
-                                f"{WEIGHTS_FILE} (sharded or .bin checkpoints: re-save with "
-                                f"save_pretrained(safe_serialization=True, max_shard_size='100GB'))")
+                                f"{WEIGHTS_FILE} (for .bin checkpoints: re-save them with "
+                                f"save_pretrained(safe_serialization=True))")
     config = gpt_config_from_hf(json.loads((path / CONFIG_FILE).read_text()),
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    hf = {k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
+    if (path / WEIGHTS_FILE).is_file():
+        files = [WEIGHTS_FILE]
+    else:
+        files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+    hf = {k: v.float() for f in files for k, v in load_file(str(path / f)).items()}
     return from_hf_state_dict(config, hf), config
 
 

@@ -88,7 +88,7 @@ def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: in
         return config.block_elems
     budget = config.host_memory_budget
     if budget is None:
-        return 1 << 20 if config.mode == "nvme" else 1 << 18
+        return 1 << 20
     free = budget - resident_bytes - RUNTIME_ALLOWANCE
     if config.mode == "cpu":
         need = 12 * owned_numel
@@ -96,7 +96,7 @@ def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: in
             raise ValueError(f"--offload-optimizer cpu keeps {need / 2**30:.2f} GiB of optimizer "
                              f"state in host memory but the budget leaves {free / 2**30:.2f} GiB; use "
                              f"--offload-optimizer nvme, more DP ranks or a larger budget")
-        return 1 << 18
+        return 1 << 20
     block = free // (2 * NVME_BYTES_PER_BLOCK_ELEM)    # half of what is left, two buffers
     if block < MIN_BLOCK:
         raise ValueError(f"--host-memory-budget {budget / 2**30:.2f} GiB cannot hold this rank's "

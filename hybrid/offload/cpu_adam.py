@@ -61,7 +61,7 @@ def split_spans(lo: int, hi: int, decay_ranges: list[tuple[int, int]]) -> list[S
 class CPUAdamW:
     """AdamW for host-resident flat fp32 partitions. ``step_`` updates one partition in place."""
 
-    def __init__(self, config: AdamWConfig, *, kernel: str = "fused", block_elems: int = 1 << 18):
+    def __init__(self, config: AdamWConfig, *, kernel: str = "fused", block_elems: int = 1 << 20):
         if kernel not in KERNELS:
             raise ValueError(f"CPU Adam kernel must be one of {KERNELS}, got {kernel!r}")
         if block_elems < 1:
@@ -80,20 +80,20 @@ class CPUAdamW:
                              f"moments {exp_avg.numel()}/{exp_avg_sq.numel()}")
         if step < 1:
             raise ValueError(f"AdamW step numbers start at 1, got {step}")
+        steps = torch.full((), float(step), dtype=torch.float32)   # the fused kernel reads it
         for lo in range(0, n, self.block_elems):
             hi = min(n, lo + self.block_elems)
             spans = split_spans(lo, hi, decay_ranges)
             views = [t[lo:hi] for t in (master, grad, exp_avg, exp_avg_sq)]
             if self.kernel == "fused":
-                self._fused(views, spans, step, lr)
+                self._fused(views, spans, steps, lr)
             else:
                 self._exact(views, spans, step, lr)
             if out is not None:
                 out[lo:hi].copy_(views[0])
 
-    def _fused(self, views, spans, step, lr) -> None:
+    def _fused(self, views, spans, steps, lr) -> None:
         cfg = self.config
-        steps = torch.full((), float(step), dtype=torch.float32)
         for decay in (True, False):
             parts = [s for s in spans if s.decay == decay]
             if not parts:

@@ -107,7 +107,11 @@ class HostOptimizerState:
         self.sizes, self.decay_ranges, self.adam = list(sizes), decay_ranges, adam
         pin = torch.device(device).type == "cuda"
         total = sum(sizes)
-        self.flat = {k: torch.zeros(total, dtype=torch.float32, pin_memory=pin) for k in STATE_KINDS}
+        # master alone, both moments in one storage (as the NVMe file holds them back to back)
+        self.master = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
+        self.moments = torch.zeros(2 * total, dtype=torch.float32, pin_memory=pin)
+        self.flat = {"master": self.master, "exp_avg": self.moments[:total],
+                     "exp_avg_sq": self.moments[total:]}
         self.chunks = {k: list(torch.split(t, self.sizes)) if sizes else []
                        for k, t in self.flat.items()}
         self.link = DeviceLink(device, adam.block_elems, param_dtype)
@@ -148,13 +152,12 @@ class HostOptimizerState:
 
     def resident(self) -> dict[str, list[torch.Tensor]]:
         """Host storages by memory-report category."""
-        return {"master32": [self.flat["master"]],
-                "adam_moments": [self.flat["exp_avg"], self.flat["exp_avg_sq"]],
+        return {"master32": [self.master], "adam_moments": [self.moments],
                 "buffers": self.link.buffers()}
 
     def tensors(self) -> list[torch.Tensor]:
         """Resident Adam-moment storages (as FlatAdamWState.tensors, for the memory report)."""
-        return [self.flat["exp_avg"], self.flat["exp_avg_sq"]]
+        return [self.moments]
 
     def close(self) -> None:
         """Nothing to release (interface symmetry with the NVMe backend)."""

@@ -29,10 +29,16 @@ class CommRecord:
 
 @dataclass
 class CommLedger:
-    """Append-only record of collectives; ``totals()`` sums bytes per (group, op)."""
+    """Record of collectives; ``totals()`` sums bytes per (group, op).
+
+    Bounded for long runs: once more than ``max_records`` are held, the oldest half is dropped.
+    Readers take a ``position`` mark and later read ``since(mark)``; sums cover retained records.
+    """
 
     records: list[CommRecord] = field(default_factory=list)
     enabled: bool = True
+    max_records: int = 200_000
+    dropped: int = 0   # records trimmed from the front so far
 
     def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype) -> None:
         if self.enabled and group.size > 1:
@@ -41,6 +47,21 @@ class CommLedger:
                       "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[op]
             nbytes = numel * _itemsize(dtype)
             self.records.append(CommRecord(op, group.kind, numel, dtype, factor * nbytes))
+            if len(self.records) > self.max_records:
+                half = len(self.records) // 2
+                del self.records[:half]
+                self.dropped += half
+
+    @property
+    def position(self) -> int:
+        """How many records were ever appended: a mark for :meth:`since`."""
+        return self.dropped + len(self.records)
+
+    def since(self, mark: int) -> list[CommRecord]:
+        """Records appended after ``mark`` (all retained ones if the ledger was reset since)."""
+        if mark > self.position:
+            return list(self.records)
+        return self.records[max(mark - self.dropped, 0):]
 
     def totals(self) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = defaultdict(float)
@@ -58,6 +79,7 @@ class CommLedger:
 
     def reset(self) -> None:
         self.records.clear()
+        self.dropped = 0
 
 
 @dataclass

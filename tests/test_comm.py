@@ -64,3 +64,18 @@ def test_dry_run_state_has_400_gpu_groups_and_refuses_to_communicate():
     assert (state.tp_rank, state.dp_rank, state.tp.ranks[0], state.dp.ranks[:3]) == (5, 2, 32, [5, 21, 37])
     with pytest.raises(RuntimeError, match="dry-run"):
         comm.all_reduce(torch.ones(2), state.tp)
+
+
+def test_ledger_stays_bounded_and_marks_survive_trimming():
+    state = ParallelState.dry_run(Topology(2, 1, gpus_per_node=2), rank=0)
+    ledger = state.ledger
+    ledger.max_records = 10
+    for _ in range(7):
+        ledger.record("all_reduce", state.dp, 4, torch.float32)
+    mark = ledger.position
+    for _ in range(8):
+        ledger.record("all_gather", state.dp, 4, torch.float32)
+    assert len(ledger.records) <= 10 and ledger.position == 15
+    assert [r.op for r in ledger.since(mark)] == ["all_gather"] * 8
+    ledger.reset()
+    assert ledger.since(mark) == [] and ledger.position == 0

@@ -166,7 +166,7 @@ class Trainer:
         return float(t.item()) / self.state.dp_size
 
     def _new_interval(self) -> IntervalStats:
-        return IntervalStats(ledger_mark=len(self.state.ledger.records))
+        return IntervalStats(ledger_mark=self.state.ledger.position)
 
     def _log_interval(self, stats: IntervalStats) -> None:
         seconds = (time.perf_counter() - stats.start) / stats.iterations
@@ -188,7 +188,7 @@ class Trainer:
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
         """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger)."""
         out = {"comm/dp-bytes-per-step": 0.0, "comm/tp-bytes-per-step": 0.0}
-        for r in self.state.ledger.records[stats.ledger_mark:]:
+        for r in self.state.ledger.since(stats.ledger_mark):
             if r.group in ("dp", "tp"):
                 out[f"comm/{r.group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
         return out

@@ -69,7 +69,7 @@ class ZeroOptimizer:
                                    overlap=config.overlap_communication, grad_flat=self.grad_flat,
                                    grad_chunks=self.grad_chunks)
         self._micro_batches = 0
-        self._ledger_mark, self._last_step_records = len(state.ledger.records), []
+        self._ledger_mark, self._last_step_records = state.ledger.position, []
         if state.rank == 0:
             log.info("%s", self.memory_report())
 
@@ -231,10 +231,8 @@ class ZeroOptimizer:
                 comm.all_gather_into(full, own.clone(), self.state.dp)
 
     def _mark_step(self) -> None:
-        records = self.state.ledger.records
-        start = self._ledger_mark if self._ledger_mark <= len(records) else 0
-        self._last_step_records = list(records[start:])
-        self._ledger_mark = len(records)
+        self._last_step_records = list(self.state.ledger.since(self._ledger_mark))
+        self._ledger_mark = self.state.ledger.position
 
     # ---- reports and checkpoint support ----------------------------------------------------
     @property

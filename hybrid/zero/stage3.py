@@ -97,7 +97,7 @@ class Stage3Optimizer:
         for k, unit in enumerate(self.all_units):
             for slot in unit.slots:
                 slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
-        self._ledger_mark, self._last_step_records = len(state.ledger.records), []
+        self._ledger_mark, self._last_step_records = state.ledger.position, []
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
 
@@ -272,10 +272,8 @@ class Stage3Optimizer:
         return {"padding": padding * per_elem, "persistent_params": float(persistent)}
 
     def _mark_step(self) -> None:
-        records = self.state.ledger.records
-        start = self._ledger_mark if self._ledger_mark <= len(records) else 0
-        self._last_step_records = list(records[start:])
-        self._ledger_mark = len(records)
+        self._last_step_records = list(self.state.ledger.since(self._ledger_mark))
+        self._ledger_mark = self.state.ledger.position
 
     def comm_report(self) -> CommReport:
         """Bytes per rank of the last optimizer step: its forwards, backwards and the step."""

@@ -5,7 +5,8 @@ is counted once, by its data pointer, in the first category that claims it - so 
 IS the parameter partition adds nothing, and views into one flat buffer count that buffer once.
 Categories: ``param16`` (the model's parameters, "16-bit" even when fp32), ``grad16``, ``master32``,
 ``adam_moments``, ``buffers`` (constant-size communication buffers of ZeRO-R's CB, outside the
-paper's model-state formula). The formula side is ZeRO §5 with Ψ = this TP rank's parameter count.
+paper's model-state formula). The formula side is ZeRO §5 with Ψ = this TP rank's parameter count,
+from the shared pure model :func:`hybrid.perf.model_states.model_state_bytes`.
 
 Communication comes from the ledger of :mod:`hybrid.comm`: bytes a ring collective moves per rank,
 summed per group and op over one optimizer step, beside the paper's 2Ψ(n-1)/n (stages 0-2) or
@@ -20,6 +21,7 @@ from typing import Iterable, Mapping
 import torch
 
 from hybrid.comm import CommRecord
+from hybrid.perf.model_states import model_state_bytes
 
 CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "buffers")
 MODEL_STATE_CATEGORIES = CATEGORIES[:4]
@@ -49,20 +51,11 @@ def formula_bytes(psi: int, stage: int, dp: int, *, param_bytes: int, mixed_prec
     Mixed precision: 16-bit params and grads (``param_bytes`` each) + K = 12 (fp32 master 4, moments
     8). Plain fp32: params and grads 4 bytes, the master IS the parameter (0), moments 8.
     """
-    try:  # the shared pure model (engineer C); the same formula written out below otherwise
-        from hybrid.perf.model_states import model_state_bytes
-    except ImportError:
-        model_state_bytes = None
     master = 4 if mixed_precision else 0
-    if model_state_bytes is not None:
-        m = model_state_bytes(float(psi), stage, dp, param_bytes=param_bytes, grad_bytes=param_bytes,
-                              optimizer_bytes_per_param=master + 8, master_bytes_per_param=master)
-        return {"param16": m.params_16bit, "grad16": m.grads_16bit, "master32": m.master_fp32,
-                "adam_moments": m.adam_moments}
-    opt_share = psi / dp if stage >= 1 else psi
-    return {"param16": param_bytes * (psi / dp if stage >= 3 else psi),
-            "grad16": param_bytes * (psi / dp if stage >= 2 else psi),
-            "master32": master * opt_share, "adam_moments": 8 * opt_share}
+    m = model_state_bytes(float(psi), stage, dp, param_bytes=param_bytes, grad_bytes=param_bytes,
+                          optimizer_bytes_per_param=master + 8, master_bytes_per_param=master)
+    return {"param16": m.params_16bit, "grad16": m.grads_16bit, "master32": m.master_fp32,
+            "adam_moments": m.adam_moments}
 
 
 @dataclass

@@ -4,6 +4,7 @@ memory-mapped checkpoint views), size parsing and the budget planner's decisions
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from hybrid.offload import (CPUAdamW, HostOptimizerState, NVMeOptimizerState, OffloadConfig,
-                            parse_bytes, plan_block_elems)
+                            add_offload_args, offload_config_from_args, parse_bytes,
+                            plan_block_elems)
 from hybrid.offload.cpu_adam import Span, split_spans
 from hybrid.zero.adamw import adamw_step
 from hybrid.zero.config import AdamWConfig
@@ -111,6 +113,30 @@ def test_nvme_backend_equals_host_backend_and_file_layout(tmp_path):
     nvme.publish(out)
     assert out[1][5] == 42.0 and torch.equal(out[2], host.flat["master"][164:])
     nvme.close()
+
+
+def test_nvme_file_is_owned_by_one_optimizer(tmp_path):
+    def make():
+        return NVMeOptimizerState([8], [[]], CPUAdamW(CFG), device=torch.device("cpu"),
+                                  param_dtype=torch.float32, directory=str(tmp_path), rank=0)
+
+    first = make()
+    first.write_master(0, 0, torch.arange(8.0))
+    with pytest.raises(RuntimeError, match="its own --offload-nvme-path"):
+        make()
+    assert torch.equal(first.fragment_views("master")[0], torch.arange(8.0))   # not clobbered
+    first.close()
+    make().close()   # free again once closed
+
+
+def test_cli_flags_build_the_config(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_offload_args(parser)
+    args = parser.parse_args(["--offload-optimizer", "nvme", "--offload-nvme-path", str(tmp_path),
+                              "--host-memory-budget", "4GiB"])
+    cfg = offload_config_from_args(args)
+    assert (cfg.mode, cfg.host_memory_budget, cfg.enabled) == ("nvme", 4 * 2**30, True)
+    assert not offload_config_from_args(parser.parse_args([])).enabled
 
 
 def test_parse_bytes_and_config_errors():

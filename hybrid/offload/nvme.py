@@ -21,6 +21,7 @@ evict: it is not part of the process's resident set.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +48,14 @@ class NVMeOptimizerState:
         self.starts = np.cumsum([0] + self.sizes[:-1]).tolist() if sizes else []
         self.numel = sum(sizes)
         self.path = os.path.join(directory, f"offload_rank{rank:05d}.bin")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:   # one optimizer per file: a second one would silently overwrite the first's state
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise RuntimeError(f"{self.path} is in use by another NVMe-offloaded optimizer; give "
+                               f"each one its own --offload-nvme-path") from None
+        os.ftruncate(self.fd, 0)
         os.ftruncate(self.fd, 3 * self.numel * ITEM)    # sparse: zeros until written
         n = adam.block_elems
         self.slots = [{k: torch.zeros(n, dtype=torch.float32) for k in STATE_KINDS} for _ in range(2)]

@@ -18,8 +18,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from hybrid.checkpoint.format import CheckpointError  # noqa: E402
 from hybrid.training.arguments import parse_args  # noqa: E402
-from hybrid.training.config import TrainConfigError  # noqa: E402
 from hybrid.training.metrics import install_rank_logging  # noqa: E402
+
+# Bad input found before or at launch: config/topology/model dims (ValueError subclasses:
+# TrainConfigError, TopologyError, ConfigError), data (IndexedDatasetError, dataset ValueErrors) and
+# checkpoints, and paths that do not exist (a tokenizer model). Reported as one line, exit code 2,
+# no traceback (DESIGN.md 9, 10).
+USER_ERRORS = (ValueError, CheckpointError, FileNotFoundError)
+
+
+def report_error(err: BaseException) -> int:
+    """``error: <message>`` on one stderr line (the traceback only at DEBUG level); exit code 2."""
+    logging.getLogger("pretrain_gpt").debug("bad input", exc_info=err)
+    print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,9 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     install_rank_logging(rank)
     try:
         cfg, options = parse_args(argv)
-    except TrainConfigError as err:
-        logging.getLogger("pretrain_gpt").error("%s", err)
-        return 2
+    except USER_ERRORS as err:
+        return report_error(err)
     if options.dry_run:
         from hybrid.training.dry_run import dry_run_report, format_report
         print(format_report(dry_run_report(cfg, options.dry_run_rank)))
@@ -38,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("pretrain_gpt")
     try:
         trainer = run(cfg)
-    except (TrainConfigError, CheckpointError) as err:   # found at launch: world size, --load
-        log.error("%s", err)
-        return 2
+    except USER_ERRORS as err:   # found at launch: world size, data, --load, --save
+        return report_error(err)
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
     if cfg.logging.tensorboard_dir:

@@ -79,8 +79,15 @@ def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type
         group.add_argument(flag, type=base, metavar=base.__name__.upper(), **kw)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises (one-line message) instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise TrainConfigError(f"{message}; run with --help for the list of flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining with tensor parallelism x ZeRO data parallelism.")
     parser.add_argument("--config", help="YAML/TOML config file or a preset name in launch/presets/")

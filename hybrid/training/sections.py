@@ -90,6 +90,8 @@ class ParallelSection:
                                    "nvme (ZeRO-Infinity)", default="none")
     offload_nvme_path: str | None = _help("directory for --offload-optimizer nvme", default=None)
     host_memory_budget: str | None = _help("host memory for offloaded state, e.g. 8GiB", default=None)
+    distributed_timeout_minutes: float = _help("a collective waiting longer than this for a lost rank "
+                                               "fails (process-group timeout)", default=10.0)
 
     def __post_init__(self) -> None:
         try:
@@ -98,6 +100,9 @@ class ParallelSection:
             raise TrainConfigError(str(err)) from None
         _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node")
         _positive(self, "world_size", allow_none=True)
+        if not self.distributed_timeout_minutes > 0:
+            raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
+                                   f"{self.distributed_timeout_minutes}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise TrainConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.offload_optimizer != "none" and self.zero_stage == 0:

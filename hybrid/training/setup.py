@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -38,7 +40,8 @@ def build_parallel_state(cfg: TrainConfig) -> ParallelState:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.gpus_per_node))
     topology = Topology(world, cfg.parallel.tensor_model_parallel_size, gpus_per_node=per_node,
                         allow_tp_across_nodes=cfg.parallel.allow_tp_across_nodes)
-    return ParallelState.initialize(topology)
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    return ParallelState.initialize(topology, timeout=timeout)
 
 
 @dataclass
@@ -162,7 +165,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     model, rng = build_model(cfg, state, data.vocab_size)
     optimizer = build_optimizer(cfg, model, state)
     train_state = None
-    if cfg.checkpoint.load:
+    if resume_wanted(cfg):
         train_state = checkpointing.load(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
     m = cfg.model
     flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
@@ -180,8 +183,39 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     return trainer
 
 
+def resume_wanted(cfg: TrainConfig) -> bool:
+    """--load given; ``--load`` = ``--save`` with no checkpoint yet is a fresh start (so the same
+    command serves the first launch and every restart, e.g. under ``torchrun --max-restarts``)."""
+    from hybrid.checkpoint.format import LATEST_FILE
+    c = cfg.checkpoint
+    if not c.load:
+        return False
+    fresh = (c.save is not None and Path(c.load).resolve() == Path(c.save).resolve()
+             and not (Path(c.load) / LATEST_FILE).is_file())
+    if fresh:
+        log.info("no checkpoint in %s yet: starting from iteration 0", c.load)
+    return not fresh
+
+
+def check_save_dir(cfg: TrainConfig) -> None:
+    """Fail at launch, not after hours of training, when --save cannot be written."""
+    from hybrid.checkpoint.format import CheckpointError
+    if not cfg.checkpoint.save:
+        return
+    save = Path(cfg.checkpoint.save)
+    try:
+        save.mkdir(parents=True, exist_ok=True)
+        probe = save / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(f"cannot write checkpoints to --save {str(save)!r} ({err.strerror}); "
+                              f"choose a writable directory") from None
+
+
 def run(cfg: TrainConfig) -> Trainer:
     """The whole pretraining program; returns the finished trainer."""
+    check_save_dir(cfg)
     state = build_parallel_state(cfg)
     log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
     trainer = build_trainer(cfg, state)

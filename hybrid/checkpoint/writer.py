@@ -13,8 +13,8 @@ share):
 After each step the ranks all-reduce a failure flag (it doubles as the barrier), so an error on
 one rank (disk full, unshared directory) raises on every rank instead of hanging the others.
 
-A crash at any point leaves ``latest`` naming the previous complete checkpoint; a stale ``.tmp``
-directory is removed by the next save.
+A crash at any point leaves ``latest`` naming the previous complete checkpoint; stale ``iter_*.tmp``
+directories (of any iteration) are removed by the next save.
 """
 
 from __future__ import annotations
@@ -146,10 +146,11 @@ def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],
     first = world.rank == 0
 
     def prepare() -> None:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        save_dir.mkdir(mode=0o755, parents=True, exist_ok=True)   # never world-writable
+        for stale in save_dir.glob("iter_*.tmp"):   # left by a save that crashed, any iteration
+            log.warning("removing %s, left by an interrupted save", stale)
+            shutil.rmtree(stale)
+        tmp.mkdir(mode=0o755)
 
     def commit() -> None:
         commit_directory(save_dir, tmp, final, {**metadata, "iteration": iteration,

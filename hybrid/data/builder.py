@@ -13,7 +13,7 @@ from typing import Sequence
 
 from hybrid.data.blending import BlendedDataset, parse_data_path, samples_per_dataset
 from hybrid.data.gpt_dataset import GPTDataset, check_vocab, parse_split
-from hybrid.data.indexed_dataset import IndexedDataset
+from hybrid.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,10 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int,
     blend = parse_data_path(data_path)
     index_dir = Path(cache_dir) / "gpt-index" if cache_dir is not None else None
     indexed = [IndexedDataset(prefix) for _, prefix in blend]
+    for ds in indexed:
+        if ds.num_documents == 0:
+            raise IndexedDatasetError(f"data prefix {ds.prefix} is an empty corpus (0 documents); "
+                                      f"preprocess a non-empty corpus or drop it from --data-path")
     if vocab_size is not None:
         for ds in indexed:
             check_vocab(ds, vocab_size)

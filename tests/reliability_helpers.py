@@ -1,0 +1,82 @@
+"""Shared pieces of the reliability tests (DESIGN.md invariant 10): a tiny real corpus (sentencepiece
+tokenizer + Megatron .bin/.idx) built once, the CLI of a tiny GPT run on it, the entry point
+``launch/pretrain_gpt.py`` loaded in-process, tree hashes to prove checkpoints are untouched, and a
+torchrun command line."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hybrid.data.indexed_dataset import IndexedDatasetWriter
+from hybrid.data.tokenizer import Tokenizer, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = ROOT / "launch" / "pretrain_gpt.py"
+FAULT_ENTRY = Path(__file__).resolve().parent / "fault_entry.py"
+STDLIB = Path(os.__file__).parent
+
+
+def load_entry():
+    """``launch/pretrain_gpt.py`` as a module (launch/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_entry", ENTRY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_corpus(root: Path) -> dict[str, str]:
+    """Tokenizer (vocab ~400) and a 60-document corpus of random in-vocab ids; returns paths."""
+    root.mkdir(parents=True, exist_ok=True)
+    texts = [(STDLIB / n).read_text() for n in ("textwrap.py", "bisect.py", "heapq.py")]
+    model = train_tokenizer(texts, root / "tok", vocab_size=400)
+    vocab = Tokenizer(model).vocab_size
+    rng = np.random.default_rng(0)
+    prefix = root / "corpus"
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(60):
+            w.add_document(rng.integers(3, vocab, int(rng.integers(20, 80))))
+    return {"tokenizer": model, "prefix": str(prefix), "vocab": vocab, "root": str(root)}
+
+
+def tiny_cli(corpus: dict, cache: Path, iters: int = 2, extra: list[str] = ()) -> list[str]:
+    """A ~2-second fp32 run of a 2-layer GPT on the tiny corpus (single process or torchrun)."""
+    return ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--make-vocab-size-divisible-by", "8",
+            "--micro-batch-size", "2", "--train-iters", str(iters), "--eval-iters", "0",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-iters", str(max(iters, 2)),
+            "--log-interval", "1", "--seed", "5", "--zero-stage", "1", "--zero-bucket-size", "4000",
+            "--data-path", corpus["prefix"], "--tokenizer-model", corpus["tokenizer"],
+            "--data-cache-dir", str(cache), *extra]
+
+
+def tree_hashes(*dirs: Path) -> dict[str, str]:
+    """sha256 of every file under ``dirs`` (relative path -> digest): a checkpoint fingerprint."""
+    out = {}
+    for d in dirs:
+        for p in sorted(Path(d).rglob("*")):
+            if p.is_file():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, entry: Path = ENTRY,
+             port: int | None = None) -> list[str]:
+    """A single-machine torchrun command (rendezvous on localhost)."""
+    rdzv = ["--standalone"] if port is None else ["--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                                   f"127.0.0.1:{port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nnodes", "1",
+            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), str(entry), *args]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_",
+                                                                     "LOCAL_", "TORCHELASTIC"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}, **extra)
+    return env

@@ -46,6 +46,7 @@ def test_dynamic_loss_scaler_hysteresis_growth_and_floor():
     assert s.scale == 8            # grows after growth_interval clean steps, hysteresis refilled
     s.update(True), s.update(True), s.update(True)
     assert s.scale == 2            # 8 -> (hyst) 8 -> 4 -> 2
+    assert s.state_dict()["hysteresis_left"] == 0  # spent, never negative
     with pytest.raises(FloatingPointError, match="minimum loss scale 2"):
         s.update(True)
     restored = DynamicLossScaler(s.config)

@@ -79,7 +79,7 @@ class DynamicLossScaler:
         cfg = self.config
         if overflow:
             self._clean_steps = 0
-            self._hysteresis_left -= 1
+            self._hysteresis_left = max(self._hysteresis_left - 1, 0)  # 0 until the next growth
             if self._hysteresis_left > 0:
                 log.info("fp16 overflow: step skipped, loss scale kept at %g (hysteresis %d left)",
                          self._scale, self._hysteresis_left)

@@ -172,8 +172,10 @@ def test_stage3_rejects_misuse_with_actionable_errors():
     model = GPTModel(CONFIG, state, device="meta")
     with pytest.raises(ValueError, match="stage 3"):
         Stage3Optimizer(model, state, ZeroConfig(stage=2), AdamWConfig())
+    bare = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))  # meta, no init_parameter
+    bare.sharding_units = lambda: list(bare)
     with pytest.raises(ValueError, match="meta device and there is no initialiser"):
-        Stage3Optimizer(model, state, ZeroConfig(stage=3), AdamWConfig())
+        Stage3Optimizer(bare, state, ZeroConfig(stage=3), AdamWConfig())
     with pytest.raises(TypeError, match="sharding_units"):
         Stage3Optimizer(torch.nn.Linear(2, 2), state, ZeroConfig(stage=3), AdamWConfig())
     model, opt = build(state, ZeroConfig(stage=3, gradient_accumulation_steps=2))

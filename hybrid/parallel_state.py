@@ -67,8 +67,10 @@ class ParallelState:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=topology.world_size, timeout=timeout)
+            store = _restart_store(init_method, rank, topology.world_size, timeout)
+            dist.init_process_group(backend, init_method=None if store else init_method,
+                                    store=store, rank=rank, world_size=topology.world_size,
+                                    timeout=timeout)
         rank = dist.get_rank()
         if dist.get_world_size() != topology.world_size:
             raise ValueError(f"the job has {dist.get_world_size()} ranks but the topology describes "
@@ -110,6 +112,17 @@ class ParallelState:
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
+
+
+def _restart_store(init_method: str | None, rank: int, world_size: int, timeout: timedelta):
+    """Under ``torchrun --max-restarts``, a restarted job meets in the same rendezvous store as the
+    attempt before it, and gloo could read a dead peer's address left there (connectFullMesh:
+    connection refused). Each attempt gets its own key prefix; None outside a restart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method is not None or attempt in (None, "0") or "MASTER_ADDR" not in os.environ:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"hybrid-attempt-{attempt}", store)
 
 
 def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: CommLedger,

@@ -162,6 +162,13 @@ def test_md_arena_keeps_storages_constant():
             per_step.append(ptrs)
         return per_step
     md = storages(RecomputePlan.uniform("full", LAYERS, arena_chunk_bytes=1 << 16))
+    recomputer = ToyStack(1, H, HEADS, ParallelState.single_process().tp, False, RNGTracker(1, 0), P,
+                          RecomputePlan.uniform("full-pa-cpu", 1, arena_chunk_bytes=4096,
+                                                host_chunk_bytes=8192)).recomputer
+    assert recomputer.tier_bytes() == {"device": 0, "host": 0}     # chunks are created on first use
+    recomputer.host_arena.allocate((4,), torch.float32)
+    assert recomputer.tier_bytes() == {"device": 0, "host": 8192}
+    assert "host-checkpoints (host tier)" in recomputer.buffer_report()
     assert [len(s) for s in md] == [1, 1, 1] and md[0] == md[1] == md[2]
     plain = storages(RecomputePlan.uniform("full", LAYERS))
     assert all(len(s) == LAYERS for s in plain)
@@ -195,3 +202,20 @@ def test_plan_segments_and_flags():
     with pytest.raises(ValueError, match="memory-budget"):
         RecomputePlan.from_flag("auto", 4)
     assert RecomputePlan.from_flag("full-pa-cpu", 2).modes == ("full-pa-cpu", "full-pa-cpu")
+
+
+def test_meter_counts_storages_once_and_follows_their_lifetime():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    arena = Arena("h", 1024, tier="host")
+    with ActivationMeter(exclude=[w], arenas=[arena]) as meter:
+        y = x @ w                        # saves x (48 B) and w (a parameter: excluded)
+        z = (y * y).sum()                # saves y once although both operands are y
+        parts = y.unbind(0)              # views of y's storage: counted with y
+        p = (parts[0] * parts[1]).sum()
+        assert meter.total() == 48 + 48 and meter.live["device"] == 96
+        slot = arena.allocate((2,), torch.float32)
+        q = (torch.ones(2, requires_grad=True) * slot).sum()   # saves the arena slot: host tier
+        assert meter.live["host"] == 8
+        (z + p + q).backward()
+    assert meter.total() == 0 and meter.peak["device"] == 96 and meter.peak_total == 104

@@ -70,8 +70,18 @@ class Recomputer:
     def arenas(self) -> list[Arena]:
         return [a for a in (self.device_arena, self.host_arena) if a is not None]
 
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes reserved by the arenas per tier ("device" / "host"): what a memory report lists
+        apart from the allocator's device memory."""
+        out: dict[str, int] = {}
+        for a in self.arenas():
+            out[a.tier] = out.get(a.tier, 0) + a.stats().capacity_bytes
+        return out
+
     def buffer_report(self) -> str:
-        """CB: the constant buffer sizes of activation recompute (ZeRO §6.2)."""
+        """CB: the constant buffer sizes of activation recompute (ZeRO §6.2) and the store counters."""
         rows = [f"{a.name:>18} ({a.tier} tier): chunk {a.chunk_bytes:,d} B, "
-                f"{a.stats().num_chunks} chunk(s) allocated" for a in self.arenas()]
+                f"{a.stats().num_chunks} chunk(s), peak used {a.stats().peak_used_bytes:,d} B"
+                for a in self.arenas()]
+        rows += [f"{mode:>18}: {st.counters}" for mode, st in self.stores.items()]
         return "\n".join(["recompute buffers"] + (rows or ["  none (no arena, no offload)"]))

@@ -11,6 +11,12 @@ PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo pyt
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # SIGTERM to torchrun reaches every rank, which saves a checkpoint; allow it time before SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
+# Nodes whose hostname does not resolve to the interface the job should use (secondary NICs):
+#   LOCAL_ADDR=<this node's IP>  the address this node advertises to the others (torchrun --local-addr)
+#   RDZV_IS_HOST=1               on the node MASTER names: it hosts the rendezvous store
+RDZV_CONF=()
+if [ "${RDZV_IS_HOST:-0}" = 1 ]; then RDZV_CONF+=(--rdzv-conf is_host=true); fi
+if [ -n "${LOCAL_ADDR:-}" ]; then RDZV_CONF+=(--local-addr "$LOCAL_ADDR"); fi
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "${NPROC:-16}" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER" --rdzv-id "${JOB_ID:-hybrid-gpt}" \
-    --max-restarts 0 launch/pretrain_gpt.py "$@"
+    "${RDZV_CONF[@]}" --max-restarts 0 launch/pretrain_gpt.py "$@"

@@ -126,3 +126,33 @@ def test_closed_form_search_matches_brute_force():
                             best = ((e.seconds, e.peak_bytes), p)
             got = estimate(plan, d)
             assert (got.seconds, got.peak_bytes) == pytest.approx(best[0]), (str(plan), str(best[1]))
+
+
+def _gpt_peak(config, micro_batch, plan) -> int:
+    from models.gpt.model import GPTModel
+    state = ParallelState.single_process()
+    model = GPTModel(config, state, rng=RNGTracker(1, 0), recompute=plan)
+    tokens = torch.randint(0, config.vocab_size, (micro_batch, config.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    with ActivationMeter(exclude=model.parameters(), arenas=model.recomputer.arenas()) as meter:
+        model(tokens, tokens).mean().backward()
+    return meter.peak_total
+
+
+def test_auto_plans_fit_budgets_on_the_gpt_model():
+    """--recompute auto on the GPT model (CPU): the whole model's measured peak of saved activations
+    (embedding, logits and loss included) stays under three budgets."""
+    from models.gpt.config import GPTConfig
+    config = GPTConfig(4, 64, 4, vocab_size=500, seq_length=32, hidden_dropout=0.1, attention_dropout=0.1)
+    d = ModelDims.from_config(config, micro_batch=2, device="cpu")
+    none_peak = estimate(RecomputePlan.uniform("none", 4), d).peak_bytes
+    full = estimate(RecomputePlan.uniform("full", 4), d)
+    rows = []
+    for budget in (0.95 * none_peak, 0.6 * none_peak, 1.02 * full.peak_bytes):
+        plan = RecomputePlan.from_cli("auto", config, micro_batch=2, memory_budget=budget, device="cpu",
+                                      host_chunk_bytes=1 << 16)
+        measured = _gpt_peak(config, 2, plan)
+        flops = estimate(plan, d).recompute_flops
+        rows.append((round(budget), plan.counts(), measured, flops))
+        assert measured <= budget and flops <= full.recompute_flops, rows[-1]
+    log.info("auto plans on the GPT model: %s (full recompute %.3g FLOP)", rows, full.recompute_flops)

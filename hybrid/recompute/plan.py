@@ -77,7 +77,7 @@ class RecomputePlan:
     @classmethod
     def from_cli(cls, flag: str, config, *, micro_batch: int, tp: int = 1,
                  sequence_parallel: bool = False, memory_budget: float | None = None,
-                 bytes_per_element: int = 4, **kw) -> "RecomputePlan":
+                 bytes_per_element: int = 4, device: str = "cuda", **kw) -> "RecomputePlan":
         """What the trainer's ``--recompute MODE|auto [--memory-budget BYTES]`` asks for, given a
         :class:`models.gpt.config.GPTConfig` and the layout of one rank."""
         if flag != "auto":
@@ -89,7 +89,7 @@ class RecomputePlan:
         from hybrid.recompute.planner import ModelDims
         dims = ModelDims.from_config(config, micro_batch=micro_batch, tp=tp,
                                      sequence_parallel=sequence_parallel,
-                                     bytes_per_element=bytes_per_element)
+                                     bytes_per_element=bytes_per_element, device=device)
         return cls.from_budget(dims, memory_budget, **kw)
 
     @classmethod

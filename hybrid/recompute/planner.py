@@ -55,6 +55,9 @@ class ModelDims:
     mask_bytes: int = 1             # a dropout-mask element: 1 (CUDA bool mask); CPU dropout keeps a
                                     # mask of the activation dtype (bytes_per_element)
     other_bytes: float = 0.0        # activations outside the layers (embedding, logits, loss)
+    core_copies: int = 0            # extra [s, b, h/t] tensors the attention core keeps beyond the
+                                    # paper's count: 2 for torch SDPA's math path (CPU with dropout:
+                                    # scaled copies of q and k), 0 for Megatron's core
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "seq", "micro_batch", "tp", "bytes_per_element",
@@ -68,11 +71,16 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                    bytes_per_element: int = 4, mask_bytes: int = 1,
+                    bytes_per_element: int = 4, device: str = "cuda",
                     other_bytes: float | None = None) -> "ModelDims":
-        """From a :class:`models.gpt.config.GPTConfig`. ``other_bytes`` defaults to the fp32 logits
-        shard the vocab-parallel loss keeps (:func:`~hybrid.perf.activations.logits_bytes`) plus four
-        ``sbh`` tensors around the final LayerNorm and the output layer."""
+        """From a :class:`models.gpt.config.GPTConfig` for our GPT model on ``device``'s type. On
+        CPU, dropout masks take the activation dtype and attention with dropout runs SDPA's math
+        path (two extra core copies); on CUDA masks are bool. ``other_bytes`` defaults to the fp32
+        logits shard the vocab-parallel loss keeps (:func:`~hybrid.perf.activations.logits_bytes`)
+        plus four ``sbh`` tensors around the final LayerNorm and the output layer."""
+        on_cpu = str(device).startswith("cpu")
+        mask_bytes = bytes_per_element if on_cpu else 1
+        core_copies = 2 if on_cpu and config.attention_dropout > 0 else 0
         if other_bytes is None:
             sbh = config.seq_length * micro_batch * config.hidden_size
             vocab = config.padded_vocab_size(tp)
@@ -80,7 +88,7 @@ class ModelDims:
                            + 4 * sbh * bytes_per_element)
         return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                    micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
-                   other_bytes)
+                   other_bytes, core_copies)
 
     @property
     def sbh(self) -> int:
@@ -125,7 +133,8 @@ def layer_activation_bytes(d: ModelDims, recompute: str) -> float:
     if recompute == "none":
         masks += d.heads * d.seq * d.seq * d.micro_batch / t
     ln_stats = 2 * 2 * 4 * d.seq * d.micro_batch / (t if sp else 1)   # fp32 mean, rstd of 2 LNs
-    return (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats
+    copies = d.core_copies * d.sbh / t * d.bytes_per_element if recompute == "none" else 0.0
+    return (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats + copies
 
 
 def mode_costs(d: ModelDims, cost: CostModel = CostModel()) -> dict[str, ModeCost]:

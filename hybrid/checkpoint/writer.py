@@ -81,6 +81,9 @@ def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, kee
     write_json_durably(tmp / METADATA_FILE, {"format_version": FORMAT_VERSION, **metadata})
     entries[METADATA_FILE] = file_entry(tmp / METADATA_FILE)
     write_manifest(tmp, entries)
+    for path in tmp.iterdir():   # whatever the umask: nobody but the owner may alter a checkpoint
+        os.chmod(path, 0o644)
+    os.chmod(tmp, 0o755)
     _fsync_dir(tmp)
     if final.exists():  # re-saving an iteration (e.g. after a resume): replace it whole
         shutil.rmtree(final)
@@ -91,6 +94,7 @@ def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, kee
         f.write(final.name + "\n")
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(latest_tmp, 0o644)
     os.replace(latest_tmp, save_dir / LATEST_FILE)
     _fsync_dir(save_dir)
     prune_checkpoints(save_dir, keep_last)

@@ -121,9 +121,52 @@ def recompute_plan(cfg: TrainConfig):
     return RecomputePlan.from_flag(cfg.training.recompute, cfg.model.num_layers)
 
 
-def build_optimizer(cfg: TrainConfig, model, state: ParallelState):
+# --init-from-hf: our model flag, the HF config.json key and our GPTConfig field it must match
+_HF_DIMS = (("--num-layers", "n_layer", "num_layers"), ("--hidden-size", "n_embd", "hidden_size"),
+            ("--num-attention-heads", "n_head", "num_attention_heads"),
+            ("--vocab-size", "vocab_size", "vocab_size"), ("--ffn-hidden-size", "n_inner", "ffn_hidden_size"),
+            ("--max-position-embeddings", "n_positions", "max_position_embeddings"))
+
+
+def check_hf_dims(path: str, model_config) -> None:
+    """Refuse an HF GPT-2 directory whose dims differ from the model the flags describe, naming the
+    flags that would match it."""
+    import json
+    from models.gpt.hf import CONFIG_FILE, gpt_config_from_hf, is_hf_directory
+    if not is_hf_directory(path):
+        raise FileNotFoundError(f"--init-from-hf {path!r} is not a Hugging Face GPT-2 directory "
+                                f"({CONFIG_FILE} + model.safetensors); export one with "
+                                f"tools/export_hf.py or pass the directory save_pretrained wrote")
+    source = gpt_config_from_hf(json.loads((Path(path) / CONFIG_FILE).read_text()))
+    diffs = [(flag, key, getattr(source, field), getattr(model_config, field))
+             for flag, key, field in _HF_DIMS if getattr(source, field) != getattr(model_config, field)]
+    if diffs:
+        raise ValueError(
+            f"--init-from-hf {path}: the model has other dims ("
+            + "; ".join(f"{key} {theirs} there, {flag} {ours} here" for flag, key, theirs, ours in diffs)
+            + "); pass " + " ".join(f"{flag} {theirs}" for flag, _, theirs, _ in diffs)
+            + " (the tokenizer's vocab must not exceed --vocab-size)")
+
+
+def init_from_hf(cfg: TrainConfig, model):
+    """--init-from-hf: overwrite ``model``'s weights in place (ZeRO stages 0-2, before the optimizer
+    copies them), or return the stage-3 ``init_fn`` that fills each partition of the meta-built model."""
+    from models.gpt.weights import init_from_pretrained, pretrained_init_fn
+    path = cfg.checkpoint.init_from_hf
+    if not path:
+        return None
+    check_hf_dims(path, model.config)
+    log.info("initialising the model from the Hugging Face directory %s", path)
+    if cfg.parallel.zero_stage == 3:
+        return pretrained_init_fn(path, model)
+    init_from_pretrained(model, path)
+    return None
+
+
+def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None):
     """The ZeRO engine of --zero-stage (stage 0 = plain data parallel), AdamW, mixed precision,
-    optionally with the optimizer state offloaded to host memory or NVMe (hybrid.offload)."""
+    optionally with the optimizer state offloaded to host memory or NVMe (hybrid.offload).
+    ``init_fn(name)``: stage 3's source of initial values (default: the seeded init)."""
     from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
     from hybrid.zero.optimizer import build_zero_optimizer
     o = cfg.optimizer
@@ -139,7 +182,8 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState):
     offload = cfg.parallel.offload_config()
     offload = offload if offload is not None and offload.enabled else None
     if zcfg.stage == 3:   # meta-built model: each rank initialises only its partitions
-        return build_zero_optimizer(model, state, zcfg, acfg, offload, seed=cfg.training.seed)
+        return build_zero_optimizer(model, state, zcfg, acfg, offload, seed=cfg.training.seed,
+                                    init_fn=init_fn)
     return build_zero_optimizer(model, state, zcfg, acfg, offload)
 
 
@@ -163,9 +207,12 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     """Everything but the loop; tests inject ``data`` (and a recording ``make_loader``)."""
     data = data if data is not None else build_data(cfg, state)
     model, rng = build_model(cfg, state, data.vocab_size)
-    optimizer = build_optimizer(cfg, model, state)
+    resume = resume_wanted(cfg)
+    if resume and cfg.checkpoint.init_from_hf:
+        log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
+    optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
     train_state = None
-    if resume_wanted(cfg):
+    if resume:
         train_state = checkpointing.load(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
     m = cfg.model
     flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
@@ -204,7 +251,7 @@ def check_save_dir(cfg: TrainConfig) -> None:
         return
     save = Path(cfg.checkpoint.save)
     try:
-        save.mkdir(parents=True, exist_ok=True)
+        save.mkdir(mode=0o755, parents=True, exist_ok=True)
         probe = save / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()

@@ -210,7 +210,8 @@ def test_meter_counts_storages_once_and_follows_their_lifetime():
     arena = Arena("h", 1024, tier="host")
     with ActivationMeter(exclude=[w], arenas=[arena]) as meter:
         y = x @ w                        # saves x (48 B) and w (a parameter: excluded)
-        z = (y * y).sum()                # saves y once although both operands are y
+        with meter.scope("square"):
+            z = (y * y).sum()            # saves y once although both operands are y
         parts = y.unbind(0)              # views of y's storage: counted with y
         p = (parts[0] * parts[1]).sum()
         assert meter.total() == 48 + 48 and meter.live["device"] == 96
@@ -219,3 +220,4 @@ def test_meter_counts_storages_once_and_follows_their_lifetime():
         assert meter.live["host"] == 8
         (z + p + q).backward()
     assert meter.total() == 0 and meter.peak["device"] == 96 and meter.peak_total == 104
+    assert meter.by_scope == {"other": 48 + 8, "square": 48}

@@ -115,9 +115,6 @@ class Arena:
         ptr = t.untyped_storage().data_ptr()
         return any(ptr == c.untyped_storage().data_ptr() for c in self._chunks)
 
-    def storage_ptrs(self) -> set[int]:
-        return {c.untyped_storage().data_ptr() for c in self._chunks}
-
     @property
     def live(self) -> int:
         return self._live

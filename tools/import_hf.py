@@ -5,10 +5,11 @@
 
 Every loader here (:func:`models.gpt.weights.load_model`, tools/generate.py, tools/evaluate.py)
 already accepts an HF directory; this tool writes the converted tensors once, with the GPTConfig in
-the file's metadata. To start training from HF weights, build the model at any TP degree and call
+the file's metadata. To start training from HF weights, pass ``--init-from-hf hf_dir`` to
+launch/pretrain_gpt.py: it builds the model at any TP degree and calls
 ``models.gpt.weights.init_from_pretrained(model, hf_dir)`` before the optimizer is created (ZeRO
-stages 0-2), or pass ``init_fn=pretrained_init_fn(hf_dir, model)`` to the stage-3 optimizer of a
-meta-built model. (The trainer has no --init-from-hf flag yet; these are the hooks to wire.)
+stages 0-2), or passes ``init_fn=pretrained_init_fn(hf_dir, model)`` to the stage-3 optimizer of the
+meta-built model.
 Reads model.safetensors or the shards of model.safetensors.index.json (never a pickled ``.bin``).
 """
 

@@ -24,3 +24,12 @@ Main job finished.
                      resume/continue: bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400
   Layout check     : .venv/bin/python launch/pretrain_gpt.py --config table5-zero-100B --dry-run
 MSG
+# Sample from the model just trained: one process, a fixed prompt, seeded top-k (a few seconds).
+PROMPT='def __init__(self'
+echo
+echo "Sample from the model:  (tools/generate.py --prompt '$PROMPT' --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234)"
+echo "----"
+printf '%s' "$PROMPT"
+.venv/bin/python tools/generate.py --load checkpoints/tiny-cpu --prompt "$PROMPT" \
+    --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234
+echo "----"

@@ -48,6 +48,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
                                       gcfg.padded_vocab_size(state.tp_size))
     mode = cfg.training.recompute
+    if mode == "auto":   # the planner's per-layer plan, estimated for a GPU rank
+        mode = _auto_plan_mode(cfg, gcfg, state)
     estimate = device_memory(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                              seq=m.seq_length, vocab=gcfg.vocab_size,
                              micro_batch=cfg.data.micro_batch_size,
@@ -114,3 +116,12 @@ def _span(ranks: list[int]) -> str:
         step = ranks[1] - ranks[0]
         return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] (stride {step}, {len(ranks)} ranks)"
     return str(ranks)
+
+
+def _auto_plan_mode(cfg, gcfg, state) -> str:
+    """The most memory-saving mode of the ``--recompute auto`` plan, for the layer-uniform
+    estimate of :func:`hybrid.perf.memory.device_memory` (conservative: every layer gets it)."""
+    from hybrid.recompute.plan import MODES
+    from hybrid.training.setup import recompute_plan
+    plan = recompute_plan(cfg, gcfg, state, device="cuda")
+    return max(set(plan.modes), key=MODES.index)

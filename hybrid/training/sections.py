@@ -228,13 +228,31 @@ class TrainingSection:
     eval_interval: int = _help("validate every N iterations", default=50)
     eval_iters: int = _help("validation batches per evaluation (0 = none)", default=4)
     recompute: str = _help("activation recompute: none | selective | full | full-pa (ZeRO-R Pa) | "
-                           "full-pa-cpu (Pa+cpu)", default="none")
+                           "full-pa-cpu (Pa+cpu) | auto (per-layer plan for --memory-budget)",
+                           default="none")
+    memory_budget: str | None = _help("activation bytes per rank that --recompute auto plans for, "
+                                      "e.g. 2GiB or 500000000", default=None)
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        from hybrid.offload.budget import parse_bytes
+        if self.memory_budget is None:
+            return None
+        try:
+            return parse_bytes(self.memory_budget)
+        except ValueError as err:
+            raise TrainConfigError(f"--memory-budget: {err}") from None
 
     def __post_init__(self) -> None:
         from hybrid.recompute.plan import MODES
-        if self.recompute not in MODES:
-            raise TrainConfigError(f"--recompute must be one of {', '.join(MODES)}, got "
+        if self.recompute not in (*MODES, "auto"):
+            raise TrainConfigError(f"--recompute must be one of {', '.join(MODES)}, auto; got "
                                    f"{self.recompute!r}")
+        if (self.recompute == "auto") != (self.memory_budget is not None):
+            raise TrainConfigError("--recompute auto needs --memory-budget <bytes per rank> (e.g. "
+                                   "2GiB), and --memory-budget applies only to --recompute auto")
+        if self.memory_budget is not None:
+            self.memory_budget_bytes  # noqa: B018  (validates the size now, not at build time)
         _positive(self, "train_iters", "eval_interval")
         _non_negative(self, "seed", "eval_iters")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:

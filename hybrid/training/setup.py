@@ -107,18 +107,27 @@ def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
     meta = cfg.parallel.zero_stage == 3
     model = GPTModel(gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
                      device="meta" if meta else state.device, dtype=torch.float32, rng=rng,
-                     recompute=recompute_plan(cfg))
+                     recompute=recompute_plan(cfg, gcfg, state))
     if not meta:
         model.init_weights(cfg.training.seed)
     return model, rng
 
 
-def recompute_plan(cfg: TrainConfig):
-    """--recompute as a hybrid.recompute plan (None: keep every activation)."""
+def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | None = None):
+    """--recompute as a hybrid.recompute plan (None: keep every activation). ``auto`` asks the
+    planner for the cheapest per-layer plan whose activations fit --memory-budget on one rank."""
     if cfg.training.recompute == "none":
         return None
     from hybrid.recompute import RecomputePlan
-    return RecomputePlan.from_flag(cfg.training.recompute, cfg.model.num_layers)
+    plan = RecomputePlan.from_cli(
+        cfg.training.recompute, gcfg, micro_batch=cfg.data.micro_batch_size, tp=state.tp_size,
+        sequence_parallel=cfg.parallel.sequence_parallel and state.tp_size > 1,
+        memory_budget=cfg.training.memory_budget_bytes,
+        bytes_per_element=4 if cfg.optimizer.precision == "fp32" else 2,
+        device=device or state.device.type)
+    if state.rank == 0:
+        log.info("activation recompute: %s", plan)
+    return plan
 
 
 # --init-from-hf: our model flag, the HF config.json key and our GPTConfig field it must match

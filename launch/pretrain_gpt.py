@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer = run(cfg)
     except USER_ERRORS as err:   # found at launch: world size, data, --load, --save
         return report_error(err)
+    except FloatingPointError as err:   # NaN/Inf loss with --on-nonfinite stop: every rank stops
+        report_error(err)
+        return 3
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
     if cfg.logging.tensorboard_dir:

@@ -143,6 +143,8 @@ class OptimizerSection:
     min_loss_scale: float = _help("fp16: lowest loss scale", default=1.0)
     loss_scale_window: int = _help("fp16: clean steps before the scale grows", default=1000)
     hysteresis: int = _help("fp16: overflows tolerated before the scale shrinks", default=2)
+    on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss skips the step or stops the run "
+                              "(fp16: the loss scaler skips)", default="skip")
 
     def __post_init__(self) -> None:
         _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "adam_eps")
@@ -157,6 +159,8 @@ class OptimizerSection:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise TrainConfigError(f"{flag_name(name)} must be in [0, 1), "
                                        f"got {getattr(self, name)}")
+        if self.on_nonfinite not in ("skip", "stop"):
+            raise TrainConfigError(f"--on-nonfinite must be skip or stop, got {self.on_nonfinite!r}")
         if self.bf16 and self.fp16:
             raise TrainConfigError("--bf16 and --fp16 are exclusive; pick one")
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:

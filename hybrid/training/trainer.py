@@ -30,6 +30,7 @@ from hybrid.training import checkpointing
 from hybrid.training.checkpointing import TrainState
 from hybrid.training.exit import ExitCondition
 from hybrid.training.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
+from hybrid.zero.results import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Trainer:
         self.global_batch = cfg.global_batch(state.world_size)
         self.train_iters = cfg.training.train_iters
         self._step_takes_lr = "lr" in inspect.signature(optimizer.step).parameters
+        self._guard_nonfinite = cfg.optimizer.precision != "fp16"   # fp16: the scaler skips
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
 
@@ -94,12 +96,44 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         total = 0.0
-        for _ in range(self.accum):
+        for k in range(self.accum):
             loss = self._micro_batch_loss(next(loader))
+            if self._guard_nonfinite and not self._finite_everywhere(loss):
+                for _ in range(self.accum - k - 1):   # keep the data stream where resume expects it
+                    next(loader)
+                return float("nan"), self._skip_nonfinite(loss)
             self.optimizer.backward(loss / self.accum)
             total += loss.item() / self.accum
         result = self._optimizer_step(lr)
         return self._dp_mean(total), result
+
+    def _finite_everywhere(self, loss: torch.Tensor) -> bool:
+        """Collective over the world: is this micro-batch's loss finite on every rank? (All ranks
+        then take the same branch, so no rank waits in a collective the others skipped.)"""
+        flag = torch.tensor([0 if bool(torch.isfinite(loss)) else 1], dtype=torch.int32,
+                            device=self.state.device)
+        world = self.state.world
+        enabled, world.ledger.enabled = world.ledger.enabled, False   # bookkeeping, not traffic
+        try:
+            comm.all_reduce(flag, world, op="max")
+        finally:
+            world.ledger.enabled = enabled
+        return int(flag.item()) == 0
+
+    def _skip_nonfinite(self, loss: torch.Tensor) -> StepResult:
+        """bf16/fp32 NaN/Inf loss, before any update: --on-nonfinite stop raises, skip drops the
+        gradients of this iteration (fp16 leaves this to its loss scaler)."""
+        where = f"non-finite loss ({loss.item()} on this rank) at iteration {self.ts.iteration + 1}"
+        if self.cfg.optimizer.on_nonfinite == "stop":
+            raise FloatingPointError(f"{where}; stopping (--on-nonfinite stop) before the update, the "
+                                     f"weights and checkpoints are intact; lower --lr or resume with "
+                                     f"--on-nonfinite skip")
+        log.warning("%s: step skipped (--on-nonfinite skip)", where)
+        reducer = getattr(self.optimizer, "reducer", None)
+        if reducer is not None:
+            reducer.finish()    # stage 2: land the previous micro-batch's reduce-scatters
+        self.optimizer.zero_grad()
+        return StepResult(True, float("nan"), getattr(self.optimizer.scaler, "scale", 1.0))
 
     def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
         """Mean per-token loss of a micro-batch over the tokens the loss mask keeps."""

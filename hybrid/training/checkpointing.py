@@ -117,6 +117,9 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
     # stage 0 keeps the whole optimizer state on every DP rank: only DP rank 0 writes it
     pieces += optimizer_pieces(model, optimizer, state, for_save=True,
                                dp_replicated=config.parallel.zero_stage == 0)[0]
+    agree_on_failure(state.world, lambda: _check_finite(pieces, train_state.iteration),
+                     f"checking the weights of iteration {train_state.iteration} before saving",
+                     state.device)
     model_config = model.config.to_dict() if hasattr(model, "config") else None
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model_config,
@@ -125,6 +128,15 @@ def save(path: str | Path, train_state: TrainState, model: nn.Module, optimizer,
                               "loss_scaler": _scaler_state(optimizer)}}
     return save_checkpoint(path, train_state.iteration, pieces, rng_tensors(rng), metadata, state.world,
                            keep_last=keep_last, device=state.device)
+
+
+def _check_finite(pieces: list[Piece], iteration: int) -> None:
+    """Never write NaN/Inf weights or optimizer state over a good checkpoint history."""
+    bad = sorted({f"{p.kind}:{p.name}" for p in pieces if not bool(torch.isfinite(p.tensor).all())})
+    if bad:
+        raise CheckpointError(f"refusing to save iteration {iteration}: non-finite values in "
+                              f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; the previous "
+                              f"checkpoints are kept - resume from them with a lower --lr")
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -7,7 +7,8 @@ in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a rest
     FAULT_SAVE_CRASH=rank-file|before-latest FAULT_AT_ITER=k
                                          os._exit(9) inside the save of iteration k: after the rank
                                          file is written / after the rename, before ``latest``
-    LOSS_LOG=path                        rank 0 appends {"iteration", "loss"} (repr-exact) per step
+    LOSS_LOG=path                        rank 0 appends {"iteration", "loss"} (repr-exact) per step,
+                                         and its resident set size ("rss", bytes) every 10 steps
 """
 
 from __future__ import annotations
@@ -51,12 +52,19 @@ def _patch_loss_log(path: str) -> None:
     def logged(self, stats, loss, result):
         advance(self, stats, loss, result)
         if self.state.rank == 0:
+            rec = {"iteration": self.ts.iteration, "loss": repr(loss),
+                   "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+            if self.ts.iteration % 10 == 0:
+                rec["rss"] = _rss_bytes()
             with open(path, "a") as f:
-                f.write(json.dumps({"iteration": self.ts.iteration, "loss": repr(loss),
-                                    "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")})
-                        + "\n")
+                f.write(json.dumps(rec) + "\n")
 
     Trainer._advance = logged
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _patch_save(where: str) -> None:

@@ -1,0 +1,140 @@
+"""NaN/Inf never reaches the weights or a checkpoint (DESIGN.md invariant 10), on 2 gloo ranks
+(DP 2, ZeRO stage 2, 2 micro-batches per step), with the NaN injected into ONE rank's loss:
+
+* fp16: the dynamic loss scaler skips the step; bf16/fp32 with ``--on-nonfinite skip``: the step is
+  skipped on every rank before any update. Oracle: the parameters after the poisoned iteration are
+  bit-identical to those before it, the run continues with finite losses and weights, and the skip
+  is counted (``skipped-iterations``, the TensorBoard scalar);
+* ``--on-nonfinite stop``: every rank raises FloatingPointError before the update (no hang);
+* a save with non-finite weights is refused on every rank and the previous checkpoint is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybrid.checkpoint.format import CheckpointError
+from tests.multirank import run_on_ranks
+from tests.reliability_helpers import tree_hashes
+from tests.training_helpers import make_trainer, tiny_args
+
+FIXED = ["--lr-decay-iters", "4"]
+
+
+def _poison(trainer, iteration: int, micro: int, rank: int) -> list[dict]:
+    """NaN loss on ``rank``'s micro-batch ``micro`` of ``iteration``; returns parameter snapshots
+    taken at the start of every iteration (and the end)."""
+    loss_fn, step_fn = trainer._micro_batch_loss, trainer.train_step
+    calls, snaps = {"n": 0}, []
+
+    def loss(batch):
+        value = loss_fn(batch)
+        k, calls["n"] = calls["n"], calls["n"] + 1
+        hit = trainer.ts.iteration + 1 == iteration and k == micro and trainer.state.rank == rank
+        return value * float("nan") if hit else value
+
+    def step(loader, lr):
+        calls["n"] = 0
+        snaps.append(_params(trainer))
+        return step_fn(loader, lr)
+
+    trainer._micro_batch_loss, trainer.train_step = loss, step
+    return snaps
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _finite(params: dict) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in params.values())
+
+
+def _skip_case(precision: str, micro: int) -> dict:
+    scaler = ["--initial-loss-scale", "1024", "--hysteresis", "1"] if precision == "fp16" else []
+    t = make_trainer(tiny_args(zero=2, precision=precision, iters=3,
+                               extra=FIXED + scaler + ["--on-nonfinite", "skip"]))
+    snaps = _poison(t, iteration=2, micro=micro, rank=1)
+    t.train()
+    final = _params(t)
+    return {"untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
+            "finite": _finite(final), "skipped": t.ts.skipped_iterations,
+            "losses_after": [t.losses[0], t.losses[2]],
+            "consumed": t.ts.consumed_train_samples,
+            "scale": getattr(t.optimizer.scaler, "scale", 1.0)}
+
+
+def _stop_case() -> dict:
+    t = make_trainer(tiny_args(zero=2, iters=3, extra=FIXED + ["--on-nonfinite", "stop"]))
+    snaps = _poison(t, iteration=2, micro=1, rank=1)
+    try:
+        t.train()
+    except FloatingPointError as err:
+        return {"raised": str(err), "untouched": _same(snaps[1], _params(t))}
+    return {"raised": None}
+
+
+def _save_case(save_dir: str) -> dict:
+    t = make_trainer(tiny_args(zero=2, iters=2, extra=FIXED + ["--save", save_dir]))
+    t.train()                                           # writes iter_0000002
+    torch.distributed.barrier()
+    before = tree_hashes(save_dir)
+    if t.state.rank == 0:
+        with torch.no_grad():
+            next(iter(t.model.parameters()))[0] = float("inf")
+    t.ts.iteration = 3
+    try:
+        t.save()
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    torch.distributed.barrier()
+    return {"error": error, "unchanged": tree_hashes(save_dir) == before}
+
+
+def _all_cases(rank: int, world: int, save_dir: str) -> dict:
+    out = {f"{p}-micro{m}": _skip_case(p, m) for p, m in
+           (("fp32", 1), ("bf16", 0), ("bf16", 1), ("fp16", 1))}
+    out["stop"] = _stop_case()
+    out["save"] = _save_case(save_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_on_ranks(_all_cases, 2, args=(str(tmp_path_factory.mktemp("nan_ckpt")),),
+                        timeout=400)
+
+
+@pytest.mark.parametrize("case", ["fp32-micro1", "bf16-micro0", "bf16-micro1", "fp16-micro1"])
+def test_nonfinite_loss_skips_the_step_on_every_rank(results, case):
+    for r in results:
+        c = r[case]
+        assert c["untouched"], "the poisoned iteration changed the weights"
+        assert c["trained_after"] and c["finite"]
+        assert c["skipped"] == 1
+        assert all(math.isfinite(x) for x in c["losses_after"])
+        assert c["consumed"] == 3 * 8                 # the skipped step's samples are consumed
+    if case.startswith("fp16"):
+        assert results[0][case]["scale"] == 512     # the scaler backed off (1024 / 2)
+
+
+def test_nonfinite_loss_with_stop_raises_on_every_rank(results):
+    for r in results:
+        assert r["stop"]["raised"] and "non-finite loss" in r["stop"]["raised"]
+        assert "--on-nonfinite stop" in r["stop"]["raised"]
+        assert r["stop"]["untouched"]
+
+
+def test_save_with_nonfinite_weights_is_refused_everywhere(results):
+    for r in results:
+        assert r["save"]["error"] and r["save"]["unchanged"]
+    assert "refusing to save iteration 3: non-finite values in" in results[0]["save"]["error"]
+    assert "failed on rank 0" in results[1]["save"]["error"]     # the other rank says who failed

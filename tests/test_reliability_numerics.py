@@ -57,18 +57,28 @@ def _finite(params: dict) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in params.values())
 
 
-def _skip_case(precision: str, micro: int) -> dict:
+def _skip_case(precision: str, micro: int, tb_dir: str) -> dict:
     scaler = ["--initial-loss-scale", "1024", "--hysteresis", "1"] if precision == "fp16" else []
+    tb = ["--tensorboard-dir", f"{tb_dir}/{precision}{micro}", "--log-interval", "1"]
     t = make_trainer(tiny_args(zero=2, precision=precision, iters=3,
-                               extra=FIXED + scaler + ["--on-nonfinite", "skip"]))
+                               extra=FIXED + scaler + tb + ["--on-nonfinite", "skip"]))
     snaps = _poison(t, iteration=2, micro=micro, rank=1)
     t.train()
+    t.metrics.close()
     final = _params(t)
-    return {"untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
+    return {"tb_skipped": _tensorboard_scalar(f"{tb_dir}/{precision}{micro}", "skipped-iterations")
+            if t.state.rank == 0 else None,"untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
             "finite": _finite(final), "skipped": t.ts.skipped_iterations,
             "losses_after": [t.losses[0], t.losses[2]],
             "consumed": t.ts.consumed_train_samples,
             "scale": getattr(t.optimizer.scaler, "scale", 1.0)}
+
+
+def _tensorboard_scalar(directory: str, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(directory)
+    events.Reload()
+    return [e.value for e in events.Scalars(tag)]
 
 
 def _stop_case() -> dict:
@@ -100,7 +110,7 @@ def _save_case(save_dir: str) -> dict:
 
 
 def _all_cases(rank: int, world: int, save_dir: str) -> dict:
-    out = {f"{p}-micro{m}": _skip_case(p, m) for p, m in
+    out = {f"{p}-micro{m}": _skip_case(p, m, f"{save_dir}-tb") for p, m in
            (("fp32", 1), ("bf16", 0), ("bf16", 1), ("fp16", 1))}
     out["stop"] = _stop_case()
     out["save"] = _save_case(save_dir)
@@ -122,6 +132,7 @@ def test_nonfinite_loss_skips_the_step_on_every_rank(results, case):
         assert c["skipped"] == 1
         assert all(math.isfinite(x) for x in c["losses_after"])
         assert c["consumed"] == 3 * 8                 # the skipped step's samples are consumed
+    assert results[0][case]["tb_skipped"] == [0.0, 1.0, 1.0]   # TensorBoard counts the skip
     if case.startswith("fp16"):
         assert results[0][case]["scale"] == 512     # the scaler backed off (1024 / 2)
 

@@ -257,3 +257,19 @@ def test_bad_input_real_process(env, name, extra_of):
     assert proc.returncode == 2, proc.stderr
     _check_output(proc.stderr, [])
     assert tree_hashes(env["good"], case) == before
+
+
+def test_bad_data_under_torchrun_exits_every_rank(env):
+    """Two ranks, a truncated .idx: rank 0 fails while the other waits at a barrier; torchrun ends
+    the job at once (no hang until the process-group timeout) with rank 0's one-line error."""
+    from tests.reliability_helpers import torchrun
+    case = _case_dir(env, "torchrun-truncated-idx")
+    extra = _data_variant(env, case, lambda p: _truncate(Path(f"{p}.idx"), drop=8))
+    start = time.monotonic()
+    proc = subprocess.run(torchrun(2, tiny_cli(env["corpus"], env["cache"], extra=extra)),
+                          capture_output=True, text=True, timeout=DEADLINE_S * 2, cwd=ROOT,
+                          env=child_env())
+    assert proc.returncode != 0
+    assert time.monotonic() - start < DEADLINE_S
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and all("truncated" in line and "rebuild" in line for line in errors)

@@ -63,6 +63,14 @@ class CommLedger:
             return list(self.records)
         return self.records[max(mark - self.dropped, 0):]
 
+    def discard(self, mark: int | None = None) -> None:
+        """Forget the records before ``mark`` (default: all); ``position`` is unchanged. A training
+        loop that has read them calls this, so its memory stays flat over a long run."""
+        held = len(self.records)
+        n = held if mark is None else min(max(mark - self.dropped, 0), held)
+        del self.records[:n]
+        self.dropped += n
+
     def totals(self) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = defaultdict(float)
         for r in self.records:

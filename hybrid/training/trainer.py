@@ -225,6 +225,7 @@ class Trainer:
         for r in self.state.ledger.since(stats.ledger_mark):
             if r.group in ("dp", "tp"):
                 out[f"comm/{r.group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
+        self.state.ledger.discard()   # read: a long run's ledger must not grow (soak test)
         return out
 
     def _log_model_states(self) -> None:

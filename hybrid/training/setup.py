@@ -154,7 +154,8 @@ def check_hf_dims(path: str, model_config) -> None:
             f"--init-from-hf {path}: the model has other dims ("
             + "; ".join(f"{key} {theirs} there, {flag} {ours} here" for flag, key, theirs, ours in diffs)
             + "); pass " + " ".join(f"{flag} {theirs}" for flag, _, theirs, _ in diffs)
-            + " (the tokenizer's vocab must not exceed --vocab-size)")
+            + (" (and a tokenizer of at most that many pieces)" if any(d[0] == "--vocab-size"
+                                                                     for d in diffs) else ""))
 
 
 def init_from_hf(cfg: TrainConfig, model):

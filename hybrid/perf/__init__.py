@@ -21,7 +21,9 @@ from hybrid.perf.memory import MemoryEstimate, device_memory
 from hybrid.perf.model_states import (GB, STAGE_NAMES, ModelStateBytes, bytes_per_param,
                                       dp_communication_elements, max_params_for_memory,
                                       model_state_bytes)
-from hybrid.perf.throughput import (IterationEstimate, ThroughputAssumptions, estimate_iteration,
+from hybrid.perf.throughput import (IterationEstimate, ThroughputAssumptions,
+                                    attention_core_flops_per_iteration,
+                                    elementwise_elements_per_layer, estimate_iteration,
                                     sustained_efficiency, tp_ring_bytes_per_microbatch)
 
 __all__ = [
@@ -31,5 +33,6 @@ __all__ = [
     "recompute_flops_per_iteration", "Cluster", "dgx2_v100_cluster", "MemoryEstimate", "device_memory", "GB", "STAGE_NAMES", "ModelStateBytes",
     "bytes_per_param", "dp_communication_elements", "max_params_for_memory", "model_state_bytes",
     "IterationEstimate", "ThroughputAssumptions", "estimate_iteration", "sustained_efficiency",
-    "tp_ring_bytes_per_microbatch",
+    "tp_ring_bytes_per_microbatch", "attention_core_flops_per_iteration",
+    "elementwise_elements_per_layer",
 ]

@@ -25,16 +25,30 @@ class Cluster:
     ib_links_per_node: int = 8            # DGX-2: 8 links = 800 Gbps per node
     ib_efficiency: float = 1.0            # fraction of link bandwidth a collective achieves
     collective_latency: float = 20e-6     # fixed cost per collective call (launch + sync), seconds
+    # Memory-bound ops (LayerNorm, GELU, residual adds, head copies) stream activations at this rate;
+    # on a V100 they run from HBM2 (900 GB/s). The CPU calibration measures it at the run's size.
+    elementwise_bandwidth: float = 900e9
+    # FLOP/s of the attention core (q k^T, softmax, x v) when it runs at a rate of its own; 0 = at
+    # the GEMMs' sustained rate (V100: cuBLAS batched GEMMs, folded into the efficiency).
+    attention_core_flops: float = 0.0
+    # Host time per transformer layer per forward + backward not overlapped with the device (Python,
+    # autograd dispatch). 0 on a V100: kernel launches are asynchronous and hide behind layers of
+    # h >= 1536; the CPU calibration measures it with an empty (tiny) layer's forward + backward.
+    layer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "peak_flops", "memory_bytes", "hbm_bandwidth",
-                     "intra_node_bandwidth", "ib_link_bandwidth", "ib_links_per_node"):
+                     "intra_node_bandwidth", "ib_link_bandwidth", "ib_links_per_node",
+                     "elementwise_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be positive, got {getattr(self, name)}")
         for name in ("intra_node_efficiency", "ib_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], "
                                  f"got {getattr(self, name)}")
+        for name in ("attention_core_flops", "layer_overhead_s", "collective_latency"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cluster {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def intra_node_ring_bandwidth(self) -> float:

@@ -14,7 +14,13 @@ time = compute + exposed TP communication + exposed DP communication + optimizer
 - DP: 2Ψ (stages 0-2) or 3Ψ (stage 3) 16-bit elements of the MP rank's parameters, ring factor
   (Nd-1)/Nd, a named fraction overlapped with the backward pass; with gradient accumulation stage 2
   reduce-scatters every micro-batch and stage 3 repeats all its 3Ψ per micro-batch;
-- optimizer: the Adam step streams the fp32 states of the parameters this GPU updates through HBM.
+- optimizer: the Adam step streams the fp32 states of the parameters this GPU updates through HBM;
+- memory-bound ops: the elementwise passes over the activations each layer makes (LayerNorms,
+  residual adds, GELU, the context copy; :func:`elementwise_bytes_per_layer`) at the cluster's
+  ``elementwise_bandwidth``, forward x (1 + ``elementwise_backward_factor``), the forward again when
+  recomputed;
+- attention core at ``attention_core_flops`` when the cluster gives it a rate of its own, and a host
+  ``layer_overhead_s`` per layer per micro-batch (both 0 on the V100: folded into the efficiency).
 
 Every assumption is a field of :class:`ThroughputAssumptions` or of the :class:`Cluster`.
 """
@@ -47,6 +53,30 @@ class ThroughputAssumptions:
     zero_dp_overlap: float = 0.5              # ZeRO overlaps its reduce-scatter with backward
     baseline_dp_overlap: float = 0.0          # Megatron-LM (2019) all-reduces after backward
     optimizer_bytes_per_param: float = 28.0   # Adam: read grad 2, r/w master, m, v (24), write 2
+    # Elementwise passes of one layer's forward over b s h activations, counted from models/gpt/
+    # layer.py (read + write of each op, bias adds fused into the GEMMs, dropout off at p = 0):
+    # replicated - 2 LayerNorms (r 1 w 1 each) + 2 residual adds (r 2 w 1 each) = 10;
+    # sharded (/t) - GELU on 4h (r 4 w 4) + the attention context's permute copy (r 1 w 1) = 10.
+    elementwise_passes_replicated: float = 10.0
+    elementwise_passes_sharded: float = 10.0
+    # Backward of an elementwise op reads the incoming gradient and the saved input and writes the
+    # input gradient (+ the residual's gradient sum): about twice its forward traffic.
+    elementwise_backward_factor: float = 2.0
+    # Passes over the b s V/t logits of the vocab-parallel cross-entropy, forward + backward: max,
+    # exp + sum, the target gather, softmax - one-hot (r 1 w 1) and the output GEMM's input copy.
+    logit_passes: float = 6.0
+    # DP collective calls per micro-batch, each paying the cluster's collective_latency: with one
+    # gradient bucket (hybrid.zero's default 50M elements) stage 0 all-reduces once, stages 1-2
+    # reduce-scatter and all-gather once; stage 3 gathers every unit in forward and in backward and
+    # reduce-scatters it: 3 x (layers + the embedding and final-LayerNorm units).
+    dp_calls_stage0: int = 1
+    dp_calls_stage12: int = 2
+    stage3_extra_units: int = 2
+    # True when ``max_efficiency`` comes from measured whole training steps (the V100's 30-40%:
+    # Megatron-LM's and ZeRO's runs include softmax, LayerNorm, GELU, dropout), so the memory-bound
+    # term is already inside it: reported in details, not added. The CPU calibration measures a
+    # pure GEMM rate instead and sets it False.
+    elementwise_in_efficiency: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.max_efficiency <= 1:
@@ -79,11 +109,14 @@ class IterationEstimate:
     tp_comm_s: float
     dp_comm_s: float             # exposed part only
     optimizer_s: float
+    memory_s: float = 0.0        # memory-bound elementwise ops
+    overhead_s: float = 0.0      # host overhead per layer (0 on the V100)
     details: dict = field(default_factory=dict, compare=False)
 
     @property
     def time_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.optimizer_s
+        return (self.compute_s + self.tp_comm_s + self.dp_comm_s + self.optimizer_s + self.memory_s
+                + self.overhead_s)
 
     def tflops_per_gpu(self, hardware: bool = True) -> float:
         flops = self.hardware_flops_per_gpu if hardware else self.model_flops_per_gpu
@@ -109,6 +142,18 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
     full_recompute = recompute == "full"
     eff = sustained_efficiency(micro_batch * seq, hidden / tp, a)
     compute = hw / gpus / (cluster.peak_flops * eff)
+    if cluster.attention_core_flops > 0:   # the core at its own measured rate, not the GEMMs'
+        core = attention_core_flops_per_iteration(batch, seq, layers, hidden, recompute) / gpus
+        compute += core / cluster.attention_core_flops - core / (cluster.peak_flops * eff)
+    forwards = 1 + a.elementwise_backward_factor + (1 if full_recompute else 0)
+    memory = (grad_accumulation * layers * forwards * a.activation_bytes
+              * elementwise_elements_per_layer(micro_batch * seq, hidden, tp, a)
+              / cluster.elementwise_bandwidth)
+    memory += (grad_accumulation * a.logit_passes * a.activation_bytes * micro_batch * seq
+               * pad_vocab(vocab, tp) / tp / cluster.elementwise_bandwidth)
+    memory_alone = memory
+    memory = 0.0 if a.elementwise_in_efficiency else memory
+    overhead = grad_accumulation * layers * cluster.layer_overhead_s
     tp_comm = grad_accumulation * _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp,
                                                           full_recompute, partition_activations,
                                                           topo.tp_crosses_nodes, cluster, a)
@@ -116,12 +161,30 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
     dp_total = _dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
+    dp_exposed += _dp_calls(stage, dp, layers, grad_accumulation, a) * cluster.collective_latency
     updated = psi_rank / dp if stage >= 1 else psi_rank
     optimizer = updated * a.optimizer_bytes_per_param / cluster.hbm_bandwidth
     return IterationEstimate(gpus, model / gpus, hw / gpus, compute, tp_comm, dp_exposed, optimizer,
-                             details={"efficiency": eff, "dp_total_s": dp_total,
+                             memory, overhead, details={"efficiency": eff, "memory_bound_s": memory_alone,
+                                      "dp_total_s": dp_total,
                                       "tp_crosses_nodes": topo.tp_crosses_nodes,
                                       "params_per_rank": psi_rank})
+
+
+def elementwise_elements_per_layer(tokens: int, hidden: int, tp: int,
+                                   assumptions: ThroughputAssumptions = ThroughputAssumptions()) -> float:
+    """Activation elements one layer's forward reads + writes in memory-bound ops on one TP rank:
+    (replicated passes + sharded passes / t) x b s h."""
+    a = assumptions
+    return (a.elementwise_passes_replicated + a.elementwise_passes_sharded / tp) * tokens * hidden
+
+
+def attention_core_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
+                                       recompute: str) -> float:
+    """FLOPs of q k^T and scores x v: 4 B s^2 h per layer forward, x 3 with backward, + 1 forward
+    when recomputed (full or selective) - the s/(6h) share of Megatron's formula."""
+    reruns = 0 if recompute == "none" else 1
+    return (3 + reruns) * 4.0 * batch * seq * seq * hidden * layers
 
 
 def tp_ring_bytes_per_microbatch(layers: int, hidden: int, seq: int, micro_batch: int, tp: int, *,
@@ -169,6 +232,18 @@ def _dp_time(psi_rank, stage, dp, grad_accumulation, crosses_nodes, cluster: Clu
         elements *= grad_accumulation                               # gathers + reduce-scatter each
     volume = elements * a.grad_bytes * (dp - 1) / dp
     return volume / cluster.ring_bandwidth(crosses_nodes)
+
+
+def _dp_calls(stage: int, dp: int, layers: int, grad_accumulation: int,
+              a: ThroughputAssumptions) -> float:
+    """DP collective calls per iteration (each pays the latency, none of it overlapped)."""
+    if dp == 1:
+        return 0
+    if stage == 3:
+        return 3 * (layers + a.stage3_extra_units) * grad_accumulation
+    if stage == 2:   # a reduce-scatter per micro-batch, one all-gather
+        return a.dp_calls_stage12 + grad_accumulation - 1
+    return a.dp_calls_stage0 if stage == 0 else a.dp_calls_stage12
 
 
 def _dp_crosses_nodes(topo: Topology) -> bool:

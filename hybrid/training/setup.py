@@ -280,4 +280,13 @@ def run(cfg: TrainConfig) -> Trainer:
         trainer.train()
     finally:
         trainer.metrics.close()
+    leave_job(state)
     return trainer
+
+
+def leave_job(state: ParallelState) -> None:
+    """Wait for every rank, then tear the process groups down: a rank exiting while a peer still
+    talks to it aborted in gloo's destructors ('terminate called without an active exception')."""
+    if torch.distributed.is_initialized():
+        comm.barrier(state.world)
+        torch.distributed.destroy_process_group()

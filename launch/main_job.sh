@@ -29,7 +29,11 @@ PROMPT='def __init__(self'
 echo
 echo "Sample from the model:  (tools/generate.py --prompt '$PROMPT' --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234)"
 echo "----"
-printf '%s' "$PROMPT"
-.venv/bin/python tools/generate.py --load checkpoints/tiny-cpu --prompt "$PROMPT" \
-    --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234
+if [ -f checkpoints/tiny-cpu/latest ]; then
+    printf '%s' "$PROMPT"
+    .venv/bin/python tools/generate.py --load checkpoints/tiny-cpu --prompt "$PROMPT" \
+        --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234
+else
+    echo "(no checkpoint in checkpoints/tiny-cpu - a --save elsewhere? - so no sample)"
+fi
 echo "----"

@@ -4,16 +4,18 @@ A step of :class:`hybrid.training.trainer.Trainer` is split into the model's wor
 TP collectives), backward (with ZeRO's gradient reduce-scatter) and the optimizer (zero_grad, clip,
 AdamW, parameter all-gather) - and everything else: waiting for the next micro-batch, the DP all-reduce
 of the logged loss, the LR schedule, the console line + TensorBoard scalars every ``--log-interval``,
-the once-per-iteration exit check (one world all-reduce) and bookkeeping. The target is under 3%.
+the once-per-iteration exit check (one world all-reduce), the bf16/fp32 non-finite loss check (one
+world all-reduce per micro-batch) and bookkeeping. The target is under 3%.
 
 Instrumentation lives here, not in the trainer: the built trainer's callables (``model.forward``,
-``optimizer.backward/step/zero_grad``, ``_micro_batch_loss``, ``_dp_mean``, ``_log_interval``,
-``schedule``, ``_advance``, the loader's ``next``; ``ExitCondition.should_exit`` for the run only)
-are wrapped with ``time.perf_counter`` / ``time.process_time`` timers, so a normal run pays nothing.
-An iteration is the time between two ``train_step`` calls; "other" is what no wrapper covered (the
-per-micro-batch ``loss.item()``, the loop). Wall and CPU (process, all threads) time are both given.
+``optimizer.backward/step/zero_grad``, ``_micro_batch_loss``, ``_finite_everywhere``, ``_dp_mean``,
+``_log_interval``, ``schedule``, ``_advance``, the loader's ``next``; ``ExitCondition.should_exit``
+for the run only) are wrapped with ``time.perf_counter`` / ``time.process_time`` timers, so a
+normal run pays nothing. An iteration is the time between two ``train_step`` calls; "other" is
+what no wrapper covered (the per-micro-batch ``loss.item()``, the loop). Wall and CPU (process,
+all threads) time are both given.
 
-    python benchmarks/trainer_overhead.py --iters 40 --warmup 5     # 1 rank and 4 ranks (TP2 x DP2)
+    python benchmarks/trainer_overhead.py --iters 30 --warmup 5     # 1 rank and 4 ranks (TP2 x DP2)
 
 Runs the tiny-cpu preset (launch/presets/tiny-cpu.yaml) on the embedded corpus, without checkpoints
 or evaluation (not part of a step), TensorBoard on; writes results/trainer_overhead.json.
@@ -39,8 +41,8 @@ import torch  # noqa: E402
 from hybrid.training.exit import ExitCondition  # noqa: E402
 
 MODEL_PHASES = ("forward", "backward", "optimizer")
-TRAINER_PHASES = ("data wait", "loss masking", "loss all-reduce", "exit check", "lr schedule",
-                  "logging", "bookkeeping", "other")
+TRAINER_PHASES = ("data wait", "loss masking", "finite check", "loss all-reduce", "exit check",
+                  "lr schedule", "logging", "bookkeeping", "other")
 
 
 def _now() -> tuple[float, float]:
@@ -118,6 +120,8 @@ def instrument(trainer, clock: PhaseClock) -> None:
     trainer.schedule = clock.wrap("lr schedule", trainer.schedule)
     trainer._micro_batch_loss = clock.wrap("loss masking", trainer._micro_batch_loss)
     trainer._advance = clock.wrap("bookkeeping", trainer._advance)
+    if hasattr(trainer, "_finite_everywhere"):   # bf16/fp32: a world all-reduce per micro-batch
+        trainer._finite_everywhere = clock.wrap("finite check", trainer._finite_everywhere)
     # the exit check's ExitCondition is created inside train(): time its class method for this run
     ExitCondition.should_exit = clock.wrap("exit check", ExitCondition.should_exit)
     make = trainer.make_loader

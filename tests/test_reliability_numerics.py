@@ -1,5 +1,6 @@
 """NaN/Inf never reaches the weights or a checkpoint (DESIGN.md invariant 10), on 2 gloo ranks
-(DP 2, ZeRO stage 2, 2 micro-batches per step), with the NaN injected into ONE rank's loss:
+(DP 2, ZeRO stage 2 - and stages 0 and 3 for the skip -, 2 micro-batches per step), with the NaN
+injected into ONE rank's loss:
 
 * fp16: the dynamic loss scaler skips the step; bf16/fp32 with ``--on-nonfinite skip``: the step is
   skipped on every rank before any update. Oracle: the parameters after the poisoned iteration are
@@ -46,6 +47,9 @@ def _poison(trainer, iteration: int, micro: int, rank: int) -> list[dict]:
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
+    gathered = getattr(trainer.optimizer, "gathered_state_dict", None)   # stage 3: collective
+    if gathered is not None:
+        return {n: t.clone() for n, t in gathered().items()}
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
@@ -57,16 +61,17 @@ def _finite(params: dict) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in params.values())
 
 
-def _skip_case(precision: str, micro: int, tb_dir: str) -> dict:
+def _skip_case(precision: str, micro: int, tb_dir: str, zero: int = 2) -> dict:
     scaler = ["--initial-loss-scale", "1024", "--hysteresis", "1"] if precision == "fp16" else []
-    tb = ["--tensorboard-dir", f"{tb_dir}/{precision}{micro}", "--log-interval", "1"]
-    t = make_trainer(tiny_args(zero=2, precision=precision, iters=3,
+    tb_dir = f"{tb_dir}/{precision}{micro}z{zero}"
+    tb = ["--tensorboard-dir", tb_dir, "--log-interval", "1"]
+    t = make_trainer(tiny_args(zero=zero, precision=precision, iters=3,
                                extra=FIXED + scaler + tb + ["--on-nonfinite", "skip"]))
     snaps = _poison(t, iteration=2, micro=micro, rank=1)
     t.train()
     t.metrics.close()
     final = _params(t)
-    return {"tb_skipped": _tensorboard_scalar(f"{tb_dir}/{precision}{micro}", "skipped-iterations")
+    return {"tb_skipped": _tensorboard_scalar(tb_dir, "skipped-iterations")
             if t.state.rank == 0 else None,"untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
             "finite": _finite(final), "skipped": t.ts.skipped_iterations,
             "losses_after": [t.losses[0], t.losses[2]],
@@ -112,6 +117,10 @@ def _save_case(save_dir: str) -> dict:
 def _all_cases(rank: int, world: int, save_dir: str) -> dict:
     out = {f"{p}-micro{m}": _skip_case(p, m, f"{save_dir}-tb") for p, m in
            (("fp32", 1), ("bf16", 0), ("bf16", 1), ("fp16", 1))}
+    # stage 0 (all-reduce buckets) and stage 3 (per-unit reduce-scatters in flight) drop the
+    # poisoned step's gradients too, and nothing non-finite lands in the next step
+    out["fp32-micro1-zero0"] = _skip_case("fp32", 1, f"{save_dir}-tb", zero=0)
+    out["bf16-micro0-zero3"] = _skip_case("bf16", 0, f"{save_dir}-tb", zero=3)
     out["stop"] = _stop_case()
     out["save"] = _save_case(save_dir)
     return out
@@ -123,7 +132,8 @@ def results(tmp_path_factory):
                         timeout=400)
 
 
-@pytest.mark.parametrize("case", ["fp32-micro1", "bf16-micro0", "bf16-micro1", "fp16-micro1"])
+@pytest.mark.parametrize("case", ["fp32-micro1", "bf16-micro0", "bf16-micro1", "fp16-micro1",
+                                  "fp32-micro1-zero0", "bf16-micro0-zero3"])
 def test_nonfinite_loss_skips_the_step_on_every_rank(results, case):
     for r in results:
         c = r[case]

@@ -95,44 +95,42 @@ class Trainer:
         """One optimizer step over ``accum`` micro-batches; returns (DP-mean loss, StepResult)."""
         self.model.train()
         self.optimizer.zero_grad()
-        total = 0.0
-        for k in range(self.accum):
+        total, nonfinite = 0.0, False
+        for _ in range(self.accum):
             loss = self._micro_batch_loss(next(loader))
-            if self._guard_nonfinite and not self._finite_everywhere(loss):
-                for _ in range(self.accum - k - 1):   # keep the data stream where resume expects it
-                    next(loader)
-                return float("nan"), self._skip_nonfinite(loss)
             self.optimizer.backward(loss / self.accum)
-            total += loss.item() / self.accum
-        result = self._optimizer_step(lr)
-        return self._dp_mean(total), result
+            value = loss.item()
+            nonfinite |= not math.isfinite(value)
+            total += value / self.accum
+        mean_loss, any_nonfinite = self._step_agreement(total, nonfinite)
+        if any_nonfinite and self._guard_nonfinite:
+            return float("nan"), self._skip_nonfinite(total)
+        return mean_loss, self._optimizer_step(lr)
 
-    def _finite_everywhere(self, loss: torch.Tensor) -> bool:
-        """Collective over the world: is this micro-batch's loss finite on every rank? (All ranks
-        then take the same branch, so no rank waits in a collective the others skipped.)"""
-        flag = torch.tensor([0 if bool(torch.isfinite(loss)) else 1], dtype=torch.int32,
-                            device=self.state.device)
+    def _step_agreement(self, loss: float, nonfinite: bool) -> tuple[float, bool]:
+        """One world all-reduce per step (bookkeeping, kept out of the comm ledger): the DP-mean
+        loss (TP ranks hold the same loss, so the world sum over world size is the DP mean) and
+        whether any rank saw a non-finite loss, so every rank takes the same branch."""
+        t = torch.tensor([0.0 if nonfinite else loss, float(nonfinite)], dtype=torch.float64,
+                         device=self.state.device)
         world = self.state.world
-        enabled, world.ledger.enabled = world.ledger.enabled, False   # bookkeeping, not traffic
+        enabled, world.ledger.enabled = world.ledger.enabled, False
         try:
-            comm.all_reduce(flag, world, op="max")
+            comm.all_reduce(t, world)
         finally:
             world.ledger.enabled = enabled
-        return int(flag.item()) == 0
+        return float(t[0].item()) / world.size, bool(t[1].item() > 0)
 
-    def _skip_nonfinite(self, loss: torch.Tensor) -> StepResult:
-        """bf16/fp32 NaN/Inf loss, before any update: --on-nonfinite stop raises, skip drops the
-        gradients of this iteration (fp16 leaves this to its loss scaler)."""
-        where = f"non-finite loss ({loss.item()} on this rank) at iteration {self.ts.iteration + 1}"
+    def _skip_nonfinite(self, loss: float) -> StepResult:
+        """bf16/fp32 NaN/Inf loss on some rank, before any update: --on-nonfinite stop raises, skip
+        drops the gradients of this iteration (fp16 leaves this to its loss scaler)."""
+        where = f"non-finite loss (this rank: {loss}) at iteration {self.ts.iteration + 1}"
         if self.cfg.optimizer.on_nonfinite == "stop":
             raise FloatingPointError(f"{where}; stopping (--on-nonfinite stop) before the update, the "
                                      f"weights and checkpoints are intact; lower --lr or resume with "
                                      f"--on-nonfinite skip")
         log.warning("%s: step skipped (--on-nonfinite skip)", where)
-        reducer = getattr(self.optimizer, "reducer", None)
-        if reducer is not None:
-            reducer.finish()    # stage 2: land the previous micro-batch's reduce-scatters
-        self.optimizer.zero_grad()
+        self.optimizer.drop_gradients()
         return StepResult(True, float("nan"), getattr(self.optimizer.scaler, "scale", 1.0))
 
     def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
@@ -158,7 +156,7 @@ class Trainer:
             total += self._micro_batch_loss(next(loader)).item() / n
         self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.global_batch
         _close(loader)
-        loss = self._dp_mean(total)
+        loss, _ = self._step_agreement(total, False)
         ppl = math.exp(min(loss, 20.0))
         self.metrics.log({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.ts.iteration)
         log.info("validation at iteration %d | lm loss %.4f | ppl %.3f", self.ts.iteration, loss, ppl)
@@ -187,17 +185,6 @@ class Trainer:
         else:
             stats.loss_sum += loss
             stats.last_grad_norm = result.grad_norm
-
-    def _dp_mean(self, value: float) -> float:
-        """Average a Python float over the DP group (bookkeeping: kept out of the comm ledger)."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.state.device)
-        ledger = self.state.ledger
-        enabled, ledger.enabled = ledger.enabled, False
-        try:
-            comm.all_reduce(t, self.state.dp)
-        finally:
-            ledger.enabled = enabled
-        return float(t.item()) / self.state.dp_size
 
     def _new_interval(self) -> IntervalStats:
         return IntervalStats(ledger_mark=self.state.ledger.position)

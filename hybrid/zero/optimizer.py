@@ -155,6 +155,12 @@ class ZeroOptimizer:
         scale = self.scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
 
+    def drop_gradients(self) -> None:
+        """Discard this step's gradients without an update (a skipped step): land the collectives
+        still in flight, so none writes into the buffers after they are zeroed, then zero them."""
+        self.reducer.finish()
+        self.zero_grad()
+
     def zero_grad(self) -> None:
         """Zero the gradient buffer (stages 0/1) or partition (stage 2); re-attach grad views."""
         (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()

@@ -151,6 +151,12 @@ class Stage3Optimizer:
         self.scheduler.release_all()
         self._remaining = [len(u.slots) for u in self.all_units]
 
+    def drop_gradients(self) -> None:
+        """Discard this step's gradients without an update (a skipped step): finish the backward's
+        reduce-scatters and releases first, so nothing lands in a partition after it is zeroed."""
+        self._finish_backward()
+        self.zero_grad()
+
     def zero_grad(self) -> None:
         self._micro_batches = 0
         for unit in self.all_units:

@@ -2,13 +2,13 @@
 
 A step of :class:`hybrid.training.trainer.Trainer` is split into the model's work - forward (with its
 TP collectives), backward (with ZeRO's gradient reduce-scatter) and the optimizer (zero_grad, clip,
-AdamW, parameter all-gather) - and everything else: waiting for the next micro-batch, the DP all-reduce
-of the logged loss, the LR schedule, the console line + TensorBoard scalars every ``--log-interval``,
-the once-per-iteration exit check (one world all-reduce), the bf16/fp32 non-finite loss check (one
-world all-reduce per micro-batch) and bookkeeping. The target is under 3%.
+AdamW, parameter all-gather) - and everything else: waiting for the next micro-batch, the step
+agreement (one world all-reduce per iteration carrying the logged loss and the non-finite flag), the
+LR schedule, the console line + TensorBoard scalars every ``--log-interval``, the once-per-iteration
+exit check (one world all-reduce) and bookkeeping. The target is under 3%.
 
 Instrumentation lives here, not in the trainer: the built trainer's callables (``model.forward``,
-``optimizer.backward/step/zero_grad``, ``_micro_batch_loss``, ``_finite_everywhere``, ``_dp_mean``,
+``optimizer.backward/step/zero_grad``, ``_micro_batch_loss``, ``_step_agreement``,
 ``_log_interval``, ``schedule``, ``_advance``, the loader's ``next``; ``ExitCondition.should_exit``
 for the run only) are wrapped with ``time.perf_counter`` / ``time.process_time`` timers, so a
 normal run pays nothing. An iteration is the time between two ``train_step`` calls; "other" is
@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from hybrid.training.exit import ExitCondition  # noqa: E402
 
 MODEL_PHASES = ("forward", "backward", "optimizer")
-TRAINER_PHASES = ("data wait", "loss masking", "finite check", "loss all-reduce", "exit check",
+TRAINER_PHASES = ("data wait", "loss masking", "step agreement", "exit check",
                   "lr schedule", "logging", "bookkeeping", "other")
 
 
@@ -115,13 +115,11 @@ def instrument(trainer, clock: PhaseClock) -> None:
     opt.step = clock.wrap("optimizer", opt.step)
     opt.zero_grad = clock.wrap("optimizer", opt.zero_grad)
     trainer.train_step = clock.mark(trainer.train_step)
-    trainer._dp_mean = clock.wrap("loss all-reduce", trainer._dp_mean)
+    trainer._step_agreement = clock.wrap("step agreement", trainer._step_agreement)
     trainer._log_interval = clock.wrap("logging", trainer._log_interval)
     trainer.schedule = clock.wrap("lr schedule", trainer.schedule)
     trainer._micro_batch_loss = clock.wrap("loss masking", trainer._micro_batch_loss)
     trainer._advance = clock.wrap("bookkeeping", trainer._advance)
-    if hasattr(trainer, "_finite_everywhere"):   # bf16/fp32: a world all-reduce per micro-batch
-        trainer._finite_everywhere = clock.wrap("finite check", trainer._finite_everywhere)
     # the exit check's ExitCondition is created inside train(): time its class method for this run
     ExitCondition.should_exit = clock.wrap("exit check", ExitCondition.should_exit)
     make = trainer.make_loader

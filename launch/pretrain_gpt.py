@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from hybrid.checkpoint.format import CheckpointError  # noqa: E402
 from hybrid.training.arguments import parse_args  # noqa: E402
+from hybrid.training.liveness import PeersLostError  # noqa: E402
 from hybrid.training.metrics import install_rank_logging  # noqa: E402
 
 # Bad input found before or at launch: config/topology/model dims (ValueError subclasses:
@@ -54,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as err:   # NaN/Inf loss with --on-nonfinite stop: every rank stops
         report_error(err)
         return 3
+    except PeersLostError as err:   # a collective failed because other ranks are gone: name them
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's teardown: leaving anyway, as 4
+        report_error(err)
+        return 4
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
     if cfg.logging.tensorboard_dir:

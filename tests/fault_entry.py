@@ -2,7 +2,8 @@
 python; never imported by the library). Faults are chosen by environment variables and fire only
 in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a restart runs clean:
 
-    FAULT_KILL_RANK=r FAULT_AT_ITER=k    rank r SIGKILLs itself before training iteration k+1
+    FAULT_KILL_RANK=r[,r..] FAULT_AT_ITER=k
+                                         rank(s) r SIGKILL themselves before training iteration k+1
     FAULT_RAISE_RANK=r FAULT_AT_ITER=k   rank r raises RuntimeError there (a bug on one rank)
     FAULT_SAVE_CRASH=rank-file|before-latest FAULT_AT_ITER=k
                                          os._exit(9) inside the save of iteration k: after the rank
@@ -37,7 +38,7 @@ def _patch_step() -> None:
 
     def faulty_step(self, loader, lr):
         if FIRST_ATTEMPT and self.ts.iteration == AT:
-            if kill is not None and int(kill) == RANK:
+            if kill is not None and str(RANK) in kill.split(","):
                 os.kill(os.getpid(), signal.SIGKILL)
             if fail is not None and int(fail) == RANK:
                 raise RuntimeError(f"injected failure on rank {RANK} at iteration {AT}")

@@ -4,14 +4,19 @@
 crosses the veth link.
 
 1. both hosts train and checkpoint; 2. host B is killed (SIGKILL to its torchrun and ranks) while
-training: host A's ranks exit on their own well within --distributed-timeout-minutes, naming the
-lost peer's address; 3. relaunching both hosts resumes from the latest checkpoint.
+training: each of host A's ranks exits on its own within --distributed-timeout-minutes with one
+``error:`` line naming host B's ranks, hostname and address and the checkpoint to resume from
+(hybrid/training/liveness.py); 3. relaunching both hosts resumes from the latest checkpoint;
+4. host A, which holds the rendezvous store, is killed: host B's ranks name host A's ranks and
+address as the lost rendezvous host.
 Skips (saying why) where namespaces cannot be created; namespaces are always removed."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +77,17 @@ class TwoHosts:
             except ProcessLookupError:
                 pass
 
+    def ranks_on(self, host: int) -> list[int]:
+        """The global ranks running in namespace ``host`` (from the RANK torchrun gave each)."""
+        ranks = []
+        for pid in _sh("ip", "netns", "pids", self.ns[host]).stdout.split():
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ranks += [int(v[5:]) for v in environ if v.startswith(b"RANK=")]
+        return sorted(ranks)
+
     def launch(self, host: int, args: list[str], log: Path, job: str) -> subprocess.Popen:
         """``launch/multinode.sh`` inside namespace ``host`` (0 = A, the rendezvous host)."""
         env = child_env(NNODES="2", NPROC="2", MASTER=f"{self.addr[0]}:29517", JOB_ID=job,
@@ -131,16 +147,16 @@ def test_two_hosts_train_checkpoint_survive_a_lost_host_and_resume(tmp_path):
         # 2. long run; host B dies after the next checkpoint: host A must exit by itself, fast
         procs = [hosts.launch(h, base, tmp_path / f"p2_{h}.log", "j2") for h in (0, 1)]
         _wait_for_checkpoint_after(save, "iter_0000006", procs, 240)
-        hosts.kill_host(1)
-        procs[1].wait(timeout=30)
-        killed_at = time.monotonic()
-        code = _wait_all(procs[:1], TIMEOUT_MIN * 60 + 60)[0]
-        waited = time.monotonic() - killed_at
-        log_a = (tmp_path / "p2_0.log").read_text()
-        assert code != 0
-        assert waited < TIMEOUT_MIN * 60 + 30, f"host A took {waited:.0f} s to notice"
-        assert hosts.addr[1] in log_a, log_a[-3000:]          # the lost peer is named
+        waited, lines, ranks_b = _kill_and_watch(hosts, procs, dead=1, log=tmp_path / "p2_0.log")
         resume_from = int(read_latest(save).split("_")[1])
+        expected = (f"error: lost contact with ranks {ranks_b} on host {socket.gethostname()} "
+                    f"({hosts.addr[1]}): no heartbeat for ([0-9.]+) s; exiting (restart the job to "
+                    f"resume from {save / read_latest(save)})")
+        _assert_lines(lines, expected)
+        # torchrun's failure summary: both ranks left with the lost-peer code, none cut short by
+        # its SIGTERM (in 4., host B's torchrun fails on the lost store itself and prints none)
+        summary = re.findall(r"^ +exitcode +: (-?\d+)", (tmp_path / "p2_0.log").read_text(), re.M)
+        assert sorted(summary) == ["4", "4"], summary
         # 3. relaunch both: resume from the latest checkpoint and finish 4 more steps
         target = str(resume_from + 4)
         procs = [hosts.launch(h, base + ["--train-iters", target], tmp_path / f"p3_{h}.log", "j3")
@@ -149,7 +165,43 @@ def test_two_hosts_train_checkpoint_survive_a_lost_host_and_resume(tmp_path):
         log_a = (tmp_path / "p3_0.log").read_text()
         assert f"(iteration {resume_from}," in log_a
         assert read_latest(save) == f"iter_{int(target):07d}"
-    print(f"lost host noticed after {waited:.1f} s; resumed at iteration {resume_from}")
+        # 4. long run again; host A, which holds the rendezvous store, dies: host B names it
+        procs = [hosts.launch(h, base, tmp_path / f"p4_{h}.log", "j4") for h in (0, 1)]
+        _wait_for_checkpoint_after(save, read_latest(save), procs, 240)
+        waited_b, lines, ranks_a = _kill_and_watch(hosts, procs, dead=0, log=tmp_path / "p4_1.log")
+        expected = (f"error: lost contact with ranks {ranks_a} on host {socket.gethostname()} "
+                    f"({hosts.addr[0]}), which held the rendezvous store: {hosts.addr[0]}:"
+                    f"([0-9]+) does not answer; exiting (restart the job to resume from "
+                    f"{save / read_latest(save)})")
+        _assert_lines(lines, expected)
+    print(f"host B lost: host A exited after {waited:.1f} s; resumed at iteration {resume_from}; "
+          f"host A lost: host B exited after {waited_b:.1f} s")
+
+
+def _kill_and_watch(hosts: TwoHosts, procs, dead: int, log: Path) -> tuple[float, list[str], str]:
+    """SIGKILL host ``dead``; the other host's launcher must exit non-zero by itself within the
+    timeout. Returns the seconds it took, its ``error:`` lines and the lost ranks ("2,3")."""
+    lost = hosts.ranks_on(dead)
+    assert len(lost) == 2, lost
+    hosts.kill_host(dead)
+    procs[dead].wait(timeout=30)
+    killed_at = time.monotonic()
+    code = _wait_all(procs[1 - dead:2 - dead], TIMEOUT_MIN * 60 + 60)[0]
+    waited = time.monotonic() - killed_at
+    text = log.read_text()
+    assert code != 0, text[-3000:]
+    assert waited < TIMEOUT_MIN * 60, f"the surviving host took {waited:.0f} s to exit"
+    return waited, [line for line in text.splitlines() if line.startswith("error:")], \
+        ",".join(map(str, lost))
+
+
+def _assert_lines(lines: list[str], expected: str) -> None:
+    """One line per surviving rank (two), each the expected message (a regex after escaping,
+    with ``([0-9.]+)`` groups kept)."""
+    pattern = re.escape(expected).replace(re.escape("([0-9.]+)"), "([0-9.]+)").replace(
+        re.escape("([0-9]+)"), "([0-9]+)")
+    assert len(lines) == 2 and all(re.fullmatch(pattern, line) for line in lines), \
+        f"expected twice: {expected}\ngot: {lines}"
 
 
 def _wait_for_checkpoint_after(save: Path, previous: str, procs, timeout: float) -> None:

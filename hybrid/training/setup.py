@@ -24,6 +24,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from hybrid.training import checkpointing
 from hybrid.training.config import TrainConfig
+from hybrid.training.liveness import Liveness
 from hybrid.training.lr_schedule import build_lr_schedule
 from hybrid.training.metrics import MetricsWriter, ThroughputModel, gpt_flops_per_iteration
 from hybrid.training.trainer import Trainer
@@ -271,17 +272,40 @@ def check_save_dir(cfg: TrainConfig) -> None:
 
 
 def run(cfg: TrainConfig) -> Trainer:
-    """The whole pretraining program; returns the finished trainer."""
+    """The whole pretraining program; returns the finished trainer. A collective that fails
+    because other ranks are gone raises :class:`~hybrid.training.liveness.PeersLostError` naming
+    them (and their host) instead of gloo's address and port."""
     check_save_dir(cfg)
     state = build_parallel_state(cfg)
     log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
-    trainer = build_trainer(cfg, state)
-    try:
-        trainer.train()
-    finally:
-        trainer.metrics.close()
-    leave_job(state)
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    with Liveness.start(state.rank, state.world_size, timeout) as liveness:
+        try:
+            trainer = build_trainer(cfg, state)
+            try:
+                trainer.train()
+            finally:
+                trainer.metrics.close()
+            leave_job(state)
+        except Exception as err:
+            liveness.check(err, restart_hint(cfg))
+            raise
     return trainer
+
+
+def restart_hint(cfg: TrainConfig) -> str:
+    """What a relaunch does, for the lost-peer message: resume from the latest checkpoint (with
+    ``--load`` = ``--save``, as the launch scripts' restarts use it) or start again."""
+    from hybrid.checkpoint import read_latest
+    c = cfg.checkpoint
+    latest = read_latest(Path(c.save)) if c.save else None
+    if latest is None:
+        again = f"--load {c.load}" if c.load else "iteration 0"
+        return f"restart the job; no checkpoint was written yet, so it starts again from {again}"
+    where = Path(c.save) / latest
+    if c.load and Path(c.load).resolve() == Path(c.save).resolve():
+        return f"restart the job to resume from {where}"
+    return f"restart with --load {c.save} to resume from {where}"
 
 
 def leave_job(state: ParallelState) -> None:

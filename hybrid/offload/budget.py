@@ -2,9 +2,9 @@
 
 ``--offload-optimizer none|cpu|nvme`` chooses where the fp32 master and Adam moments live;
 ``--host-memory-budget 4GiB`` caps the resident memory of each rank. With ``nvme`` the budget sets
-the size of the two streaming block buffers (24 bytes per block element: master + two moments, two
-buffers) so that what stays resident - the device-side model states (16-bit parameters and
-gradients, which on a CPU-only run are host memory too), communication buffers and the runtime's own
+the size of the two streaming block buffers (32 bytes per block element: master, two moments and a
+gradient block, two buffers) so that what stays resident - the device-side model states (16-bit
+parameters and gradients, which on a CPU-only run are host memory too), communication buffers and the runtime's own
 footprint - plus the buffers fits; ``cpu`` must hold 12 bytes per owned parameter and is refused
 when that cannot fit. :func:`build_offload_state` is what the ZeRO engines call.
 """
@@ -24,8 +24,9 @@ MODES = ("none", "cpu", "nvme")
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 RUNTIME_ALLOWANCE = 400 * 2**20   # python + torch libraries + autograd/activations of small runs
-NVME_BYTES_PER_BLOCK_ELEM = 2 * 3 * 4
-MIN_BLOCK, MAX_BLOCK = 1 << 14, 1 << 24
+NVME_BYTES_PER_BLOCK_ELEM = 2 * 4 * 4
+MIN_BLOCK, MAX_BLOCK = 1 << 14, 1 << 22
+BLOCKS_PER_PARTITION = 4   # a larger block buys no overlap: the I/O of one block hides behind 3
 
 
 def parse_bytes(text: str | int) -> int:
@@ -86,9 +87,12 @@ def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: in
     run, buffers). Raises a ValueError naming the shortfall when the budget cannot be met."""
     if config.block_elems:
         return config.block_elems
+    # NVMe buffers larger than a quarter of the partition buy no overlap, only resident memory
+    cap = (max(MIN_BLOCK, -(-owned_numel // BLOCKS_PER_PARTITION)) if config.mode == "nvme"
+           else MAX_BLOCK)
     budget = config.host_memory_budget
     if budget is None:
-        return 1 << 20
+        return min(1 << 20, cap)
     free = budget - resident_bytes - RUNTIME_ALLOWANCE
     if config.mode == "cpu":
         need = 12 * owned_numel
@@ -103,7 +107,7 @@ def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: in
                          f"resident model states ({resident_bytes / 2**30:.2f} GiB) plus "
                          f"{RUNTIME_ALLOWANCE / 2**20:.0f} MiB runtime and the NVMe buffers; raise "
                          f"the budget, use more DP ranks or ZeRO stage 3")
-    return int(min(block, MAX_BLOCK))
+    return int(min(block, MAX_BLOCK, cap))
 
 
 def build_offload_state(config: OffloadConfig, sizes: list[int],

@@ -15,6 +15,11 @@ Both walk the partition in blocks of ``block_elems`` elements so one block's mas
 moments (16 bytes per element) stay in cache while the updated values are also written, in the same
 pass, into the 16-bit (or fp32) parameter copy the accelerator will receive (``out``).
 
+``grad_scale`` divides the gradient first (the engines' 1 / (DP size x loss scale) unscaling and
+clip coefficient, as one divisor): ``fused`` folds the division into its single pass (as
+``hybrid.zero.adamw.fused_adamw_step`` does), ``exact`` multiplies by the reciprocal first (as the
+foreach engine path does). Either way the gradient block is modified in place.
+
 Weight decay applies only to ``decay_ranges`` (offset, numel) of the flat partition (the decayed
 parameters' pieces, ZeRO's flat chunks mix decayed and undecayed parameters).
 """
@@ -70,29 +75,34 @@ class CPUAdamW:
 
     def step_(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, decay_ranges: list[tuple[int, int]], *, step: int,
-              lr: float, out: torch.Tensor | None = None) -> None:
+              lr: float, out: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
         """One AdamW update of 1-D fp32 ``master``/``exp_avg``/``exp_avg_sq`` from ``grad`` (fp32,
-        same length); ``step`` is 1-based. ``out`` (any float dtype, same length) receives the
-        updated master, block by block while it is in cache."""
+        same length) divided by ``grad_scale``; ``step`` is 1-based. ``out`` (any float dtype, same
+        length) receives the updated master, block by block while it is in cache."""
         n = master.numel()
         if not (grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == n):
             raise ValueError(f"CPU Adam needs equal lengths, got master {n}, grad {grad.numel()}, "
                              f"moments {exp_avg.numel()}/{exp_avg_sq.numel()}")
         if step < 1:
             raise ValueError(f"AdamW step numbers start at 1, got {step}")
+        if not grad_scale > 0:
+            raise ValueError(f"grad_scale must be a positive divisor, got {grad_scale}")
         steps = torch.full((), float(step), dtype=torch.float32)   # the fused kernel reads it
+        scale = None if grad_scale == 1.0 else torch.full((), float(grad_scale))
         for lo in range(0, n, self.block_elems):
             hi = min(n, lo + self.block_elems)
             spans = split_spans(lo, hi, decay_ranges)
             views = [t[lo:hi] for t in (master, grad, exp_avg, exp_avg_sq)]
             if self.kernel == "fused":
-                self._fused(views, spans, steps, lr)
+                self._fused(views, spans, steps, lr, scale)
             else:
+                if scale is not None:
+                    views[1].mul_(1.0 / grad_scale)
                 self._exact(views, spans, step, lr)
             if out is not None:
                 out[lo:hi].copy_(views[0])
 
-    def _fused(self, views, spans, steps, lr) -> None:
+    def _fused(self, views, spans, steps, lr, scale) -> None:
         cfg = self.config
         for decay in (True, False):
             parts = [s for s in spans if s.decay == decay]
@@ -101,7 +111,7 @@ class CPUAdamW:
             lists = [[t[s.start:s.start + s.numel] for s in parts] for t in views]
             torch._fused_adamw_(*lists, [], [steps] * len(parts), lr=lr, beta1=cfg.betas[0],
                                 beta2=cfg.betas[1], eps=cfg.eps, amsgrad=False, maximize=False,
-                                weight_decay=cfg.weight_decay if decay else 0.0)
+                                weight_decay=cfg.weight_decay if decay else 0.0, grad_scale=scale)
 
     def _exact(self, views, spans, step, lr) -> None:
         """The operation order of hybrid.zero.adamw.adamw_step (and torch.optim.AdamW foreach)."""

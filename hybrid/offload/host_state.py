@@ -10,9 +10,17 @@ the gradient copy of block i+1 and the parameter copy of block i-1 run while blo
 CPU "device" and host are the same memory: gradients are read where they are and the update writes
 straight into the parameter partition (no copies) - the same interfaces, tested on CPU.
 
+Gradients stream to the host as they become final (ZeRO-Offload §4.2): the engine calls
+``accept_grad(chunk, grad)`` as soon as a chunk's reduced gradient of the step's last micro-batch
+has landed, during backward. On CUDA that starts a non-blocking copy into a pinned fp32 host slot of
+the chunk on the D2H side stream, overlapping the rest of backward; on CPU it converts/copies into
+the same host fp32 slot. ``update`` then uses the staged chunks (waiting only for their copies) and
+fetches the others from ``grads`` as before; ``drop_staged_grads()`` forgets them (skipped step).
+
 The engines (:mod:`hybrid.zero.optimizer`, :mod:`hybrid.zero.stage3`) see an optimizer-state
 backend with this interface (also implemented by :class:`hybrid.offload.nvme.NVMeOptimizerState`):
-``write_master(chunk, offset, values)``, ``update(grads, params_out, lr=)``, ``publish(params_out)``,
+``write_master(chunk, offset, values)``, ``accept_grad(chunk, grad)``,
+``update(grads, params_out, lr=, grad_scale=)``, ``drop_staged_grads()``, ``publish(params_out)``,
 ``fragment_views(kind)``, ``resident()``, ``step``. A partition is a list of flat chunks (one per
 bucket or unit); ``decay_ranges[c]`` lists the (offset, numel) pieces of chunk c with weight decay.
 """
@@ -56,16 +64,31 @@ class DeviceLink:
         if self.cuda:
             self.grad_ready[slot].synchronize()
 
+    def copy_to_host(self, host: torch.Tensor, grad: torch.Tensor):
+        """Start copying ``grad`` (device, any float dtype) into host fp32 ``host``; returns the
+        CUDA event that marks its end (None on CPU, where the copy is done on return)."""
+        if not (self.cuda and grad.is_cuda):
+            host.copy_(grad.reshape(-1))
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))   # backward wrote it there
+        with torch.cuda.stream(self.d2h):
+            host.copy_(grad.reshape(-1), non_blocking=True)
+            grad.record_stream(self.d2h)   # the engine may free or reuse it before the copy ends
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        return done
+
     def out_buffer(self, param_block: torch.Tensor, slot: int) -> torch.Tensor:
-        """Host memory the updated block is written into (the parameter itself on CPU)."""
-        if not self.cuda:
+        """Host memory the updated block is written into: the parameter itself when it is in host
+        memory (a CPU run, or a partition held by hybrid.offload.param_store)."""
+        if not param_block.is_cuda:
             return param_block
         self.out_free[slot].synchronize()      # the previous copy from this slot has finished
         return self.out_slots[slot][:param_block.numel()]
 
     def push(self, host_block: torch.Tensor, param_block: torch.Tensor, slot: int) -> None:
         """Send the updated host block to the device parameter partition (async on CUDA)."""
-        if not self.cuda:
+        if not param_block.is_cuda:
             if host_block.data_ptr() != param_block.data_ptr():
                 param_block.copy_(host_block)
             return
@@ -87,6 +110,14 @@ def blocks_of(sizes: list[int], block_elems: int) -> list[tuple[int, int, int]]:
             for lo in range(0, size, block_elems)]
 
 
+def check_grads_available(grads, sizes: list[int], staged) -> None:
+    """Refuse an update (before it changes anything) when a chunk has no gradient at all."""
+    if grads is None:
+        missing = [c for c in range(len(sizes)) if not staged(c)]
+        if missing:
+            raise ValueError(f"chunk {missing[0]} has no staged gradient and update() got no grads")
+
+
 def ranges_in(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """The parts of (offset, numel) ``ranges`` inside [lo, hi), relative to lo."""
     out = []
@@ -95,6 +126,42 @@ def ranges_in(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int
         if a < b:
             out.append((a - lo, b - a))
     return out
+
+
+class HostGradStage:
+    """Reduced gradients staged in host fp32 memory chunk by chunk as backward finalises them
+    (allocated on the first :meth:`accept`: 4 bytes per owned element, pinned on CUDA)."""
+
+    def __init__(self, sizes: list[int], link: DeviceLink):
+        self.sizes, self.link = list(sizes), link
+        self.flat: torch.Tensor | None = None
+        self.chunks: list[torch.Tensor] = []
+        self.events: dict[int, object] = {}
+
+    def accept(self, chunk: int, grad: torch.Tensor) -> None:
+        if grad.numel() != self.sizes[chunk]:
+            raise ValueError(f"gradient of chunk {chunk} has {grad.numel()} elements, the "
+                             f"partition's chunk has {self.sizes[chunk]}")
+        if self.flat is None:
+            self.flat = torch.empty(sum(self.sizes), dtype=torch.float32, pin_memory=self.link.cuda)
+            self.chunks = list(torch.split(self.flat, self.sizes))
+        self.events[chunk] = self.link.copy_to_host(self.chunks[chunk], grad)
+
+    def staged(self, chunk: int) -> bool:
+        return chunk in self.events
+
+    def view(self, chunk: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of a staged chunk, once its copy has landed."""
+        event = self.events[chunk]
+        if event is not None:
+            event.synchronize()
+        return self.chunks[chunk][lo:hi]
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [] if self.flat is None else [self.flat]
 
 
 class HostOptimizerState:
@@ -115,31 +182,53 @@ class HostOptimizerState:
         self.chunks = {k: list(torch.split(t, self.sizes)) if sizes else []
                        for k, t in self.flat.items()}
         self.link = DeviceLink(device, adam.block_elems, param_dtype)
+        self.staged = HostGradStage(self.sizes, self.link)
         self.step = 0
 
     def write_master(self, chunk: int, offset: int, values: torch.Tensor) -> None:
         """Initial (or loaded) master values for elements [offset, +numel) of ``chunk``."""
         self.chunks["master"][chunk][offset:offset + values.numel()].copy_(values.reshape(-1))
 
-    def update(self, grads: list[torch.Tensor], params_out: list[torch.Tensor], *, lr: float) -> None:
-        """AdamW on the whole partition from fp32 ``grads`` (per chunk, on the device, already
-        unscaled and clipped); updated values are written into ``params_out`` (per chunk)."""
+    def accept_grad(self, chunk: int, grad: torch.Tensor) -> None:
+        """Stage ``chunk``'s final reduced gradient (still to be divided by the ``grad_scale`` of
+        the next :meth:`update`) in host memory; see the module docstring."""
+        self.staged.accept(chunk, grad)
+
+    def drop_staged_grads(self) -> None:
+        """Forget the staged gradients (the step is skipped)."""
+        self.staged.clear()
+
+    def update(self, grads: list[torch.Tensor] | None, params_out: list[torch.Tensor], *,
+               lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW on the whole partition; every gradient is divided by ``grad_scale`` first. A
+        chunk's gradient is the staged one (:meth:`accept_grad`) or else ``grads[c]`` (fp32, on the
+        device; None when every chunk is staged). Updated values go into ``params_out`` (per
+        chunk). The gradients may be modified in place."""
+        check_grads_available(grads, self.sizes, self.staged.staged)
         self.step += 1
         blocks = blocks_of(self.sizes, self.adam.block_elems)
-        pending = self.link.fetch_grad(grads[blocks[0][0]][blocks[0][1]:blocks[0][2]], 0) \
-            if blocks else None
+        fetch = lambda i: self._grad_block(grads, blocks[i], i % 2)   # noqa: E731
+        pending = fetch(0) if blocks else None
         for i, (c, lo, hi) in enumerate(blocks):
             host_grad, slot = pending, i % 2
             if i + 1 < len(blocks):   # next block's gradient moves while this one is updated
-                c2, lo2, hi2 = blocks[i + 1]
-                pending = self.link.fetch_grad(grads[c2][lo2:hi2], (i + 1) % 2)
-            self.link.wait_grad(slot)
+                pending = fetch(i + 1)
+            if not self.staged.staged(c):
+                self.link.wait_grad(slot)
             out = self.link.out_buffer(params_out[c][lo:hi], slot)
             state = [self.chunks[k][c][lo:hi] for k in STATE_KINDS]
             self.adam.step_(state[0], host_grad, state[1], state[2],
-                            ranges_in(self.decay_ranges[c], lo, hi), step=self.step, lr=lr, out=out)
+                            ranges_in(self.decay_ranges[c], lo, hi), step=self.step, lr=lr, out=out,
+                            grad_scale=grad_scale)
             self.link.push(out, params_out[c][lo:hi], slot)
         self.link.finish()
+        self.staged.clear()
+
+    def _grad_block(self, grads, block: tuple[int, int, int], slot: int) -> torch.Tensor:
+        c, lo, hi = block
+        if self.staged.staged(c):
+            return self.staged.view(c, lo, hi)
+        return self.link.fetch_grad(grads[c][lo:hi], slot)
 
     def publish(self, params_out: list[torch.Tensor]) -> None:
         """Copy the master into the device parameter partition (after loading a checkpoint)."""
@@ -153,7 +242,7 @@ class HostOptimizerState:
     def resident(self) -> dict[str, list[torch.Tensor]]:
         """Host storages by memory-report category."""
         return {"master32": [self.master], "adam_moments": [self.moments],
-                "buffers": self.link.buffers()}
+                "buffers": self.link.buffers() + self.staged.buffers()}
 
     def tensors(self) -> list[torch.Tensor]:
         """Resident Adam-moment storages (as FlatAdamWState.tensors, for the memory report)."""

@@ -4,14 +4,23 @@ The fp32 master and both Adam moments of this rank's partition live in one file;
 only two fixed-size block buffers. The step streams the file through them: while the CPU Adam
 updates block i in buffer i%2, one I/O thread (os.pwrite / os.preadv release the GIL) writes block
 i-1 back and reads block i+1 ahead - one FIFO thread, so the read into a buffer always follows the
-write-back out of it. Resident host memory: 2 x 3 x 4 x ``block_elems`` bytes (plus, on CUDA, the
-pinned transfer slots of :class:`~hybrid.offload.host_state.DeviceLink`), whatever the model size.
+write-back out of it. Resident host memory: 2 x 4 x 4 x ``block_elems`` bytes (master, moments and
+a gradient block per buffer; plus, on CUDA, the pinned transfer slots of
+:class:`~hybrid.offload.host_state.DeviceLink`), whatever the model size.
+
+Gradients stream out as backward finalises them (ZeRO-Infinity §5): ``accept_grad(chunk, grad)``
+converts the chunk to fp32 block by block through the two buffers' gradient blocks and queues its
+write into a second file on the same I/O thread, so backward goes on while it is written; the step
+then reads each block's gradient with its state (same FIFO thread: after its write). Chunks not
+staged are read from the ``grads`` given to ``update`` as before.
 
 File layout (little-endian fp32, no header; N = sum of the partition's chunk sizes, chunk c starts
 at element ``starts[c]``)::
 
     offload_rank{R:05d}.bin   [ master: N x 4 B | exp_avg: N x 4 B | exp_avg_sq: N x 4 B ]
                               size 12 N bytes; element e of region k at byte (k N + e) x 4
+    offload_grads_rank{R:05d}.bin  [ grad: N x 4 B ]  (only once accept_grad is used; scratch,
+                              rewritten every step, not part of a checkpoint)
 
 The file is checkpoint-compatible: :meth:`NVMeOptimizerState.fragment_views` returns memory-mapped
 views of it, so a checkpoint writer copies fragments out page by page (and a loader writes them in)
@@ -30,7 +39,8 @@ import numpy as np
 import torch
 
 from hybrid.offload.cpu_adam import CPUAdamW
-from hybrid.offload.host_state import STATE_KINDS, DeviceLink, blocks_of, ranges_in
+from hybrid.offload.host_state import (STATE_KINDS, DeviceLink, blocks_of, check_grads_available,
+                                       ranges_in)
 
 log = logging.getLogger(__name__)
 ITEM = 4   # fp32 bytes
@@ -58,9 +68,15 @@ class NVMeOptimizerState:
         os.ftruncate(self.fd, 0)
         os.ftruncate(self.fd, 3 * self.numel * ITEM)    # sparse: zeros until written
         n = adam.block_elems
-        self.slots = [{k: torch.zeros(n, dtype=torch.float32) for k in STATE_KINDS} for _ in range(2)]
+        self.slots = [{k: torch.zeros(n, dtype=torch.float32) for k in (*STATE_KINDS, "grad")}
+                      for _ in range(2)]
         self.link = DeviceLink(device, n, param_dtype)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
+        self.grad_path = os.path.join(directory, f"offload_grads_rank{rank:05d}.bin")
+        self.grad_fd = -1
+        self.staged: set[int] = set()
+        self._grad_writes: list[Future | None] = [None, None]   # last write out of each buffer
+        self._grad_turn = 0
         self.step = 0
         log.info("NVMe optimizer state: %s (%.1f MB), 2 buffers of %d elements", self.path,
                  3 * self.numel * ITEM / 2**20, n)
@@ -75,34 +91,90 @@ class NVMeOptimizerState:
             got = os.preadv(self.fd, [view], self._byte_offset(k, chunk, lo))
             if got != len(view):
                 raise IOError(f"short read of {self.path}: {got} of {len(view)} bytes")
+        if chunk in self.staged:
+            view = memoryview(self.slots[slot]["grad"][:hi - lo].numpy()).cast("B")
+            got = os.preadv(self.grad_fd, [view], (self.starts[chunk] + lo) * ITEM)
+            if got != len(view):
+                raise IOError(f"short read of {self.grad_path}: {got} of {len(view)} bytes")
 
     def _write(self, slot: int, chunk: int, lo: int, hi: int) -> None:
         for k, kind in enumerate(STATE_KINDS):
             data = memoryview(self.slots[slot][kind][:hi - lo].numpy()).cast("B")
-            offset, done = self._byte_offset(k, chunk, lo), 0
-            while done < len(data):
-                done += os.pwrite(self.fd, data[done:], offset + done)
+            self._pwrite(self.fd, data, self._byte_offset(k, chunk, lo))
+
+    @staticmethod
+    def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
 
     def write_master(self, chunk: int, offset: int, values: torch.Tensor) -> None:
         """Initial (or loaded) master values for elements [offset, +numel) of ``chunk``."""
         data = values.detach().reshape(-1).to(torch.float32).contiguous().numpy()
         os.pwrite(self.fd, data.tobytes(), self._byte_offset(0, chunk, offset))
 
-    # ---- the step ---------------------------------------------------------------------------
-    def update(self, grads: list[torch.Tensor], params_out: list[torch.Tensor], *, lr: float) -> None:
-        """AdamW over the file, block by block (see module docstring); updated values go to
-        ``params_out`` (per chunk, device partition in the parameter dtype)."""
-        self.step += 1
-        self._stream(lambda i, blk, state: self._update_block(grads, params_out, blk, state, lr),
-                     write_back=True)
+    # ---- gradients streamed out during backward ----------------------------------------------
+    def accept_grad(self, chunk: int, grad: torch.Tensor) -> None:
+        """Queue ``chunk``'s final reduced gradient (to be divided by the next update's
+        ``grad_scale``) for the gradient file; returns once it is converted into the buffers."""
+        if grad.numel() != self.sizes[chunk]:
+            raise ValueError(f"gradient of chunk {chunk} has {grad.numel()} elements, the "
+                             f"partition's chunk has {self.sizes[chunk]}")
+        if self.grad_fd < 0:
+            self.grad_fd = os.open(self.grad_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.ftruncate(self.grad_fd, self.numel * ITEM)
+        flat = grad.detach().reshape(-1)
+        for lo in range(0, flat.numel(), self.adam.block_elems):
+            hi = min(flat.numel(), lo + self.adam.block_elems)
+            slot, self._grad_turn = self._grad_turn, 1 - self._grad_turn
+            if self._grad_writes[slot] is not None:
+                self._grad_writes[slot].result()       # the buffer's previous block is written
+            buf = self.slots[slot]["grad"][:hi - lo]
+            done = self.link.copy_to_host(buf, flat[lo:hi])
+            self._grad_writes[slot] = self.io.submit(self._write_grad, buf, done,
+                                                     (self.starts[chunk] + lo) * ITEM)
+        self.staged.add(chunk)
 
-    def _update_block(self, grads, params_out, blk, state, lr) -> None:
+    def _write_grad(self, buf: torch.Tensor, done, offset: int) -> None:
+        if done is not None:
+            done.synchronize()
+        self._pwrite(self.grad_fd, memoryview(buf.numpy()).cast("B"), offset)
+
+    def drop_staged_grads(self) -> None:
+        """Forget the staged gradients (the step is skipped)."""
+        self._land_grad_writes()
+        self.staged.clear()
+
+    def _land_grad_writes(self) -> None:
+        for i, w in enumerate(self._grad_writes):
+            if w is not None:
+                w.result()
+                self._grad_writes[i] = None
+
+    # ---- the step ---------------------------------------------------------------------------
+    def update(self, grads: list[torch.Tensor] | None, params_out: list[torch.Tensor], *,
+               lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW over the file, block by block (see module docstring); every gradient (staged in
+        the gradient file, else ``grads[c]``) is divided by ``grad_scale`` first; updated values
+        go to ``params_out`` (per chunk, the partition in the parameter dtype)."""
+        check_grads_available(grads, self.sizes, self.staged.__contains__)
+        self.step += 1
+        self._land_grad_writes()   # surface a failed write here; the reads follow them anyway
+        self._stream(lambda i, blk, state: self._update_block(grads, params_out, blk, state, lr,
+                                                              grad_scale), write_back=True)
+        self.staged.clear()
+
+    def _update_block(self, grads, params_out, blk, state, lr, grad_scale) -> None:
         c, lo, hi = blk
-        host_grad = self.link.fetch_grad(grads[c][lo:hi], 0)
-        self.link.wait_grad(0)
+        if c in self.staged:
+            host_grad = state["grad"]
+        else:
+            host_grad = self.link.fetch_grad(grads[c][lo:hi], 0)
+            self.link.wait_grad(0)
         out = self.link.out_buffer(params_out[c][lo:hi], 0)
         self.adam.step_(state["master"], host_grad, state["exp_avg"], state["exp_avg_sq"],
-                        ranges_in(self.decay_ranges[c], lo, hi), step=self.step, lr=lr, out=out)
+                        ranges_in(self.decay_ranges[c], lo, hi), step=self.step, lr=lr, out=out,
+                        grad_scale=grad_scale)
         self.link.push(out, params_out[c][lo:hi], 0)
 
     def publish(self, params_out: list[torch.Tensor]) -> None:
@@ -152,9 +224,10 @@ class NVMeOptimizerState:
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for name in ("fd", "grad_fd"):
+            if getattr(self, name, -1) >= 0:
+                os.close(getattr(self, name))
+                setattr(self, name, -1)
 
     def __del__(self):
         try:

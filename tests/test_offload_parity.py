@@ -11,6 +11,8 @@ run load into an NVMe-offloaded stage 2 run that continues exactly like the unin
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hybrid.offload import OffloadConfig
@@ -33,11 +35,13 @@ def _fragments(opt) -> dict[tuple, torch.Tensor]:
     return {(f.param_name, f.kind, f.offset): f.tensor.clone() for f in opt.owned_fragments()}
 
 
-def _run(task, state, data, stage, precision="fp32", offload=None):
+def _run(task, state, data, stage, precision="fp32", offload=None, kernel="foreach"):
+    """``kernel``: the in-device engine's AdamW; ``foreach`` is the op order of the ``exact``
+    offload kernel, so those runs can be compared bitwise."""
     model = task.model(state)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision=precision,
-                                                        bucket_size=700), task.adamw,
-                               offload=offload)
+                                                        bucket_size=700),
+                               dataclasses.replace(task.adamw, kernel=kernel), offload=offload)
     losses, _ = train(task, state, opt, model, data, 1)
     out = losses, _params(opt, model), _fragments(opt), opt.memory_report()
     if offload is not None:
@@ -67,6 +71,9 @@ def _parity(rank, world_size, tmpdir):
         for mode, kernel in (("cpu", "exact"), ("nvme", "exact"), ("nvme", "fused")):
             offload = OffloadConfig(mode, f"{tmpdir}/s{stage}", block_elems=96, kernel=kernel)
             run = _run(task, state, data, stage, offload=offload)
+            if kernel == "fused":   # also against the engine's own fused kernel
+                _compare(_run(task, state, data, stage, kernel="fused"), run, False,
+                         f"stage {stage} {mode} fused vs in-device fused")
             _compare(base, run, kernel == "exact", f"stage {stage} {mode} {kernel}")
             if mode == "nvme":   # nothing of the optimizer state is resident but the buffers
                 assert run[3].measured["master32"] == run[3].measured["adam_moments"] == 0

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from hybrid.parallel_state import ParallelState
-from hybrid.zero.adamw import FlatAdamWState
+from hybrid.zero.adamw import FlatAdamWState, fused_adamw_step
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.config import AdamWConfig, LossScaleConfig, ZeroConfig
-from hybrid.zero.loss_scaler import DynamicLossScaler, build_loss_scaler, found_overflow
+from hybrid.zero.loss_scaler import DynamicLossScaler, build_loss_scaler
 from hybrid.zero.report import expected_dp_bytes, formula_bytes, measure_storages
 
 
@@ -55,10 +55,34 @@ def test_dynamic_loss_scaler_hysteresis_growth_and_floor():
     assert build_loss_scaler(ZeroConfig(precision="bf16")).scale == 1.0
 
 
-def test_overflow_and_grad_norm_on_single_process_groups():
+def test_fused_adamw_with_grad_scale_matches_torch_adamw_groups():
+    """The engines' default kernel: torch's fused AdamW with the gradient unscaling folded in."""
+    torch.manual_seed(0)
+    w, b = torch.randn(5, 3), torch.randn(7)
+    cfg = AdamWConfig(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ref = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+    opt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    state = FlatAdamWState([15, 7], "cpu")
+    mine = [w.flatten().clone(), b.clone()]
+    for step in range(1, 5):
+        grads = [torch.randn(5, 3), torch.randn(7)]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        scaled = [g.flatten() * 8.0 for g in grads]           # e.g. summed over DP 8
+        for i, decay in ((0, True), (1, False)):
+            fused_adamw_step([mine[i]], [scaled[i]], [state.exp_avgs[i]], [state.exp_avg_sqs[i]],
+                             decay=decay, step=step, config=cfg, grad_scale=8.0)
+    torch.testing.assert_close(torch.cat(mine), torch.cat([ref[0].detach().flatten(),
+                                                           ref[1].detach()]), rtol=1e-6, atol=1e-7)
+
+
+def test_grad_norm_on_single_process_groups_counts_nonfinite_everywhere():
     state = ParallelState.single_process()
-    assert not found_overflow([torch.ones(3)], state.world)
-    assert found_overflow([torch.ones(3), torch.tensor([1.0, float("nan")])], state.world)
+    nan = global_grad_norm([torch.ones(3)], [torch.tensor([1.0, float("nan")])], tp=state.tp,
+                           reduce_group=state.world)
+    assert nan != nan
     norm = global_grad_norm([torch.full((4,), 1.0)], [torch.full((5,), 2.0)], tp=state.tp,
                             reduce_group=state.world)
     assert norm == pytest.approx(24 ** 0.5)

@@ -3,8 +3,10 @@
 The global norm is that of the whole model's gradient, as one device would compute it. Each rank
 sums the squares of what it holds; TP-sharded parameters contribute on every TP rank (their shards
 are disjoint), TP-replicated parameters (``tensor_model_parallel`` False) only on TP rank 0, so they
-count once. With ZeRO stages >= 1 the DP ranks hold disjoint gradient partitions and the sum runs
-over the world group; with stage 0 every DP rank holds the whole gradient and only TP is summed.
+count once - but a non-finite value in them counts on every rank, so that a NaN or Inf anywhere makes
+the norm non-finite everywhere (the ZeRO engines detect overflow with it). With ZeRO stages >= 1 the
+DP ranks hold disjoint gradient partitions and the sum runs over the world group; with stage 0 every
+DP rank holds the whole gradient and only TP is summed.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor]
     hold disjoint partitions, the TP group when every DP rank holds the full gradient.
     """
     sq = sum_of_squares(sharded, device)
+    replicated_sq = sum_of_squares(replicated, device)
     if tp.rank == 0:
-        sq += sum_of_squares(replicated, device)
+        sq += replicated_sq
+    else:   # no host sync: add it only when it is not finite
+        sq += torch.where(torch.isfinite(replicated_sq), torch.zeros_like(replicated_sq),
+                          replicated_sq)
     comm.all_reduce(sq, reduce_group)
     return math.sqrt(float(sq.item()))
 

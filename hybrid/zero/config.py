@@ -103,12 +103,15 @@ class AdamWConfig:
     """AdamW (Loshchilov & Hutter 2019) hyper-parameters, same meaning as torch.optim.AdamW.
 
     Weight decay applies only to parameters with ``ndim >= 2`` (matrices, embeddings); biases and
-    norm weights are left undecayed (see :func:`uses_weight_decay`)."""
+    norm weights are left undecayed (see :func:`uses_weight_decay`). ``kernel``: ``fused`` (torch's
+    single-pass kernel) or ``foreach`` (bitwise ``torch.optim.AdamW(foreach=True)``), see
+    :mod:`hybrid.zero.adamw`."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    kernel: str = "fused"
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -118,6 +121,8 @@ class AdamWConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not self.eps > 0 or not self.weight_decay >= 0:
             raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
+        if self.kernel not in ("fused", "foreach"):
+            raise ValueError(f"AdamW kernel must be 'fused' or 'foreach', got {self.kernel!r}")
 
 
 def uses_weight_decay(param: torch.Tensor) -> bool:

@@ -3,37 +3,19 @@
 fp16 gradients underflow below 2^-24, so the loss is multiplied by a scale S before backward and the
 gradients divided by S before the update. :class:`DynamicLossScaler` raises S after a run of clean
 steps and lowers it after overflows (with hysteresis: only after ``hysteresis`` overflowed steps).
-An overflowed step must be skipped by EVERY rank, so :func:`found_overflow` agrees on it with an
-all-reduce MAX over the world group (DP and TP). bf16 and fp32 need no scaling: :class:`NoOpScaler`.
+An overflowed step must be skipped by EVERY rank: the engines agree on it through the global
+gradient norm, all-reduced over DP and TP, which is non-finite on every rank as soon as any rank's
+partition holds an Inf or NaN (:mod:`hybrid.zero.engine`). bf16 and fp32 need no scaling:
+:class:`NoOpScaler`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
 
-import torch
-
-from hybrid import comm
-from hybrid.comm import Group
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 
 log = logging.getLogger(__name__)
-
-
-def found_overflow(local_grads: Iterable[torch.Tensor], group: Group,
-                   device: torch.device | str = "cpu") -> bool:
-    """True when any rank of ``group`` holds a non-finite value in its ``local_grads``.
-
-    Every rank checks only what it owns (its gradient partition), then all ranks agree with an
-    all-reduce MAX of a one-element flag on ``device`` (the device the backend communicates on)."""
-    flag = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in local_grads:
-        if g.numel() and not bool(torch.isfinite(g).all()):
-            flag.fill_(1.0)
-            break
-    comm.all_reduce(flag, group, op="max")
-    return bool(flag.item() > 0)
 
 
 class NoOpScaler:

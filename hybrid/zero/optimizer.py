@@ -11,9 +11,9 @@ Every stage keeps this TP rank's parameters in one flat buffer of the training d
 * stage 2: as stage 1, but each gradient is moved into a constant-size staging bucket as backward
   produces it and reduce-scattered at once; the rank keeps only its gradient partition.
 
-The step: wait for communication -> unscale and average over DP (in fp32) -> agree on overflow
-(fp16) -> global norm over DP and TP -> clip -> AdamW on the owned chunks -> write the 16-bit
-chunk -> all-gather. An overflowed step returns before touching parameters or optimizer state.
+The step itself (norm, overflow, clipping, AdamW, skip) is :class:`hybrid.zero.engine.ZeroEngine`'s;
+this module provides where the gradients and parameters live. Gradients are summed by the
+reduction and divided by the DP size inside the AdamW pass (``grad_divisor``).
 
 Optimizer offload (``offload=OffloadConfig(mode="cpu"|"nvme")``, :mod:`hybrid.offload`): the fp32
 master and moments of the owned chunks live in a backend object on the host (or NVMe) instead;
@@ -30,20 +30,18 @@ from torch import nn
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import FlatAdamWState
-from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
-from hybrid.zero.loss_scaler import build_loss_scaler, found_overflow
+from hybrid.zero.engine import OwnedPiece, ZeroEngine
+from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.partition import FlatLayout
 from hybrid.zero.reducer import GradReducer
-from hybrid.zero.report import (CommReport, MemoryReport, comm_report, formula_bytes,
-                                measure_storages)
-from hybrid.zero.results import Fragment, StepResult, copy_overlaps
+from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 
 log = logging.getLogger(__name__)
 REDUCER_MODES = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_partition"}
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ZeroEngine):
     """Stages 0-2. Use: ``opt.backward(loss)`` per micro-batch, ``opt.step()``, ``opt.zero_grad()``."""
 
     def __init__(self, model: nn.Module, state: ParallelState, config: ZeroConfig,
@@ -68,8 +66,14 @@ class ZeroOptimizer:
                                    dtype=self.dtype, device=self.device,
                                    overlap=config.overlap_communication, grad_flat=self.grad_flat,
                                    grad_chunks=self.grad_chunks)
-        self._micro_batches = 0
-        self._ledger_mark, self._last_step_records = state.ledger.position, []
+        self.pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,
+                                  uses_weight_decay(self.params[p.index]),
+                                  bool(getattr(self.params[p.index], "tensor_model_parallel", False)))
+                       for b, p in self.layout.owned_pieces(self.part_rank)]
+        # stages >= 1: disjoint partitions, summed over the world; stage 0: DP ranks hold the same
+        self.norm_group = state.world if config.stage >= 1 else state.tp
+        self.grad_divisor = float(state.dp_size)
+        self._init_engine()
         if state.rank == 0:
             log.info("%s", self.memory_report())
 
@@ -86,8 +90,8 @@ class ZeroOptimizer:
         sizes = layout.chunk_sizes()
         self.master_flat = (torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
                             if mixed else None)
-        self.master = (list(torch.split(self.master_flat, sizes)) if mixed
-                       else [self._chunk_of(self.flat_param, b) for b in layout.buckets])
+        self.masters = (list(torch.split(self.master_flat, sizes)) if mixed
+                        else [self._chunk_of(self.flat_param, b) for b in layout.buckets])
         for p, slot in zip(self.params, layout.slots):
             if p.is_meta:
                 raise ValueError("ZeRO stages 0-2 need materialised parameters; call "
@@ -98,7 +102,7 @@ class ZeroOptimizer:
         elif mixed:  # the master starts from the ORIGINAL values (exact when the model was fp32)
             for b, piece in layout.owned_pieces(self.part_rank):
                 src = self.params[piece.index].detach().reshape(-1)
-                self.master[b][piece.chunk_offset:piece.chunk_offset + piece.numel].copy_(
+                self.masters[b][piece.chunk_offset:piece.chunk_offset + piece.numel].copy_(
                     src[piece.param_offset:piece.param_offset + piece.numel])
         for p, slot in zip(self.params, layout.slots):
             p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
@@ -133,7 +137,7 @@ class ZeroOptimizer:
             self.adam.write_master(b, piece.chunk_offset,
                                    src[piece.param_offset:piece.param_offset + piece.numel])
 
-    def _own_param_chunks(self) -> list[torch.Tensor]:
+    def _param_chunks(self) -> list[torch.Tensor]:
         return [self._chunk_of(self.flat_param, b) for b in self.layout.buckets]
 
     def _attach_grads(self) -> None:
@@ -167,78 +171,34 @@ class ZeroOptimizer:
         self._attach_grads()
         self._micro_batches = 0
 
-    def _owned_grads_fp32(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient chunks in fp32, divided by DP size and loss scale."""
+    # ---- the engine's hooks (the step is ZeroEngine.step) -----------------------------------
+    def _land_gradients(self) -> None:
+        self.reducer.enabled = True
+        self.reducer.finish()
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks (summed over DP, still loss-scaled) in fp32."""
         if self.grad_flat is not None:
             chunks = [self._chunk_of(self.grad_flat, b) for b in self.layout.buckets]
         else:
             chunks = self.grad_chunks
-        grads = [c.float() for c in chunks] if self.config.mixed_precision else chunks
-        torch._foreach_mul_(grads, 1.0 / (self.state.dp_size * self.scaler.scale))
-        return grads
+        return [c.float() for c in chunks] if self.config.mixed_precision else chunks
 
-    def step(self) -> StepResult:
-        """Update the parameters from the gradients of the micro-batches since ``zero_grad``."""
-        accum = self.config.gradient_accumulation_steps
-        if self._micro_batches != accum:
-            raise RuntimeError(f"step() after {self._micro_batches} backward() calls but "
-                               f"ZeroConfig.gradient_accumulation_steps is {accum}; call "
-                               f"opt.backward once per micro-batch and zero_grad after step")
-        self.reducer.enabled = True
-        self.reducer.finish()
-        scale = self.scaler.scale
-        grads = self._owned_grads_fp32()
-        if self.scaler.dynamic and found_overflow(grads, self.state.world, self.device):
-            self.scaler.update(True)
-            self._mark_step()
-            return StepResult(True, float("nan"), scale)
-        norm = self._grad_norm(grads)
-        coef = clip_coefficient(norm, self.config.clip_grad)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-        if self.offload is not None:   # AdamW on the host; writes this rank's parameter chunks
-            self.adam.update(grads, self._own_param_chunks(), lr=self.lr)
-        else:
-            self.adam.update(self.master, grads, self._views(self.master, decay=True), self.adamw,
-                             lr=self.lr)
-        self._publish_params()
-        self.scaler.update(False)
-        self._mark_step()
-        return StepResult(False, norm, scale)
-
-    # ---- pieces of the step ----------------------------------------------------------------
-    def _views(self, chunks: list[torch.Tensor], *, decay: bool | None = None,
-               tp_sharded: bool | None = None) -> list[torch.Tensor]:
-        """Views of owned parameter pieces inside per-bucket ``chunks``, filtered by kind."""
-        out = []
-        for b, piece in self.layout.owned_pieces(self.part_rank):
-            p = self.params[piece.index]
-            if decay is not None and uses_weight_decay(p) != decay:
-                continue
-            if tp_sharded is not None and bool(getattr(p, "tensor_model_parallel", False)) != tp_sharded:
-                continue
-            out.append(chunks[b][piece.chunk_offset:piece.chunk_offset + piece.numel])
-        return out
-
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        reduce_group = self.state.world if self.config.stage >= 1 else self.state.tp
-        return global_grad_norm(self._views(grads, tp_sharded=True),
-                                self._views(grads, tp_sharded=False), tp=self.state.tp,
-                                reduce_group=reduce_group, device=self.device)
-
-    def _publish_params(self) -> None:
-        """Write the updated master into this rank's 16-bit chunks and all-gather every bucket."""
-        for bucket, master in zip(self.layout.buckets, self.master):
+    def _publish(self) -> None:
+        """Write the updated master into this rank's 16-bit chunks and all-gather every bucket
+        (all launched, then waited: the transfers of consecutive buckets overlap)."""
+        inflight = []
+        for bucket, master in zip(self.layout.buckets, self.masters):
             own = self._chunk_of(self.flat_param, bucket)
             if self.config.mixed_precision and self.offload is None:
                 own.copy_(master)
             if self.partitions > 1:
                 full = self.flat_param[bucket.start:bucket.start + bucket.numel]
-                comm.all_gather_into(full, own.clone(), self.state.dp)
-
-    def _mark_step(self) -> None:
-        self._last_step_records = list(self.state.ledger.since(self._ledger_mark))
-        self._ledger_mark = self.state.ledger.position
+                shard = own.clone()    # the input must not alias the output it is gathered into
+                inflight.append((comm.all_gather_into(full, shard, self.state.dp, async_op=True),
+                                 shard))
+        for handle, _ in inflight:
+            handle.wait()
 
     # ---- reports and checkpoint support ----------------------------------------------------
     @property
@@ -249,7 +209,7 @@ class ZeroOptimizer:
     def memory_report(self) -> MemoryReport:
         categories = {"param16": [self.flat_param] + [p.data for p in self.params],
                       "grad16": [self.grad_flat if self.grad_flat is not None else self.grad_part],
-                      "master32": [self.master_flat] if self.master_flat is not None else self.master,
+                      "master32": [self.master_flat] if self.master_flat is not None else self.masters,
                       "adam_moments": self.adam.tensors(), "buffers": self.reducer.buffers()}
         if self.offload is not None:   # what the backend keeps resident (nothing on NVMe)
             host = self.adam.resident()
@@ -262,50 +222,10 @@ class ZeroOptimizer:
                             self.config.precision, self.num_local_params,
                             measure_storages(categories), formula)
 
-    def comm_report(self) -> CommReport:
-        """Bytes per rank of the last optimizer step (everything since the step before it)."""
-        return comm_report(self._last_step_records, 1, stage=self.config.stage,
-                           dp=self.state.dp_size, psi=self.num_local_params,
-                           param_bytes=self.flat_param.element_size())
-
-    @property
-    def step_count(self) -> int:
-        return self.adam.step
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.adam.step = int(value)
-
     @property
     def fragments_replicated_over_dp(self) -> bool:
         """Stage 0 keeps the whole optimizer state on every DP rank (save it from DP rank 0 only)."""
         return self.partitions == 1
-
-    def owned_fragments(self) -> list[Fragment]:
-        """Master and moment pieces this rank owns, addressed by parameter name and offset."""
-        out = []
-        kinds = ({k: self.adam.fragment_views(k) for k in ("master", "exp_avg", "exp_avg_sq")}
-                 if self.offload is not None else
-                 {"master": self.master, "exp_avg": self.adam.exp_avgs,
-                  "exp_avg_sq": self.adam.exp_avg_sqs})
-        for b, piece in self.layout.owned_pieces(self.part_rank):
-            for kind, chunks in kinds.items():
-                view = chunks[b][piece.chunk_offset:piece.chunk_offset + piece.numel]
-                out.append(Fragment(self.names[piece.index], kind, piece.param_offset, view))
-        return out
-
-    def load_fragments(self, fragments) -> None:
-        """Copy the overlapping parts of saved fragments (any layout) into owned ones, then
-        rebuild the 16-bit parameters from the master. Collective over DP."""
-        owned = self.owned_fragments()
-        copied = copy_overlaps(owned, fragments)
-        expected = sum(f.tensor.numel() for f in owned)
-        if copied < expected:
-            raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
-                             f"elements this rank owns; was it saved from another model?")
-        if self.offload is not None:
-            self.adam.publish(self._own_param_chunks())
-        self._publish_params()
 
 
 def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:

@@ -37,12 +37,11 @@ from torch import nn
 
 from hybrid.parallel_state import ParallelState
 from hybrid.zero import stage3_build as build
-from hybrid.zero.adamw import FlatAdamWState, adamw_step
-from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
-from hybrid.zero.loss_scaler import build_loss_scaler, found_overflow
-from hybrid.zero.report import CommReport, MemoryReport, comm_report, formula_bytes, measure_storages
-from hybrid.zero.results import Fragment, StepResult, copy_overlaps
+from hybrid.zero.engine import OwnedPiece, ZeroEngine
+from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
 
@@ -50,8 +49,10 @@ log = logging.getLogger(__name__)
 MAX_REDUCES_IN_FLIGHT = 2   # overlap one unit's reduce-scatter with the next unit's backward
 
 
-class Stage3Optimizer:
-    """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring."""
+class Stage3Optimizer(ZeroEngine):
+    """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring.
+    The step itself is :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive divided by the
+    DP size (each unit's flat gradient is scaled before its reduce-scatter)."""
 
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                  adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
@@ -62,7 +63,8 @@ class Stage3Optimizer:
         if not hasattr(model, "sharding_units"):
             raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
                             f"ordered submodules it gathers one at a time")
-        self.model, self.state, self.config, self.adamw_config = model, state, zero_config, adamw_config
+        self.model, self.state, self.config = model, state, zero_config
+        self.adamw = adamw_config
         self.lr = adamw_config.lr       # the training loop's schedule may set it before each step
         self.dtype, self.device = zero_config.param_dtype, state.device
         modules = list(model.sharding_units())
@@ -90,14 +92,18 @@ class Stage3Optimizer:
                                          prefetch=zero_config.stage3_prefetch)
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
-        self._micro_batches = 0
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
         for k, unit in enumerate(self.all_units):
             for slot in unit.slots:
                 slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
-        self._ledger_mark, self._last_step_records = state.ledger.position, []
+        self.pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
+                                  uses_weight_decay(seg.slot.param),
+                                  bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
+                       for k, unit in enumerate(self.all_units) for seg in unit.segments]
+        self.norm_group, self.grad_divisor = state.world, 1.0
+        self._init_engine()
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
 
@@ -164,36 +170,27 @@ class Stage3Optimizer:
             for slot in unit.slots:
                 slot.param.grad = None
 
-    # ---- optimizer step --------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self) -> StepResult:
-        """Update from the gradients of the micro-batches since the last step (or zero_grad)."""
-        accum = self.config.gradient_accumulation_steps
-        if self._micro_batches != accum:
-            raise RuntimeError(f"step() after {self._micro_batches} backward() calls but "
-                               f"ZeroConfig.gradient_accumulation_steps is {accum}; call "
-                               f"opt.backward once per micro-batch, then step")
+    # ---- the engine's hooks (the step is ZeroEngine.step) -----------------------------------
+    def _land_gradients(self) -> None:
         self._finish_backward()
-        scale = self.scaler.scale
-        grads = [u.grad.float() if u.grad.dtype != torch.float32 else u.grad for u in self.all_units]
-        if self.scaler.dynamic and found_overflow(grads, self.state.world, self.device):
-            self.scaler.update(True)
-            self.zero_grad()
-            self._mark_step()
-            return StepResult(True, float("nan"), scale)
-        norm = self._grad_norm(grads) / scale
-        factor = clip_coefficient(norm, self.config.clip_grad) / scale
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor)
-        if self.offload is not None:   # AdamW on the host / NVMe, writes the 16-bit shards
-            self.adam.update(grads, [u.shard for u in self.all_units], lr=self.lr)
-        else:
-            self._adamw(grads)
-        self._publish_masters()
-        self.scaler.update(False)
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [u.grad.float() if u.grad.dtype != torch.float32 else u.grad for u in self.all_units]
+
+    def _param_chunks(self) -> list[torch.Tensor]:
+        return [u.shard for u in self.all_units]
+
+    def _publish(self) -> None:
+        """Round the fp32 masters into the 16-bit partitions; re-gather the persistent parameters."""
+        for unit, master in zip(self.all_units, self.masters):
+            if master is not unit.shard:
+                unit.shard.copy_(master)
+        if self.persistent is not None:
+            self.persistent.gathered = False
+            self.persistent.gather(async_op=False)   # the updated small parameters, whole again
+
+    def _end_step(self) -> None:
         self.zero_grad()
-        self._mark_step()
-        return StepResult(False, norm, scale)
 
     def _build_offload_state(self):
         """hybrid.offload backend holding the masters (from the shards) and moments on host/NVMe."""
@@ -206,45 +203,11 @@ class Stage3Optimizer:
         resident = item * (2 * chunks + 4 * largest) + (4 * chunks if self.config.mixed_precision
                                                         else 0)
         backend = build_offload_state(self.offload, [u.chunk for u in self.all_units], decay,
-                                      self.adamw_config, device=self.device, param_dtype=self.dtype,
+                                      self.adamw, device=self.device, param_dtype=self.dtype,
                                       rank=self.state.rank, resident_bytes=resident)
         for k, unit in enumerate(self.all_units):
             backend.write_master(k, 0, unit.shard)
         return backend
-
-    def _publish_masters(self) -> None:
-        """Round the fp32 masters into the 16-bit partitions; re-gather the persistent parameters."""
-        for unit, master in zip(self.all_units, self.masters):
-            if master is not unit.shard:
-                unit.shard.copy_(master)
-        if self.persistent is not None:
-            self.persistent.gathered = False
-            self.persistent.gather(async_op=False)   # the updated small parameters, whole again
-
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        sharded, replicated = [], []
-        for unit, grad in zip(self.all_units, grads):
-            for seg in unit.segments:
-                tp_sharded = getattr(seg.slot.param, "tensor_model_parallel", False)
-                (sharded if tp_sharded else replicated).append(seg.of(grad))
-        return global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.state.world,
-                                device=self.device)
-
-    def _adamw(self, grads: list[torch.Tensor]) -> None:
-        """AdamW on views of the owned segments (alignment padding is never touched)."""
-        views: dict[str, list[torch.Tensor]] = {"p": [], "g": [], "m": [], "v": [], "decay": []}
-        for k, grad in enumerate(grads):
-            for seg in self.all_units[k].segments:
-                p = seg.of(self.masters[k])
-                views["p"].append(p)
-                views["g"].append(seg.of(grad))
-                views["m"].append(seg.of(self.adam.exp_avgs[k]))
-                views["v"].append(seg.of(self.adam.exp_avg_sqs[k]))
-                if uses_weight_decay(seg.slot.param):
-                    views["decay"].append(p)
-        self.adam.step += 1
-        adamw_step(views["p"], views["g"], views["m"], views["v"], views["decay"],
-                   step=self.adam.step, config=self.adamw_config, lr=self.lr)
 
     # ---- reports ---------------------------------------------------------------------------
     @property
@@ -277,50 +240,7 @@ class Stage3Optimizer:
         persistent = self.persistent.padded * param_bytes if self.persistent is not None else 0
         return {"padding": padding * per_elem, "persistent_params": float(persistent)}
 
-    def _mark_step(self) -> None:
-        self._last_step_records = list(self.state.ledger.since(self._ledger_mark))
-        self._ledger_mark = self.state.ledger.position
-
-    def comm_report(self) -> CommReport:
-        """Bytes per rank of the last optimizer step: its forwards, backwards and the step."""
-        return comm_report(self._last_step_records, 1, stage=3, dp=self.state.dp_size,
-                           psi=self.psi, param_bytes=torch.empty((), dtype=self.dtype).element_size())
-
-    # ---- checkpoint interface --------------------------------------------------------------
-    @property
-    def step_count(self) -> int:
-        return self.adam.step
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.adam.step = int(value)
-
-    def owned_fragments(self) -> list[Fragment]:
-        out = []
-        views = ({k: self.adam.fragment_views(k) for k in ("master", "exp_avg", "exp_avg_sq")}
-                 if self.offload is not None else
-                 {"master": self.masters, "exp_avg": self.adam.exp_avgs,
-                  "exp_avg_sq": self.adam.exp_avg_sqs})
-        for k, unit in enumerate(self.all_units):
-            for kind, flat in ((kind, views[kind][k]) for kind in views):
-                out.extend(Fragment(seg.slot.name, kind, seg.param_offset, seg.of(flat))
-                           for seg in unit.segments)
-        return out
-
-    @torch.no_grad()
-    def load_fragments(self, fragments) -> None:
-        """Copy every overlap of the given fragments (any DP layout) into what this rank owns, then
-        refresh the 16-bit partitions from the masters."""
-        owned = self.owned_fragments()
-        copied = copy_overlaps(owned, fragments)
-        expected = sum(f.tensor.numel() for f in owned)
-        if copied < expected:
-            raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
-                             f"elements this rank owns; was it saved from another model?")
-        if self.offload is not None:
-            self.adam.publish([u.shard for u in self.all_units])
-        self._publish_masters()
-
+    # ---- reading the parameters --------------------------------------------------------------
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
         """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice)."""
         return {seg.slot.name: (seg.param_offset, seg.of(unit.shard))

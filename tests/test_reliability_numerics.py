@@ -6,7 +6,10 @@ injected into ONE rank's loss:
   skipped on every rank before any update. Oracle: the parameters after the poisoned iteration are
   bit-identical to those before it, the run continues with finite losses and weights, and the skip
   is counted (``skipped-iterations``, the TensorBoard scalar);
-* ``--on-nonfinite stop``: every rank raises FloatingPointError before the update (no hang);
+* a NaN gradient under a finite loss (bf16/fp32, stages 2 and 3): the engine finds it in the global
+  norm and skips the step before the update, counted the same way;
+* ``--on-nonfinite stop``: every rank raises FloatingPointError before the update (no hang), for a
+  non-finite loss and for a non-finite gradient;
 * a save with non-finite weights is refused on every rank and the previous checkpoint is untouched.
 """
 
@@ -25,9 +28,22 @@ from tests.training_helpers import make_trainer, tiny_args
 FIXED = ["--lr-decay-iters", "4"]
 
 
-def _poison(trainer, iteration: int, micro: int, rank: int) -> list[dict]:
-    """NaN loss on ``rank``'s micro-batch ``micro`` of ``iteration``; returns parameter snapshots
-    taken at the start of every iteration (and the end)."""
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward (the loss stays finite), NaN in every gradient behind it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def _poison(trainer, iteration: int, micro: int, rank: int, where: str = "loss") -> list[dict]:
+    """NaN loss (``where="loss"``) or NaN gradients under a finite loss (``"grad"``) on ``rank``'s
+    micro-batch ``micro`` of ``iteration``; returns parameter snapshots taken at the start of every
+    iteration (and the end)."""
     loss_fn, step_fn = trainer._micro_batch_loss, trainer.train_step
     calls, snaps = {"n": 0}, []
 
@@ -35,7 +51,9 @@ def _poison(trainer, iteration: int, micro: int, rank: int) -> list[dict]:
         value = loss_fn(batch)
         k, calls["n"] = calls["n"], calls["n"] + 1
         hit = trainer.ts.iteration + 1 == iteration and k == micro and trainer.state.rank == rank
-        return value * float("nan") if hit else value
+        if not hit:
+            return value
+        return value * float("nan") if where == "loss" else _NaNGradient.apply(value)
 
     def step(loader, lr):
         calls["n"] = 0
@@ -61,20 +79,20 @@ def _finite(params: dict) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in params.values())
 
 
-def _skip_case(precision: str, micro: int, tb_dir: str, zero: int = 2) -> dict:
+def _skip_case(precision: str, micro: int, tb_dir: str, zero: int = 2, where: str = "loss") -> dict:
     scaler = ["--initial-loss-scale", "1024", "--hysteresis", "1"] if precision == "fp16" else []
-    tb_dir = f"{tb_dir}/{precision}{micro}z{zero}"
+    tb_dir = f"{tb_dir}/{precision}{micro}z{zero}{where}"
     tb = ["--tensorboard-dir", tb_dir, "--log-interval", "1"]
     t = make_trainer(tiny_args(zero=zero, precision=precision, iters=3,
                                extra=FIXED + scaler + tb + ["--on-nonfinite", "skip"]))
-    snaps = _poison(t, iteration=2, micro=micro, rank=1)
+    snaps = _poison(t, iteration=2, micro=micro, rank=1, where=where)
     t.train()
     t.metrics.close()
     final = _params(t)
     return {"tb_skipped": _tensorboard_scalar(tb_dir, "skipped-iterations")
-            if t.state.rank == 0 else None,"untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
+            if t.state.rank == 0 else None, "untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
             "finite": _finite(final), "skipped": t.ts.skipped_iterations,
-            "losses_after": [t.losses[0], t.losses[2]],
+            "losses_after": [t.losses[0], t.losses[2]], "poisoned_loss": t.losses[1],
             "consumed": t.ts.consumed_train_samples,
             "scale": getattr(t.optimizer.scaler, "scale", 1.0)}
 
@@ -86,9 +104,9 @@ def _tensorboard_scalar(directory: str, tag: str) -> list[float]:
     return [e.value for e in events.Scalars(tag)]
 
 
-def _stop_case() -> dict:
+def _stop_case(where: str = "loss") -> dict:
     t = make_trainer(tiny_args(zero=2, iters=3, extra=FIXED + ["--on-nonfinite", "stop"]))
-    snaps = _poison(t, iteration=2, micro=1, rank=1)
+    snaps = _poison(t, iteration=2, micro=1, rank=1, where=where)
     try:
         t.train()
     except FloatingPointError as err:
@@ -121,7 +139,11 @@ def _all_cases(rank: int, world: int, save_dir: str) -> dict:
     # poisoned step's gradients too, and nothing non-finite lands in the next step
     out["fp32-micro1-zero0"] = _skip_case("fp32", 1, f"{save_dir}-tb", zero=0)
     out["bf16-micro0-zero3"] = _skip_case("bf16", 0, f"{save_dir}-tb", zero=3)
+    # a finite loss with NaN gradients: only the engine's global norm can see it
+    out["fp32-micro1-grad"] = _skip_case("fp32", 1, f"{save_dir}-tb", where="grad")
+    out["bf16-micro0-zero3-grad"] = _skip_case("bf16", 0, f"{save_dir}-tb", zero=3, where="grad")
     out["stop"] = _stop_case()
+    out["stop-grad"] = _stop_case("grad")
     out["save"] = _save_case(save_dir)
     return out
 
@@ -133,8 +155,9 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["fp32-micro1", "bf16-micro0", "bf16-micro1", "fp16-micro1",
-                                  "fp32-micro1-zero0", "bf16-micro0-zero3"])
-def test_nonfinite_loss_skips_the_step_on_every_rank(results, case):
+                                  "fp32-micro1-zero0", "bf16-micro0-zero3", "fp32-micro1-grad",
+                                  "bf16-micro0-zero3-grad"])
+def test_nonfinite_loss_or_gradient_skips_the_step_on_every_rank(results, case):
     for r in results:
         c = r[case]
         assert c["untouched"], "the poisoned iteration changed the weights"
@@ -145,13 +168,17 @@ def test_nonfinite_loss_skips_the_step_on_every_rank(results, case):
     assert results[0][case]["tb_skipped"] == [0.0, 1.0, 1.0]   # TensorBoard counts the skip
     if case.startswith("fp16"):
         assert results[0][case]["scale"] == 512     # the scaler backed off (1024 / 2)
+    if case.endswith("-grad"):                      # the loss was finite: the gradient was caught
+        assert all(math.isfinite(r[case]["poisoned_loss"]) for r in results)
 
 
-def test_nonfinite_loss_with_stop_raises_on_every_rank(results):
+@pytest.mark.parametrize("case, what", [("stop", "non-finite loss"),
+                                        ("stop-grad", "non-finite gradient (global norm nan)")])
+def test_nonfinite_with_stop_raises_on_every_rank(results, case, what):
     for r in results:
-        assert r["stop"]["raised"] and "non-finite loss" in r["stop"]["raised"]
-        assert "--on-nonfinite stop" in r["stop"]["raised"]
-        assert r["stop"]["untouched"]
+        assert r[case]["raised"] and what in r[case]["raised"]
+        assert "--on-nonfinite stop" in r[case]["raised"]
+        assert r[case]["untouched"]
 
 
 def test_save_with_nonfinite_weights_is_refused_everywhere(results):

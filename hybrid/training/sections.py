@@ -143,8 +143,9 @@ class OptimizerSection:
     min_loss_scale: float = _help("fp16: lowest loss scale", default=1.0)
     loss_scale_window: int = _help("fp16: clean steps before the scale grows", default=1000)
     hysteresis: int = _help("fp16: overflows tolerated before the scale shrinks", default=2)
-    on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss skips the step or stops the run "
-                              "(fp16: the loss scaler skips)", default="skip")
+    on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss or gradient skips the step or stops "
+                              "the run, before any update (fp16: the loss scaler skips)",
+                              default="skip")
 
     def __post_init__(self) -> None:
         _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "adam_eps")

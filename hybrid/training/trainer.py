@@ -104,8 +104,16 @@ class Trainer:
             total += value / self.accum
         mean_loss, any_nonfinite = self._step_agreement(total, nonfinite)
         if any_nonfinite and self._guard_nonfinite:
-            return float("nan"), self._skip_nonfinite(total)
-        return mean_loss, self._optimizer_step(lr)
+            self._on_nonfinite(f"non-finite loss (this rank: {total})")
+            self.optimizer.drop_gradients()
+            return float("nan"), StepResult(True, float("nan"),
+                                            getattr(self.optimizer.scaler, "scale", 1.0))
+        result = self._optimizer_step(lr)
+        if result.skipped and self._guard_nonfinite:
+            # the engine found an Inf/NaN in some rank's gradient under a finite loss and left
+            # the weights and optimizer state untouched (fp16 leaves this to its loss scaler)
+            self._on_nonfinite(f"non-finite gradient (global norm {result.grad_norm})")
+        return mean_loss, result
 
     def _step_agreement(self, loss: float, nonfinite: bool) -> tuple[float, bool]:
         """One world all-reduce per step (bookkeeping, kept out of the comm ledger): the DP-mean
@@ -121,17 +129,15 @@ class Trainer:
             world.ledger.enabled = enabled
         return float(t[0].item()) / world.size, bool(t[1].item() > 0)
 
-    def _skip_nonfinite(self, loss: float) -> StepResult:
-        """bf16/fp32 NaN/Inf loss on some rank, before any update: --on-nonfinite stop raises, skip
-        drops the gradients of this iteration (fp16 leaves this to its loss scaler)."""
-        where = f"non-finite loss (this rank: {loss}) at iteration {self.ts.iteration + 1}"
+    def _on_nonfinite(self, what: str) -> None:
+        """bf16/fp32 NaN/Inf before any update: --on-nonfinite stop raises on every rank (they all
+        see the same agreed flag), skip logs and lets the step count as skipped."""
+        where = f"{what} at iteration {self.ts.iteration + 1}"
         if self.cfg.optimizer.on_nonfinite == "stop":
             raise FloatingPointError(f"{where}; stopping (--on-nonfinite stop) before the update, the "
                                      f"weights and checkpoints are intact; lower --lr or resume with "
                                      f"--on-nonfinite skip")
         log.warning("%s: step skipped (--on-nonfinite skip)", where)
-        self.optimizer.drop_gradients()
-        return StepResult(True, float("nan"), getattr(self.optimizer.scaler, "scale", 1.0))
 
     def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
         """Mean per-token loss of a micro-batch over the tokens the loss mask keeps."""

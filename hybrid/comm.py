@@ -7,6 +7,15 @@ appends one :class:`CommRecord` to that group's :class:`CommLedger`, so "stage 3
 
 Every function takes ``async_op``; asynchronous calls return a handle whose ``wait()`` completes the
 collective (a no-op handle on single-rank groups, where nothing is sent).
+
+On gloo (CPU) two collectives are built here instead of taken from the backend, because gloo's own
+do more than the operation: its reduce-scatter clones the input, all-reduces ALL of it (twice the
+volume of a reduce-scatter) and copies a slice out; its all-gather gathers into a fresh buffer and
+copies that into the output. Here a reduce-scatter is one all-to-all (each rank sends chunk j of
+its input to rank j: (n-1)/n of the tensor, a real reduce-scatter's volume) followed by a local sum
+of the n chunks received, and an all-gather sends this rank's shard straight into the output slot
+of every peer (point-to-point, all posted at once: again (n-1)/n). NCCL's native collectives are
+used as they are.
 """
 
 from __future__ import annotations
@@ -135,6 +144,36 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bo
     return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
 
+class _Joined:
+    """Handle of several backend works plus what must run after them (a local reduction)."""
+
+    def __init__(self, works: list, then=None):
+        self.works, self.then = works, then
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.then is None and not self.works
+
+
+def _finish(handle: _Joined, async_op: bool):
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group.pg) == "gloo"
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
     """Concatenate every rank's ``shard`` along dim 0 into ``output`` (``size`` times larger)."""
     if output.numel() != shard.numel() * group.size:
@@ -145,7 +184,17 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
         output.copy_(shard.view_as(output))
         return _Done() if async_op else None
     group.require_process_group()
-    return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
+    if not (_is_gloo(group) and output.is_contiguous()):
+        return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
+    slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
+    source = shard.contiguous().view(-1)
+    slots[group.rank].copy_(source)
+    works = []
+    for peer, global_rank in enumerate(group.ranks):   # every send and receive posted at once
+        if peer != group.rank:
+            works.append(dist.isend(source, global_rank, group=group.pg))
+            works.append(dist.irecv(slots[peer], global_rank, group=group.pg))
+    return _finish(_Joined(works), async_op)
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
@@ -159,7 +208,16 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
         output.copy_(full.view_as(output))
         return _Done() if async_op else None
     group.require_process_group()
-    return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
+    if not (_is_gloo(group) and output.is_contiguous()):
+        return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
+    received = torch.empty(full.numel(), dtype=full.dtype, device=full.device)   # [size x chunk]
+    work = dist.all_to_all_single(received, full.contiguous().view(-1), group=group.pg,
+                                  async_op=True)
+    flat_out = output.view(-1)
+
+    def reduce_locally() -> None:                       # chunk j of every rank, summed in order
+        torch.sum(received.view(group.size, -1), dim=0, out=flat_out)
+    return _finish(_Joined([work], reduce_locally), async_op)
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):

@@ -105,3 +105,25 @@ def test_bf16_model_tracks_fp32_reference():
     for name, p in reference.named_parameters():
         cosine = torch.nn.functional.cosine_similarity(grads[name].flatten(), p.grad.flatten(), dim=0)
         assert cosine > 0.99, (name, cosine.item())
+
+
+def test_fp32_model_trains_under_torch_autocast_like_the_reference():
+    """torch.autocast(bf16) around an fp32 GPTModel (what DDP users do): the custom TP GEMM casts
+    its operands, so backward sees one dtype, gradients come back fp32, and loss and gradients track
+    the reference under the same autocast (cosine 0.99, loss within 1%)."""
+    config = TINY.replace(hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, ParallelState.single_process(), device="meta")
+    model.init_weights(5)
+    reference = ReferenceGPT(config)
+    reference.init_weights(5)
+    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(tokens, -1, dims=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, ref_loss = model(tokens, labels).mean(), reference(tokens, labels).mean()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=0.01)
+    loss.backward(), ref_loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    grads = sharding.unshard_state_dict(config, [{n: p.grad for n, p in model.named_parameters()}])
+    for name, p in reference.named_parameters():
+        cosine = torch.nn.functional.cosine_similarity(grads[name].flatten(), p.grad.flatten(), dim=0)
+        assert cosine > 0.99, (name, cosine.item())

@@ -51,9 +51,21 @@ def _start_input_regather(x: torch.Tensor, ctx):
     return total, comm.all_gather_into(total, x.contiguous(), group, async_op=True)
 
 
+def _autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Under ``torch.autocast`` cast the GEMM's operands to the autocast dtype here, so what
+    backward reads (saved in that dtype) has one dtype; autograd casts the returned gradients
+    back to the parameters' dtype."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
+        x, weight, bias = _autocast_inputs(x, weight, bias)
         total = _gather_first(x, group) if sequence_parallel else x   # [s, b, in]
         ctx.save_for_backward(x, weight)                              # SP: the shard only
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None

@@ -152,9 +152,10 @@ def test_parse_bytes_and_config_errors():
 
 def test_budget_planner_sizes_buffers_and_refuses_impossible_budgets(tmp_path):
     cfg = OffloadConfig("nvme", str(tmp_path), "1GiB")
-    block = plan_block_elems(cfg, owned_numel=10**8, resident_bytes=500 * 2**20)
+    block = plan_block_elems(cfg, owned_numel=10**8, resident_bytes=600 * 2**20)
     # two buffers of master + two moments + gradient (32 B per element) take half of what is left
-    assert 32 * block <= (2**30 - 500 * 2**20 - 400 * 2**20) // 2 < 32 * (block + 1)
+    assert 32 * block <= (2**30 - 600 * 2**20 - 400 * 2**20) // 2 < 32 * (block + 1)
+    assert plan_block_elems(cfg, owned_numel=10**8, resident_bytes=0) == 1 << 20   # the cap
     # never more than a quarter of the partition (more buys no overlap), never below the minimum
     assert plan_block_elems(cfg, owned_numel=10**6, resident_bytes=0) == 250_000
     assert plan_block_elems(OffloadConfig("nvme", str(tmp_path)), 4000, 0) == 1 << 14

@@ -14,6 +14,6 @@ from hybrid.offload.host_state import HostOptimizerState
 from hybrid.offload.nvme import NVMeOptimizerState
 from hybrid.offload.param_store import NVMeParamStore
 
-__all__ = ["CPUAdamW", "HostOptimizerState", "NVMeOptimizerState", "NVMeParamStore", "OffloadConfig",
-           "add_offload_args", "build_offload_state", "offload_config_from_args", "parse_bytes",
+__all__ = ["CPUAdamW", "HostOptimizerState", "NVMeOptimizerState", "NVMeParamStore",
+           "OffloadConfig", "add_offload_args", "build_offload_state", "offload_config_from_args", "parse_bytes",
            "plan_block_elems"]

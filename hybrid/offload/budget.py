@@ -4,8 +4,8 @@
 ``--host-memory-budget 4GiB`` caps the resident memory of each rank. With ``nvme`` the budget sets
 the size of the two streaming block buffers (32 bytes per block element: master, two moments and a
 gradient block, two buffers) so that what stays resident - the device-side model states (16-bit
-parameters and gradients, which on a CPU-only run are host memory too), communication buffers and the runtime's own
-footprint - plus the buffers fits; ``cpu`` must hold 12 bytes per owned parameter and is refused
+parameters and gradients, which on a CPU-only run are host memory too), communication buffers
+and the runtime's own footprint - plus the buffers fits; ``cpu`` must hold 12 bytes per owned parameter and is refused
 when that cannot fit. :func:`build_offload_state` is what the ZeRO engines call.
 """
 
@@ -25,7 +25,7 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 RUNTIME_ALLOWANCE = 400 * 2**20   # python + torch libraries + autograd/activations of small runs
 NVME_BYTES_PER_BLOCK_ELEM = 2 * 4 * 4
-MIN_BLOCK, MAX_BLOCK = 1 << 14, 1 << 22
+MIN_BLOCK, MAX_BLOCK = 1 << 14, 1 << 20   # above 1M elements (4 MB a tensor) nothing gets faster
 BLOCKS_PER_PARTITION = 4   # a larger block buys no overlap: the I/O of one block hides behind 3
 
 
@@ -88,11 +88,10 @@ def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: in
     if config.block_elems:
         return config.block_elems
     # NVMe buffers larger than a quarter of the partition buy no overlap, only resident memory
-    cap = (max(MIN_BLOCK, -(-owned_numel // BLOCKS_PER_PARTITION)) if config.mode == "nvme"
-           else MAX_BLOCK)
+    cap = min(MAX_BLOCK, max(MIN_BLOCK, -(-owned_numel // BLOCKS_PER_PARTITION)))
     budget = config.host_memory_budget
     if budget is None:
-        return min(1 << 20, cap)
+        return cap if config.mode == "nvme" else MAX_BLOCK
     free = budget - resident_bytes - RUNTIME_ALLOWANCE
     if config.mode == "cpu":
         need = 12 * owned_numel
@@ -100,14 +99,14 @@ def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: in
             raise ValueError(f"--offload-optimizer cpu keeps {need / 2**30:.2f} GiB of optimizer "
                              f"state in host memory but the budget leaves {free / 2**30:.2f} GiB; use "
                              f"--offload-optimizer nvme, more DP ranks or a larger budget")
-        return 1 << 20
+        return MAX_BLOCK
     block = free // (2 * NVME_BYTES_PER_BLOCK_ELEM)    # half of what is left, two buffers
     if block < MIN_BLOCK:
         raise ValueError(f"--host-memory-budget {budget / 2**30:.2f} GiB cannot hold this rank's "
                          f"resident model states ({resident_bytes / 2**30:.2f} GiB) plus "
                          f"{RUNTIME_ALLOWANCE / 2**20:.0f} MiB runtime and the NVMe buffers; raise "
                          f"the budget, use more DP ranks or ZeRO stage 3")
-    return int(min(block, MAX_BLOCK, cap))
+    return int(min(block, cap))
 
 
 def build_offload_state(config: OffloadConfig, sizes: list[int],

@@ -59,7 +59,7 @@ class _Buffer:
 
 
 class NVMeParamStore:
-    """Every unit's parameter chunk (``sizes[k]`` elements of ``dtype``) in a file; see module doc."""
+    """Every unit's parameter chunk (``sizes[k]`` elements of ``dtype``) in a file (module doc)."""
 
     def __init__(self, sizes: list[int], *, dtype: torch.dtype, directory: str, rank: int,
                  buffers: int = 4, lookahead: int | None = None, order: list[int] | None = None,
@@ -162,7 +162,7 @@ class NVMeParamStore:
             self.trace.append(("read", unit))
 
     def _advance(self, unit: int) -> None:
-        """Move the cursor past this fetch of ``unit`` (resynchronising when the engine deviates)."""
+        """Move the cursor past this fetch of ``unit`` (resynchronising if the engine deviates)."""
         if self.order is None:
             self._recording.append(unit)
             return
@@ -197,7 +197,7 @@ class NVMeParamStore:
         return buf.data[:self.sizes[unit]]
 
     def release(self, unit: int) -> None:
-        """The gather has read ``unit``'s chunk: its buffer may be reused (the data stays cached)."""
+        """The gather has read ``unit``'s chunk: its buffer may be reused (data stays cached)."""
         buf = self._holding(unit)
         if buf is None or buf.holds == 0:
             raise RuntimeError(f"unit {unit} is not fetched")
@@ -287,7 +287,8 @@ class NVMeParamStore:
 class ShardWriter:
     """``params_out`` for the offload backends, which walk the chunks in increasing order:
     indexing chunk k opens unit k for writing and commits the unit opened before it; :meth:`close`
-    commits the last one. Going back to a committed chunk is refused (its new values would be lost)."""
+    commits the last one. Going back to a committed chunk is refused (its new values would be
+    lost)."""
 
     def __init__(self, store: NVMeParamStore):
         self.store = store

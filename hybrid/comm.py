@@ -174,8 +174,15 @@ def _is_gloo(group: Group) -> bool:
     return dist.get_backend(group.pg) == "gloo"
 
 
+def needs_reduce_scratch(group: Group) -> bool:
+    """Whether :func:`reduce_scatter_into` on ``group`` receives into a full-size scratch buffer
+    (gloo's all-to-all path): callers that reduce often keep one and pass it as ``scratch``."""
+    return group.size > 1 and group.pg is not None and _is_gloo(group)
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
-    """Concatenate every rank's ``shard`` along dim 0 into ``output`` (``size`` times larger)."""
+    """Concatenate every rank's ``shard`` along dim 0 into ``output`` (``size`` times larger).
+    ``shard`` may be this rank's own slot of ``output`` (an in-place all-gather)."""
     if output.numel() != shard.numel() * group.size:
         raise ValueError(f"all-gather output has {output.numel()} elements, expected "
                          f"{shard.numel()} x {group.size}")
@@ -188,7 +195,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
         return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
     slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
     source = shard.contiguous().view(-1)
-    slots[group.rank].copy_(source)
+    if source.data_ptr() != slots[group.rank].data_ptr():
+        slots[group.rank].copy_(source)
     works = []
     for peer, global_rank in enumerate(group.ranks):   # every send and receive posted at once
         if peer != group.rank:
@@ -198,8 +206,12 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
 
 
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
-                        async_op: bool = False):
-    """Sum ``full`` over ``group`` and keep this rank's 1/size slice (along dim 0) in ``output``."""
+                        async_op: bool = False, scratch: torch.Tensor | None = None):
+    """Sum ``full`` over ``group`` and keep this rank's 1/size slice (along dim 0) in ``output``.
+
+    ``output`` may be this rank's own slice of ``full`` (in place). On gloo the chunks arrive in a
+    full-size receive buffer: ``scratch`` (a contiguous tensor of at least ``full.numel()``
+    elements of its dtype, untouched until ``wait()``), or a fresh allocation."""
     if full.numel() != output.numel() * group.size:
         raise ValueError(f"reduce-scatter input has {full.numel()} elements, expected "
                          f"{output.numel()} x {group.size}")
@@ -210,7 +222,9 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     group.require_process_group()
     if not (_is_gloo(group) and output.is_contiguous()):
         return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
-    received = torch.empty(full.numel(), dtype=full.dtype, device=full.device)   # [size x chunk]
+    if scratch is None:
+        scratch = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
+    received = scratch.view(-1)[:full.numel()]                                 # [size x chunk]
     work = dist.all_to_all_single(received, full.contiguous().view(-1), group=group.pg,
                                   async_op=True)
     flat_out = output.view(-1)

@@ -36,9 +36,12 @@ def _memory_and_comm(rank, world_size, tps, precisions):
                 for cat, expected in mem.formula.items():
                     assert abs(mem.measured[cat] - expected) <= 0.01 * expected + 1, (what, cat, mem)
                 assert abs(cr.dp_bytes - cr.expected_dp_bytes) <= 0.01 * cr.expected_dp_bytes, (what, cr)
-                if stage == 2:   # the full-size gradient never persists; staging is two buckets
+                if stage == 2:   # the full-size gradient never persists; staging is two entries
                     assert all(p.grad is None for p in model.parameters()), what
-                    assert len(opt.reducer.buffers()) <= 4, what
+                    largest = max(b.numel for b in opt.layout.buckets)   # staged + gloo receive
+                    assert len(opt.reducer.buffers()) <= 6, what        # + chunk, per entry
+                    assert sum(b.numel() for b in opt.reducer.buffers()) <= 2 * (
+                        2 * largest + largest // state.dp_size), what
                 rows.append((what, mem.measured_model_states, mem.formula_model_states,
                              cr.dp_bytes, cr.expected_dp_bytes))
     return rows

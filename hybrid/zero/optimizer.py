@@ -192,12 +192,10 @@ class ZeroOptimizer(ZeroEngine):
             own = self._chunk_of(self.flat_param, bucket)
             if self.config.mixed_precision and self.offload is None:
                 own.copy_(master)
-            if self.partitions > 1:
+            if self.partitions > 1:   # in place: own is this rank's slot of the bucket
                 full = self.flat_param[bucket.start:bucket.start + bucket.numel]
-                shard = own.clone()    # the input must not alias the output it is gathered into
-                inflight.append((comm.all_gather_into(full, shard, self.state.dp, async_op=True),
-                                 shard))
-        for handle, _ in inflight:
+                inflight.append(comm.all_gather_into(full, own, self.state.dp, async_op=True))
+        for handle in inflight:
             handle.wait()
 
     # ---- reports and checkpoint support ----------------------------------------------------

@@ -6,19 +6,22 @@ while backward keeps producing the next gradients. ``finish()`` launches what is
 parameters that got no gradient carry zeros) and waits for every handle.
 
 * ``all_reduce`` (stage 0): the bucket slice of the full gradient buffer is all-reduced in place.
-* ``reduce_scatter`` (stage 1): the bucket slice is reduce-scattered; this rank's reduced chunk is
-  copied back over its own chunk of the full gradient buffer (the rest is left stale, never read).
+* ``reduce_scatter`` (stage 1): the bucket slice is reduce-scattered in place: this rank's reduced
+  chunk lands on its own chunk of the full gradient buffer (the rest is left stale, never read).
 * ``reduce_scatter_partition`` (stage 2): there is no full gradient buffer. The hook copies the
   fresh ``param.grad`` into a constant-size staging buffer and frees it; the staged bucket is
   reduce-scattered and this rank's chunk ADDED to its gradient partition (accumulation).
 Staging buffers come from a small pool (two in steady state): when none is free the oldest
-in-flight bucket is completed to release one.
+in-flight bucket is completed to release one. Where the backend reduce-scatters through a
+full-size receive buffer (gloo, :func:`hybrid.comm.needs_reduce_scratch`) each pool entry holds
+one too, so no collective allocates: the buffers are the constant-size ones of ZeRO-R's CB.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,6 +32,16 @@ from hybrid.zero.partition import Bucket, FlatLayout
 
 log = logging.getLogger(__name__)
 MODES = ("all_reduce", "reduce_scatter", "reduce_scatter_partition")
+
+
+@dataclass
+class _Staging:
+    """One pool entry: the staged bucket (stage 2), the reduced chunk (stage 2) and the receive
+    buffer of gloo's reduce-scatter; each sized for the largest bucket, empty when not needed."""
+
+    full: torch.Tensor
+    chunk: torch.Tensor
+    scratch: torch.Tensor | None
 
 
 class GradReducer:
@@ -43,10 +56,10 @@ class GradReducer:
         self.grad_flat = grad_flat          # stages 0/1: [layout.numel] full gradient buffer
         self.grad_chunks = grad_chunks      # stage 2: this rank's chunk of every bucket
         self.enabled = True                 # False on micro-batches that must not communicate
-        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []   # every staging pair ever made
-        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._inflight: deque = deque()     # (bucket, handle, staging pair or None)
+        self._pool: list[_Staging] = []     # every staging entry ever made
+        self._free: list[_Staging] = []
+        self._staged: dict[int, _Staging] = {}
+        self._inflight: deque = deque()     # (bucket, handle, staging entry or None)
         self._reset_counters()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(params)]
@@ -63,7 +76,7 @@ class GradReducer:
         slot = self.layout.slots[index]
         bucket = self.layout.buckets[slot.bucket]
         if self.mode == "reduce_scatter_partition":
-            staged_in = self._staging_for(bucket)[0]
+            staged_in = self._staging_for(bucket).full
             begin = slot.start - bucket.start
             staged_in[begin:begin + slot.numel].copy_(param.grad.reshape(-1))
             param.grad = None       # the full-size gradient must not persist (Pos+g)
@@ -83,29 +96,27 @@ class GradReducer:
             view = self.grad_flat[bucket.start:bucket.start + bucket.numel]
             self._inflight.append((bucket, comm.all_reduce(view, self.group, async_op=True), None))
             return
-        if self.mode == "reduce_scatter":
-            pair = self._acquire(bucket)
+        if self.mode == "reduce_scatter":   # in place: own chunk of the bucket's gradients
+            entry = self._acquire(bucket)
             full = self.grad_flat[bucket.start:bucket.start + bucket.numel]
+            lo, hi = bucket.chunk_range(self.group.rank)
+            out = full[lo:hi]
         else:
-            pair = self._staging_for(bucket)
-            full = pair[0][:bucket.numel]
-        out = pair[1][:bucket.chunk]
-        handle = comm.reduce_scatter_into(out, full, self.group, async_op=True)
-        self._inflight.append((bucket, handle, pair))
+            entry = self._staging_for(bucket)
+            full, out = entry.full[:bucket.numel], entry.chunk[:bucket.chunk]
+        handle = comm.reduce_scatter_into(out, full, self.group, async_op=True,
+                                          scratch=entry.scratch)
+        self._inflight.append((bucket, handle, entry))
 
     def _complete_oldest(self) -> None:
-        bucket, handle, pair = self._inflight.popleft()
+        bucket, handle, entry = self._inflight.popleft()
         handle.wait()
-        if pair is None:
+        if entry is None:
             return
-        out = pair[1][:bucket.chunk]
-        if self.mode == "reduce_scatter":
-            lo, hi = bucket.chunk_range(self.group.rank)
-            self.grad_flat[bucket.start + lo:bucket.start + hi].copy_(out)
-        else:
-            self.grad_chunks[bucket.index].add_(out)
+        if self.mode == "reduce_scatter_partition":
+            self.grad_chunks[bucket.index].add_(entry.chunk[:bucket.chunk])
             self._staged.pop(bucket.index, None)
-        self._free.append(pair)
+        self._free.append(entry)
 
     def finish(self) -> None:
         """Launch every bucket not yet launched, wait for all, reset for the next backward."""
@@ -123,31 +134,32 @@ class GradReducer:
         self._next = 0
 
     # ---- staging buffers (constant size: the largest bucket and its chunk) -----------------
-    def _staging_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def _staging_for(self, bucket: Bucket) -> _Staging:
         if bucket.index not in self._staged:
-            pair = self._acquire(bucket)
-            pair[0].zero_()         # padding and parameters without a gradient reduce as zeros
-            self._staged[bucket.index] = pair
+            entry = self._acquire(bucket)
+            entry.full.zero_()      # padding and parameters without a gradient reduce as zeros
+            self._staged[bucket.index] = entry
         return self._staged[bucket.index]
 
-    def _acquire(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def _acquire(self, bucket: Bucket) -> _Staging:
         if not self._free and self._inflight:
             self._complete_oldest()
         if self._free:
             return self._free.pop()
         numel = max(b.numel for b in self.layout.buckets)
         chunk = max(b.chunk for b in self.layout.buckets)
-        staged_in = (torch.empty(numel, dtype=self.dtype, device=self.device)
-                     if self.mode == "reduce_scatter_partition" else torch.empty(0))
-        pair = (staged_in, torch.empty(chunk, dtype=self.dtype, device=self.device))
-        self._pool.append(pair)
-        log.debug("gradient staging pool grew to %d buffers (bucket %d)", len(self._pool),
+        new = lambda n: torch.empty(n, dtype=self.dtype, device=self.device)  # noqa: E731
+        staged = self.mode == "reduce_scatter_partition"
+        entry = _Staging(new(numel if staged else 0), new(chunk if staged else 0),
+                         new(numel) if comm.needs_reduce_scratch(self.group) else None)
+        self._pool.append(entry)
+        log.debug("gradient staging pool grew to %d entries (bucket %d)", len(self._pool),
                   bucket.index)
-        return pair
+        return entry
 
     def buffers(self) -> list[torch.Tensor]:
         """Every staging buffer allocated so far (memory report category 'buffers')."""
-        return [t for pair in self._pool for t in pair]
+        return [t for e in self._pool for t in (e.full, e.chunk, e.scratch) if t is not None]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -35,6 +35,7 @@ import logging
 import torch
 from torch import nn
 
+from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.zero import stage3_build as build
 from hybrid.zero.adamw import FlatAdamWState
@@ -51,8 +52,8 @@ MAX_REDUCES_IN_FLIGHT = 2   # overlap one unit's reduce-scatter with the next un
 
 class Stage3Optimizer(ZeroEngine):
     """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring.
-    The step itself is :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive divided by the
-    DP size (each unit's flat gradient is scaled before its reduce-scatter)."""
+    The step itself is :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive summed over DP
+    and are divided inside the AdamW pass (``grad_divisor``)."""
 
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                  adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
@@ -93,6 +94,8 @@ class Stage3Optimizer(ZeroEngine):
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
+        self._reduce_buffers = _ReduceBuffers(max(u.padded for u in self.all_units), self.dtype,
+                                              self.device, comm.needs_reduce_scratch(state.dp))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
         for k, unit in enumerate(self.all_units):
@@ -102,7 +105,7 @@ class Stage3Optimizer(ZeroEngine):
                                   uses_weight_decay(seg.slot.param),
                                   bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
                        for k, unit in enumerate(self.all_units) for seg in unit.segments]
-        self.norm_group, self.grad_divisor = state.world, 1.0
+        self.norm_group, self.grad_divisor = state.world, float(state.dp_size)   # DP-summed
         self._init_engine()
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
@@ -124,7 +127,7 @@ class Stage3Optimizer(ZeroEngine):
             self.scheduler.release(self._module_of[k])
         while len(self._in_flight) >= MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce(self._in_flight.pop(0))
-        unit.reduce_gradients(1.0 / self.state.dp_size)      # DP mean: each rank's loss is a mean
+        unit.reduce_gradients(*self._reduce_buffers.take(k))
         self.scheduler.trace.append(("reduce", k))
         self._in_flight.append(k)
         if not self.config.overlap_communication:
@@ -132,6 +135,7 @@ class Stage3Optimizer(ZeroEngine):
 
     def _finish_reduce(self, k: int) -> None:
         self.all_units[k].finish_reduce()
+        self._reduce_buffers.give_back(k)
         self.scheduler.trace.append(("reduce_done", k))
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -222,8 +226,8 @@ class Stage3Optimizer(ZeroEngine):
             "master32": self.masters if self.offload is None else self.adam.resident()["master32"],
             "adam_moments": (self.adam.tensors() if self.offload is None
                              else self.adam.resident()["adam_moments"]),
-            "buffers": list(self.model.buffers()) + ([] if self.offload is None
-                                                     else self.adam.resident()["buffers"])})
+            "buffers": list(self.model.buffers()) + self._reduce_buffers.tensors() +
+                       ([] if self.offload is None else self.adam.resident()["buffers"])})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         formula = formula_bytes(self.psi, 3, self.state.dp_size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)
@@ -257,6 +261,32 @@ class Stage3Optimizer(ZeroEngine):
             if not was_gathered:
                 unit.release()
         return out
+
+
+class _ReduceBuffers:
+    """The constant-size buffers of the in-flight gradient reduce-scatters (ZeRO-R CB): per slot
+    a flat gradient buffer of the largest unit and, where the backend needs one, its receive
+    buffer. At most MAX_REDUCES_IN_FLIGHT slots ever exist."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, scratch: bool):
+        self.numel, self.dtype, self.device, self.scratch = numel, dtype, device, scratch
+        self._free: list[tuple] = []
+        self._all: list[tuple] = []
+        self._lent: dict[int, tuple] = {}
+
+    def take(self, unit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self._free:
+            new = lambda: torch.empty(self.numel, dtype=self.dtype, device=self.device)  # noqa
+            self._all.append((new(), new() if self.scratch else None))
+            self._free.append(self._all[-1])
+        self._lent[unit] = self._free.pop()
+        return self._lent[unit]
+
+    def give_back(self, unit: int) -> None:
+        self._free.append(self._lent.pop(unit))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self._all for t in pair if t is not None]
 
 
 def build_stage3_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,

@@ -9,8 +9,9 @@ permanently owns chunk ``r`` (``shard``: 2Ψ_unit/Nd bytes of 16-bit parameters)
                into it (async); the unit's parameters are views of this buffer, so they come alive.
     release()  resize the storage back to 0 bytes: the parameters keep their shapes but hold no
                memory (autograd's saved references see the values again after the next gather).
-    reduce_gradients()  flatten the unit's full gradients, reduce-scatter them over DP (async) and
-               keep only this rank's chunk, accumulated over micro-batches.
+    reduce_gradients()  flatten the unit's full gradients into a caller's buffer, reduce-scatter
+               them over DP (async, summed) and keep only this rank's chunk, accumulated over
+               micro-batches.
 
 Shapes: ``full`` [padded], ``shard``/``grad`` [chunk] with padded = chunk * Nd, chunk a multiple of
 the alignment. ``segments`` lists which slice of which parameter this rank owns.
@@ -79,7 +80,7 @@ class ShardedUnit:
         self.grad = torch.zeros(self.chunk, dtype=dtype, device=device)
         self.segments = self._owned_segments(group.rank)
         self._gather_handle = None
-        self._reduce = None            # (handle, flat grads, reduced chunk) of an in-flight reduce
+        self._reduce = None            # (handle, reduced chunk) of an in-flight reduce
         self.grad_accumulated = False  # False: the next reduced chunk overwrites ``grad``
         self.full.untyped_storage().resize_(0)   # nothing is gathered until the first use
         self.gathered = False
@@ -155,24 +156,30 @@ class ShardedUnit:
     def held_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()
 
-    # ---- gradient reduce-scatter -----------------------------------------------------------
+    # ---- gradient reduce-scatter ----------------------------------------------------------
     @torch.no_grad()
-    def reduce_gradients(self, scale: float) -> None:
-        """Flatten the full gradients (times ``scale``, e.g. 1/Nd for the DP mean), reduce-scatter
-        them asynchronously and drop the full ``.grad`` tensors."""
+    def reduce_gradients(self, flat: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        """Flatten the full gradients into ``flat`` (>= ``padded`` elements, the caller's until
+        :meth:`finish_reduce`), reduce-scatter them asynchronously (summed over DP; ``scratch``
+        is the backend's receive buffer, see :func:`hybrid.comm.reduce_scatter_into`) and drop
+        the full ``.grad`` tensors. The first micro-batch reduces straight into ``grad``."""
         if self._reduce is not None:
             raise RuntimeError(f"unit {self.name!r} reduced its gradients twice in one backward")
-        flat = torch.zeros(self.padded, dtype=self.grad.dtype, device=self.grad.device)
-        for slot in self.slots:
+        flat = flat[:self.padded]
+        end = 0
+        for slot in self.slots:                 # slots are back to back in offset order
             grad = slot.param.grad
-            if grad is not None:
-                flat.narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+            target = flat.narrow(0, slot.offset, slot.numel)
+            if grad is None:                    # unused in this backward: reduces as zeros
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1))
                 slot.param.grad = None
-        if scale != 1.0:
-            flat.mul_(scale)
-        out = torch.empty_like(self.grad)
-        handle = comm.reduce_scatter_into(out, flat, self.group, async_op=True)
-        self._reduce = (handle, flat, out)
+            end = slot.offset + slot.numel
+        flat[end:].zero_()                      # alignment padding
+        out = self.grad if not self.grad_accumulated else torch.empty_like(self.grad)
+        handle = comm.reduce_scatter_into(out, flat, self.group, async_op=True, scratch=scratch)
+        self._reduce = (handle, out)
 
     @property
     def reduce_pending(self) -> bool:
@@ -183,14 +190,12 @@ class ShardedUnit:
         """Wait for the reduce-scatter and accumulate the chunk into ``grad``."""
         if self._reduce is None:
             return
-        handle, _flat, out = self._reduce
+        handle, out = self._reduce
         handle.wait()
         self._reduce = None
-        if self.grad_accumulated:
+        if out is not self.grad:
             self.grad.add_(out)
-        else:
-            self.grad.copy_(out)
-            self.grad_accumulated = True
+        self.grad_accumulated = True
 
     def zero_grad(self) -> None:
         self.grad.zero_()

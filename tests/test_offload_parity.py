@@ -3,7 +3,7 @@
 For ZeRO stages 0-3 at DP 2 (tiny GPTModel, 5 steps, fp32) a run with the fp32 master and Adam
 moments offloaded to host memory (``cpu``) or to files (``nvme``) is compared with the same run
 without offload: with the ``exact`` CPU Adam kernel losses, parameters and every optimizer-state
-fragment are bitwise equal; with the default ``fused`` kernel (torch's single-pass AdamW, within
+fragment are bitwise equal (also with stage 3's parameter partitions on NVMe, ``params="nvme"``); with the default ``fused`` kernel (torch's single-pass AdamW, within
 about an ulp per step) they agree to rtol 1e-6. Also bf16 mixed precision
 (bitwise, exact kernel), and a checkpoint round trip: fragments saved from a CPU-offloaded stage 1
 run load into an NVMe-offloaded stage 2 run that continues exactly like the uninterrupted run.
@@ -80,6 +80,11 @@ def _parity(rank, world_size, tmpdir):
             else:
                 assert run[3].measured["adam_moments"] == base[3].measured["adam_moments"]
             checked.append((stage, mode, kernel))
+    # ZeRO-Infinity parameter offload: stage 3's 16-bit partitions in a file as well
+    offload = OffloadConfig("nvme", f"{tmpdir}/p3", block_elems=96, kernel="exact", params="nvme")
+    run = _run(task, state, data, 3, offload=offload)
+    _compare(_run(task, state, data, 3), run, True, "stage 3 nvme params")
+    checked.append((3, "nvme-params", "exact"))
     for stage, mode in ((1, "cpu"), (3, "nvme")):
         base = _run(task, state, data, stage, "bf16")
         offload = OffloadConfig(mode, f"{tmpdir}/b{stage}", block_elems=64, kernel="exact")
@@ -91,7 +96,7 @@ def _parity(rank, world_size, tmpdir):
 
 def test_offload_matches_no_offload_every_stage_dp2(tmp_path):
     checked = run_on_ranks(_parity, 2, args=(str(tmp_path),), timeout=300)
-    assert len(checked[0]) == 4 * 3 + 2
+    assert len(checked[0]) == 4 * 3 + 1 + 2
 
 
 def _resume(rank, world_size, tmpdir):

@@ -1,8 +1,8 @@
 """Resume is exact: 2N uninterrupted steps give bit-identical losses to N steps + save + load + N
 steps (fp32 stage 1 with full recompute, bf16 stage 2 with selective recompute, fp16 stage 3 with
-its loss scaler, bf16 stage 2 with the optimizer state offloaded to the CPU), also when the stop
-comes from
-SIGTERM or --exit-duration-in-mins. The oracle is the uninterrupted run in the same layout."""
+its loss scaler, bf16 stage 2 with the optimizer state offloaded to the CPU, bf16 stage 3 with the
+optimizer state and the parameter partitions on NVMe), also when the stop comes from SIGTERM or
+--exit-duration-in-mins. The oracle is the uninterrupted run in the same layout."""
 
 import os
 import signal
@@ -23,27 +23,36 @@ def _losses(args, record=None):
 
 @pytest.mark.parametrize("precision,stage,recompute,offload", [
     ("fp32", 1, "full", "none"), ("bf16", 2, "selective", "none"), ("fp16", 3, "none", "none"),
-    ("bf16", 2, "none", "cpu")])
+    ("bf16", 2, "none", "cpu"), ("bf16", 3, "none", "nvme-params")])
 def test_resume_is_bit_identical(tmp_path, precision, stage, recompute, offload):
     # fp16: a too-high initial loss scale makes the first 2 steps overflow and back off, so the
     # resumed half only matches if the scaler state came back from the checkpoint
     scaler = ["--initial-loss-scale", str(2.0 ** 20), "--hysteresis", "1"] if precision == "fp16" else []
+    nvme = offload == "nvme-params"   # each run its own files: the runs share this process
+    placement = (["--offload-optimizer", offload] if not nvme else
+                 ["--offload-optimizer", "nvme", "--offload-params", "nvme"])
+    where = (lambda run: ["--offload-nvme-path", str(tmp_path / f"nvme-{run}")]) if nvme else \
+        (lambda run: [])
     base = tiny_args(zero=stage, precision=precision,
-                     extra=FIXED_SCHEDULE + scaler + ["--recompute", recompute,
-                                                      "--offload-optimizer", offload])
+                     extra=FIXED_SCHEDULE + scaler + ["--recompute", recompute] + placement)
     full_record, part_record = [], []
-    full_run = _losses(base + ["--train-iters", "4"], full_record)
+    full_run = _losses(base + ["--train-iters", "4"] + where("full"), full_record)
     full = full_run.losses
-    first = _losses(base + ["--train-iters", "2", "--save", str(tmp_path)], part_record)
-    second = _losses(base + ["--train-iters", "4", "--load", str(tmp_path)], part_record)
+    first = _losses(base + ["--train-iters", "2", "--save", str(tmp_path)] + where("first"),
+                    part_record)
+    second = _losses(base + ["--train-iters", "4", "--load", str(tmp_path)] + where("second"),
+                     part_record)
     assert first.losses + second.losses == full          # exact, not approximately
     assert second.ts.skipped_iterations == full_run.ts.skipped_iterations == (2 if scaler else 0)
     assert part_record == full_record                    # the same samples, in the same order
     reader = CheckpointReader(tmp_path)
     assert reader.metadata["train_state"]["consumed_train_samples"] == 2 * 8
-    assert reader.metadata["config"] == second.cfg.to_dict() | {
-        "checkpoint": reader.metadata["config"]["checkpoint"],
-        "training": reader.metadata["config"]["training"]}
+    saved = reader.metadata["config"]
+    expected = second.cfg.to_dict() | {"checkpoint": saved["checkpoint"],
+                                       "training": saved["training"]}
+    if nvme:   # each run had its own offload directory
+        expected["parallel"] |= {"offload_nvme_path": saved["parallel"]["offload_nvme_path"]}
+    assert saved == expected
     assert reader.metadata["config"]["optimizer"]["bf16"] == (precision == "bf16")
 
 

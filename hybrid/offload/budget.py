@@ -48,6 +48,7 @@ class OffloadConfig:
     host_memory_budget: int | None = None
     block_elems: int = 0
     kernel: str = "fused"
+    params: str = "none"     # "nvme": ZeRO-3 parameter partitions in hybrid.offload.param_store
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -63,6 +64,12 @@ class OffloadConfig:
             raise ValueError(f"block_elems must be >= 0 (0 = automatic), got {self.block_elems}")
         if self.kernel not in KERNELS:
             raise ValueError(f"CPU Adam kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.params not in ("none", "nvme"):
+            raise ValueError(f"--offload-params must be none or nvme, got {self.params!r}")
+        if self.params == "nvme" and self.mode != "nvme":
+            raise ValueError("--offload-params nvme keeps the ZeRO-3 parameter partitions beside "
+                             "the optimizer state on NVMe: add --offload-optimizer nvme "
+                             "--offload-nvme-path DIR")
 
     @property
     def enabled(self) -> bool:

@@ -88,6 +88,9 @@ class ParallelSection:
     allow_tp_across_nodes: bool = _help("accept TP groups larger than a node", default=False)
     offload_optimizer: str = _help("where fp32 master + Adam moments live: none | cpu (ZeRO-Offload) | "
                                    "nvme (ZeRO-Infinity)", default="none")
+    offload_params: str = _help("ZeRO-3 16-bit parameter partitions: none (in memory) | nvme "
+                                "(ZeRO-Infinity, beside the optimizer state; needs "
+                                "--offload-optimizer nvme)", default="none")
     offload_nvme_path: str | None = _help("directory for --offload-optimizer nvme", default=None)
     host_memory_budget: str | None = _help("host memory for offloaded state, e.g. 8GiB", default=None)
     distributed_timeout_minutes: float = _help("a collective waiting longer than this for a lost rank "
@@ -108,10 +111,12 @@ class ParallelSection:
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise TrainConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3 (it offloads the "
                                    "partitioned optimizer state)")
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise TrainConfigError("--offload-params nvme offloads the partitioned parameters of "
+                                   "--zero-stage 3; use stage 3 or drop the flag")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; "
                                    "drop the flag or raise the TP degree")
-
 
     def offload_config(self):
         """The hybrid.offload.OffloadConfig of these flags (None: no offload)."""
@@ -119,7 +124,7 @@ class ParallelSection:
             return None
         from hybrid.offload.budget import OffloadConfig
         return OffloadConfig(mode=self.offload_optimizer, nvme_path=self.offload_nvme_path,
-                             host_memory_budget=self.host_memory_budget)
+                             host_memory_budget=self.host_memory_budget, params=self.offload_params)
 
 
 @dataclass

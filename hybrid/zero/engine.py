@@ -24,6 +24,7 @@ rank's partition) and provides the stage-specific hooks named ``_land_gradients`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -74,6 +75,17 @@ def merged_spans(pieces: list[OwnedPiece], key) -> list[tuple[int, int, int, boo
 
 def _views(chunks: list[torch.Tensor], spans) -> list[torch.Tensor]:
     return [chunks[c].narrow(0, offset, numel) for c, offset, numel, _ in spans]
+
+
+@contextlib.contextmanager
+def _closing(chunks):
+    """The parameter chunks an offload backend writes: a list, or an NVMe parameter store's
+    writer whose ``close()`` queues the last write-back."""
+    try:
+        yield chunks
+    finally:
+        if hasattr(chunks, "close"):
+            chunks.close()
 
 
 class ZeroEngine:
@@ -136,6 +148,8 @@ class ZeroEngine:
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
         if not math.isfinite(norm):
+            if self.offload is not None:   # gradients streamed to the host are this step's
+                self.adam.drop_staged_grads()
             self.scaler.update(True)   # fp16: hysteresis / back-off; bf16 and fp32: nothing
             self._finish_step()
             return StepResult(True, norm, scale)
@@ -162,8 +176,8 @@ class ZeroEngine:
     def _update(self, grads: list[torch.Tensor], grad_scale: float) -> None:
         """AdamW on the owned pieces, the gradients divided by ``grad_scale`` first."""
         if self.offload is not None:   # the host / NVMe backend runs AdamW, writes the chunks
-            torch._foreach_mul_(grads, 1.0 / grad_scale)
-            self.adam.update(grads, self._param_chunks(), lr=self.lr)
+            with _closing(self._param_chunks()) as out:   # gradients it staged are used first
+                self.adam.update(grads, out, lr=self.lr, grad_scale=grad_scale)
             return
         self.adam.step += 1
         moments = (self.adam.exp_avgs, self.adam.exp_avg_sqs)
@@ -213,7 +227,8 @@ class ZeroEngine:
             raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
                              f"elements this rank owns; was it saved from another model?")
         if self.offload is not None:
-            self.adam.publish(self._param_chunks())
+            with _closing(self._param_chunks()) as out:
+                self.adam.publish(out)
         self._publish()
 
     # ---- reports ---------------------------------------------------------------------------

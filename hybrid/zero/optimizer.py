@@ -66,6 +66,8 @@ class ZeroOptimizer(ZeroEngine):
                                    dtype=self.dtype, device=self.device,
                                    overlap=config.overlap_communication, grad_flat=self.grad_flat,
                                    grad_chunks=self.grad_chunks)
+        if self.offload is not None:   # gradients stream to the host as buckets complete
+            self.reducer.on_final = self._stream_grad
         self.pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,
                                   uses_weight_decay(self.params[p.index]),
                                   bool(getattr(self.params[p.index], "tensor_model_parallel", False)))
@@ -156,6 +158,7 @@ class ZeroOptimizer(ZeroEngine):
         self._micro_batches += 1
         last = self._micro_batches % self.config.gradient_accumulation_steps == 0
         self.reducer.enabled = self.config.stage == 2 or last
+        self.reducer.final = last
         scale = self.scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
 
@@ -163,6 +166,8 @@ class ZeroOptimizer(ZeroEngine):
         """Discard this step's gradients without an update (a skipped step): land the collectives
         still in flight, so none writes into the buffers after they are zeroed, then zero them."""
         self.reducer.finish()
+        if self.offload is not None:
+            self.adam.drop_staged_grads()
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -170,6 +175,12 @@ class ZeroOptimizer(ZeroEngine):
         (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()
         self._attach_grads()
         self._micro_batches = 0
+
+    def _stream_grad(self, bucket: int) -> None:
+        """Offload: bucket's reduced chunk is final for this step; the backend takes it now."""
+        b = self.layout.buckets[bucket]
+        grad = self.grad_chunks[bucket] if self.grad_flat is None else self._chunk_of(self.grad_flat, b)
+        self.adam.accept_grad(bucket, grad)
 
     # ---- the engine's hooks (the step is ZeroEngine.step) -----------------------------------
     def _land_gradients(self) -> None:

@@ -3,7 +3,9 @@
 A post-accumulate-grad hook on every parameter counts which bucket is complete; complete buckets are
 launched asynchronously, strictly in bucket order (every rank issues collectives in the same order),
 while backward keeps producing the next gradients. ``finish()`` launches what is left (buckets of
-parameters that got no gradient carry zeros) and waits for every handle.
+parameters that got no gradient carry zeros) and waits for every handle. ``on_final(bucket)`` is
+called as each bucket of the step's last micro-batch lands (optimizer offload streams that chunk
+to the host while backward goes on).
 
 * ``all_reduce`` (stage 0): the bucket slice of the full gradient buffer is all-reduced in place.
 * ``reduce_scatter`` (stage 1): the bucket slice is reduce-scattered in place: this rank's reduced
@@ -56,6 +58,8 @@ class GradReducer:
         self.grad_flat = grad_flat          # stages 0/1: [layout.numel] full gradient buffer
         self.grad_chunks = grad_chunks      # stage 2: this rank's chunk of every bucket
         self.enabled = True                 # False on micro-batches that must not communicate
+        self.final = True                   # this backward is the step's last micro-batch
+        self.on_final: Callable[[int], None] | None = None   # bucket whose chunk is now final
         self._pool: list[_Staging] = []     # every staging entry ever made
         self._free: list[_Staging] = []
         self._staged: dict[int, _Staging] = {}
@@ -111,12 +115,13 @@ class GradReducer:
     def _complete_oldest(self) -> None:
         bucket, handle, entry = self._inflight.popleft()
         handle.wait()
-        if entry is None:
-            return
-        if self.mode == "reduce_scatter_partition":
-            self.grad_chunks[bucket.index].add_(entry.chunk[:bucket.chunk])
-            self._staged.pop(bucket.index, None)
-        self._free.append(entry)
+        if entry is not None:
+            if self.mode == "reduce_scatter_partition":
+                self.grad_chunks[bucket.index].add_(entry.chunk[:bucket.chunk])
+                self._staged.pop(bucket.index, None)
+            self._free.append(entry)
+        if self.final and self.on_final is not None:
+            self.on_final(bucket.index)     # e.g. stream this rank's chunk to the host now
 
     def finish(self) -> None:
         """Launch every bucket not yet launched, wait for all, reset for the next backward."""

@@ -86,6 +86,7 @@ class Stage3Optimizer(ZeroEngine):
             self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
         else:
             self.masters, self.adam = [], self._build_offload_state()   # it writes the shards
+        self.param_store = self._build_param_store()
         self.scaler = build_loss_scaler(zero_config)
         self.scheduler = Stage3Scheduler(model, modules, self.units,
                                          tied=build.tied_units(model, modules),
@@ -137,6 +138,9 @@ class Stage3Optimizer(ZeroEngine):
         self.all_units[k].finish_reduce()
         self._reduce_buffers.give_back(k)
         self.scheduler.trace.append(("reduce_done", k))
+        if self.offload is not None and \
+                self._micro_batches == self.config.gradient_accumulation_steps:
+            self.adam.accept_grad(k, self.all_units[k].grad)   # final: stream it to the host
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (the caller divides by the number of micro-batches)."""
@@ -165,6 +169,8 @@ class Stage3Optimizer(ZeroEngine):
         """Discard this step's gradients without an update (a skipped step): finish the backward's
         reduce-scatters and releases first, so nothing lands in a partition after it is zeroed."""
         self._finish_backward()
+        if self.offload is not None:
+            self.adam.drop_staged_grads()
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -181,7 +187,10 @@ class Stage3Optimizer(ZeroEngine):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.grad.float() if u.grad.dtype != torch.float32 else u.grad for u in self.all_units]
 
-    def _param_chunks(self) -> list[torch.Tensor]:
+    def _param_chunks(self):
+        """The owned 16-bit chunks (with parameters on NVMe: the store's writer)."""
+        if self.param_store is not None:
+            return self.param_store.writer()
         return [u.shard for u in self.all_units]
 
     def _publish(self) -> None:
@@ -195,6 +204,21 @@ class Stage3Optimizer(ZeroEngine):
 
     def _end_step(self) -> None:
         self.zero_grad()
+        if self.param_store is not None:
+            self.param_store.end_step()   # the first step's fetches become the read-ahead order
+
+    def _build_param_store(self):
+        """``OffloadConfig(params="nvme")``: every unit's 16-bit chunk moves into a file
+        (ZeRO-Infinity parameter offload, :mod:`hybrid.offload.param_store`)."""
+        if self.offload is None or self.offload.params != "nvme":
+            return None
+        from hybrid.offload.param_store import NVMeParamStore
+        store = NVMeParamStore([u.chunk for u in self.all_units], dtype=self.dtype,
+                               directory=self.offload.nvme_path, rank=self.state.rank,
+                               pin=self.device.type == "cuda")
+        for k, unit in enumerate(self.all_units):
+            unit.attach_store(store, k)
+        return store
 
     def _build_offload_state(self):
         """hybrid.offload backend holding the masters (from the shards) and moments on host/NVMe."""
@@ -221,7 +245,8 @@ class Stage3Optimizer(ZeroEngine):
 
     def memory_report(self) -> MemoryReport:
         measured = measure_storages({
-            "param16": [t for u in self.all_units for t in (u.shard, u.full)],
+            "param16": [t for u in self.all_units for t in (u.shard, u.full)] +
+                       (self.param_store.resident() if self.param_store is not None else []),
             "grad16": [u.grad for u in self.all_units],
             "master32": self.masters if self.offload is None else self.adam.resident()["master32"],
             "adam_moments": (self.adam.tensors() if self.offload is None
@@ -247,8 +272,10 @@ class Stage3Optimizer(ZeroEngine):
     # ---- reading the parameters --------------------------------------------------------------
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
         """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice)."""
-        return {seg.slot.name: (seg.param_offset, seg.of(unit.shard))
-                for unit in self.all_units for seg in unit.segments}
+        shards = (self.param_store.shard_views() if self.param_store is not None
+                  else [u.shard for u in self.all_units])
+        return {seg.slot.name: (seg.param_offset, seg.of(shard))
+                for unit, shard in zip(self.all_units, shards) for seg in unit.segments}
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:

@@ -84,6 +84,13 @@ class ShardedUnit:
         self.grad_accumulated = False  # False: the next reduced chunk overwrites ``grad``
         self.full.untyped_storage().resize_(0)   # nothing is gathered until the first use
         self.gathered = False
+        self.store, self.store_index = None, -1   # hybrid.offload.param_store: shard on NVMe
+
+    def attach_store(self, store, index: int) -> None:
+        """Keep the shard in ``store`` (written there now); each gather fetches it back."""
+        store.write(index, self.shard)
+        self.store, self.store_index = store, index
+        self.shard = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
 
     # ---- layout ----------------------------------------------------------------------------
     def _owned_segments(self, rank: int) -> list[Segment]:
@@ -131,7 +138,8 @@ class ShardedUnit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
-        self._gather_handle = comm.all_gather_into(self.full, self.shard, self.group, async_op=True)
+        shard = self.shard if self.store is None else self.store.fetch(self.store_index)
+        self._gather_handle = comm.all_gather_into(self.full, shard, self.group, async_op=True)
         if not async_op:
             self.wait_gather()
 
@@ -140,6 +148,8 @@ class ShardedUnit:
             self._gather_handle.wait()
             self._gather_handle = None
             self.gathered = True
+            if self.store is not None:   # the gather has read the shard's buffer
+                self.store.release(self.store_index)
 
     @property
     def in_flight(self) -> bool:

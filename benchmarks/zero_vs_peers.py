@@ -1,4 +1,4 @@
-"""Issue 3 benchmark: ZeRO stages of this project vs torch's data-parallel peers, same GPT.
+"""Issue 3 benchmark: ZeRO stages of this project vs torch's and DeepSpeed's data-parallel engines.
 
 GPT: 4 layers, hidden 256, 4 heads, seq 128, vocab 8192, micro-batch 4 per rank, 2 gloo CPU ranks
 (DP 2, TP 1), one thread each, fp32 and bf16. A step is forward + backward + AdamW update:
@@ -7,24 +7,34 @@ GPT: 4 layers, hidden 256, 4 heads, seq 128, vocab 8192, micro-batch 4 per rank,
     DDP                  torch DistributedDataParallel + torch.optim.AdamW
     ZeRO-1 (torch)       DDP + torch.distributed.optim.ZeroRedundancyOptimizer
     FSDP2 reshard=T/F    torch.distributed.fsdp.fully_shard(reshard_after_forward=True/False)
+    DeepSpeed ZeRO-1/2/3 deepspeed.initialize with DS_ACCELERATOR=cpu on gloo
 
-Peers run models.gpt.reference.ReferenceGPT (plain torch, same canonical initial weights). bf16 for
-DDP / ZeroRedundancyOptimizer is torch.autocast (fp32 params and states, bf16 compute); for FSDP2 a
-MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 sharded params.
+Every variant trains the same module code, so the table compares data-parallel engines, not model
+implementations: ``--peer-model ours`` (default) gives the peers this project's GPTModel at TP 1
+(plain tensors, no process group inside: TP-1 layers never communicate), ``--peer-model reference``
+the independent single-device oracle models.gpt.reference.ReferenceGPT (nn.Linear, explicit
+softmax attention). Same canonical initial weights and data everywhere; peers use
+torch.optim.AdamW (its default CPU implementation). bf16 for DDP / ZeroRedundancyOptimizer is
+torch.autocast (fp32 params and states, bf16 compute); FSDP2 a MixedPrecisionPolicy(bf16, bf16)
+over fp32 shards; DeepSpeed its ``bf16`` mode (bf16 params, fp32 master).
 
-DeepSpeed ZeRO 1/2/3 (``--deepspeed``) runs only inside benchmarks/.venv-deepspeed, a virtual
-environment this script creates (``pip install deepspeed`` with DS_BUILD_OPS=0; never a project
-dependency), with DS_ACCELERATOR=cpu on gloo and torch.optim.AdamW as its client optimizer. Its
-model-state bytes are every live tensor storage after the step (DeepSpeed's partitions are internal).
+One invocation measures everything. DeepSpeed lives only in benchmarks/.venv-deepspeed (created on
+first use by benchmarks.peer_env: torch==2.13.0 from this machine's wheel first, then deepspeed
+under a constraint that keeps that torch; never a project dependency); the script re-runs itself
+there so every variant is timed in the same processes. ``--no-deepspeed`` (or a failed install, said in the output) runs the
+rest in the current interpreter.
 
-Reported per variant: median step time, wall and process CPU (a step ends when the slower rank
-finishes; on a shared machine the CPU time is the meaningful one), model-state
-bytes per rank (params, grads, fp32 master, Adam moments: real storages, deduplicated), peak RSS of
-rank 0, and the loss (mean over ranks) at the last step.
+Timing is interleaved: both ranks build every variant, then advance them round-robin one step at a
+time (the order rotates each round), so the shared machine's load hits all alike. A step's time is
+the slower rank's; the table gives the median over the timed rounds, wall and process CPU (gloo's
+threads included). Model-state bytes per rank are real storages: ours from the engine's memory
+report; torch's peers their params, grads and optimizer state; DeepSpeed's every CPU tensor storage
+that its build and first step left alive. Peak RSS of rank 0 comes from a second pass that runs
+each variant alone in fresh processes (RSS cannot be split inside one process).
 
-Run:  python benchmarks/zero_vs_peers.py [--steps 6] [--only NAME ...]
-      python benchmarks/zero_vs_peers.py --deepspeed        # DeepSpeed rows, merged into the JSON
-Writes benchmarks/results/zero_vs_peers.json and prints a markdown table.
+Run:  python benchmarks/zero_vs_peers.py [--steps 10] [--only NAME ...] [--no-deepspeed]
+                                        [--peer-model ours|reference]
+Writes benchmarks/results/zero_vs_peers[-reference].json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -34,7 +44,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +51,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DS_VENV = ROOT / "benchmarks" / ".venv-deepspeed"
-RESULTS = ROOT / "benchmarks" / "results" / "zero_vs_peers.json"
+RESULTS = ROOT / "benchmarks" / "results"
+WARMUP = 2
+PEER_MODEL = {"name": "ours"}   # set from --peer-model before the ranks start (passed to them)
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO, SEED = 4, 256, 4, 128, 8192, 4, 0
 
@@ -60,18 +71,8 @@ def _batches(rank: int, steps: int):
              torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)) for _ in range(steps)]
 
 
-def _run_steps(one_step, batches):
-    """Time ``one_step(tokens, labels) -> loss`` over ``batches``: (wall, process CPU) seconds per
-    step without two warm-up steps, and the last loss."""
-    times, losses = [], []
-    for tokens, labels in batches:
-        start, cpu = time.perf_counter(), time.process_time()
-        losses.append(float(one_step(tokens, labels)))
-        times.append((time.perf_counter() - start, time.process_time() - cpu))
-    return times[2:], losses[-1]
-
-
-def _ours(rank, world, steps, stage, precision):
+# ---- variants: build(rank, world) -> (step(tokens, labels) -> loss tensor, state_bytes() -> int) --
+def _ours(rank, world, stage, precision):
     import torch
     from hybrid.parallel_state import ParallelState
     from hybrid.topology import Topology
@@ -92,22 +93,65 @@ def _ours(rank, world, steps, stage, precision):
                                                         bucket_size=1_000_000),
                                AdamWConfig(lr=1e-4), **options)
 
-    def one_step(tokens, labels):
+    def step(tokens, labels):
         opt.zero_grad()
         loss = model(tokens, labels).mean()
         opt.backward(loss)
         opt.step()
-        return loss.detach().float()
+        return loss.detach()
 
-    times, loss = _run_steps(one_step, _batches(rank, steps))
-    return times, loss, opt.memory_report().measured_model_states
+    return step, lambda: opt.memory_report().measured_model_states
 
 
 def _peer_model():
-    from models.gpt.reference import ReferenceGPT
-    model = ReferenceGPT(_config())
+    """The model the peers train: GPTModel at TP 1 or the reference, same initial weights."""
+    if PEER_MODEL["name"] == "reference":
+        from models.gpt.reference import ReferenceGPT
+        model = ReferenceGPT(_config())
+    else:
+        from hybrid.parallel_state import ParallelState
+        from models.gpt.model import GPTModel
+        model = GPTModel(_config(), ParallelState.single_process(), device="meta")
     model.init_weights(SEED)
     return model
+
+
+def _peer(rank, world, kind, precision):
+    import torch
+    model = _peer_model()
+    autocast = precision == "bf16" and kind in ("ddp", "zero1")
+    if kind in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+        if kind == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                          lr=1e-4)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
+            if precision == "bf16" else MixedPrecisionPolicy()
+        reshard = kind == "fsdp2_reshard"
+        for layer in model.layers:
+            fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(tokens, labels):
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens, labels).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def state_bytes():
+        states = (opt.optim.state if kind == "zero1" else opt.state).values()
+        return _peer_state_bytes(model.module if kind in ("ddp", "zero1") else model, states)
+
+    return step, state_bytes
 
 
 def _peer_state_bytes(model, optim_states) -> int:
@@ -121,50 +165,11 @@ def _peer_state_bytes(model, optim_states) -> int:
     return sum(sizes.values())
 
 
-def _peer(rank, world, steps, kind, precision):
-    import torch
-    import torch.distributed as dist
-    model = _peer_model()
-    autocast = precision == "bf16" and kind in ("ddp", "zero1")
-    if kind in ("ddp", "zero1"):
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model)
-        if kind == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
-            if precision == "bf16" else MixedPrecisionPolicy()
-        reshard = kind == "fsdp2_reshard"
-        for layer in model.layers:
-            fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def one_step(tokens, labels):
-        opt.zero_grad(set_to_none=False)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(tokens, labels).mean()
-        loss.backward()
-        opt.step()
-        return loss.detach().float()
-
-    times, loss = _run_steps(one_step, _batches(rank, steps))
-    states = (opt.optim.state if kind == "zero1" else opt.state).values()
-    inner = model.module if kind in ("ddp", "zero1") else model
-    nbytes = _peer_state_bytes(inner, states)
-    total = torch.tensor([loss])
-    dist.all_reduce(total)   # peers' own collective: the loss average is not part of the timing
-    return times, total.item() / world, nbytes
-
-
-def _deepspeed(rank, world, steps, stage, precision):
-    import gc
-    import torch
+def _deepspeed(rank, world, stage, precision):
     import deepspeed
+    import torch
+    from benchmarks.measure import bytes_grown_since, live_storages
+    before = live_storages()
     model = _peer_model()
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 1_000_000,
@@ -174,108 +179,127 @@ def _deepspeed(rank, world, steps, stage, precision):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
                                            dist_init_required=False)
 
-    def one_step(tokens, labels):
+    def step(tokens, labels):
         loss = engine(tokens, labels).mean()
         engine.backward(loss)
         engine.step()
-        return loss.detach().float()
+        return loss.detach()
 
-    times, loss = _run_steps(one_step, _batches(rank, steps))
-    from hybrid.zero.report import measure_storages
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
-    nbytes = sum(measure_storages({"param16": live}).values())
-    total = torch.tensor([loss])
-    torch.distributed.all_reduce(total)
-    return times, total.item() / world, nbytes
+    tokens, labels = _batches(rank, 1)[0]
+    step(tokens, labels)   # DeepSpeed creates its partitions lazily: count them after one step
+    nbytes = bytes_grown_since(before)
+    return step, lambda: nbytes
 
 
-def _deepspeed_variants() -> dict:
-    return {f"DeepSpeed ZeRO-{s} {p}": (_deepspeed, (s, p)) for p in ("fp32", "bf16") for s in (1, 2, 3)}
+def _variants(deepspeed: bool) -> dict:
+    out = {f"ours stage {s} {p}": (_ours, (s, p)) for p in ("fp32", "bf16") for s in (0, 1, 2, 3)}
+    peers = (("torch DDP", "ddp"), ("torch ZeroRedundancyOptimizer", "zero1"),
+             ("FSDP2 reshard=True", "fsdp2_reshard"), ("FSDP2 reshard=False", "fsdp2_keep"))
+    out.update({f"{name} {p}": (_peer, (kind, p)) for p in ("fp32", "bf16") for name, kind in peers})
+    if deepspeed:
+        out.update({f"DeepSpeed ZeRO-{s} {p}": (_deepspeed, (s, p))
+                    for p in ("fp32", "bf16") for s in (1, 2, 3)})
+    return out
 
 
-def _reexec_in_deepspeed_venv() -> None:
-    """Create benchmarks/.venv-deepspeed (sees the system torch) with deepspeed, re-run in it."""
-    python = DS_VENV / "bin" / "python"
-    if Path(sys.prefix).resolve() == DS_VENV.resolve():
-        return
-    env = dict(os.environ, DS_BUILD_OPS="0", DS_ACCELERATOR="cpu")
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(DS_VENV)],
-                       check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "deepspeed"], check=True, env=env)
-    os.execve(str(python), [str(python), *sys.argv], env)
+# ---- the two passes ------------------------------------------------------------------------
+def _build(rank, world, names, deepspeed):
+    import torch
+    variants = _variants(deepspeed)
+    built = {}
+    for name in names:
+        fn, args = variants[name]
+        built[name] = fn(rank, world, *args)
+        torch.set_num_threads(1)   # a peer's initialisation must not change the thread count
+    return built
 
 
-VARIANTS = {
-    **{f"ours stage {s} {p}": (_ours, (s, p)) for p in ("fp32", "bf16") for s in (0, 1, 2, 3)},
-    **{f"{name} {p}": (_peer, (kind, p)) for p in ("fp32", "bf16")
-       for name, kind in (("torch DDP", "ddp"), ("torch ZeroRedundancyOptimizer", "zero1"),
-                          ("FSDP2 reshard=True", "fsdp2_reshard"),
-                          ("FSDP2 reshard=False", "fsdp2_keep"))},
-}
-
-
-def _worker(rank, world, name, steps):
+def _interleaved(rank, world, names, rounds, deepspeed, peer_model):
+    """Every variant built here, then stepped round-robin: per variant the (wall, CPU) seconds of
+    each timed round, the last loss and the model-state bytes."""
     import warnings
     warnings.filterwarnings("ignore")
-    fn, args = {**VARIANTS, **_deepspeed_variants()}[name]
-    if fn is _deepspeed:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    times, loss, nbytes = fn(rank, world, steps, *args)
-    if fn is _ours:
-        import torch
-        from hybrid import comm
-        from hybrid.comm import CommLedger, Group
-        total = torch.tensor([loss])
-        comm.all_reduce(total, Group("world", list(range(world)), rank, CommLedger(),
-                                     torch.distributed.group.WORLD))
-        loss = total.item() / world
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return times, loss, nbytes, peak_rss
+    PEER_MODEL["name"] = peer_model
+    built = _build(rank, world, names, deepspeed)
+    batches = _batches(rank, rounds + WARMUP)
+    times = {name: [] for name in names}
+    losses = {}
+    for r, (tokens, labels) in enumerate(batches):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            start, cpu = time.perf_counter(), time.process_time()
+            losses[name] = built[name][0](tokens, labels)
+            times[name].append((time.perf_counter() - start, time.process_time() - cpu))
+    return {name: {"times": times[name][WARMUP:], "loss": float(losses[name].float()),
+                   "bytes": built[name][1]()} for name in names}
+
+
+def _alone(rank, world, name, steps, deepspeed, peer_model):
+    """One variant in fresh processes: peak RSS of this rank after ``steps`` steps."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    PEER_MODEL["name"] = peer_model
+    step, _ = _build(rank, world, [name], deepspeed)[name]
+    for tokens, labels in _batches(rank, steps):
+        step(tokens, labels)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _ensure_deepspeed_venv() -> str | None:
+    """Re-run this script inside benchmarks/.venv-deepspeed (made by benchmarks.peer_env);
+    returns why not, or None when DeepSpeed is importable here."""
+    from benchmarks.peer_env import PeerEnvError, reexec_in_venv
+    try:
+        reexec_in_venv(DS_VENV, {"deepspeed": "deepspeed", "einops": "einops"})
+    except PeerEnvError as err:
+        return str(err)
+    return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (+2 warm-up)")
-    parser.add_argument("--only", nargs="*", choices=sorted({**VARIANTS, **_deepspeed_variants()}),
-                        help="run a subset")
-    parser.add_argument("--deepspeed", action="store_true",
-                        help="run DeepSpeed ZeRO 1/2/3 in benchmarks/.venv-deepspeed instead")
+    parser.add_argument("--steps", type=int, default=10, help=f"timed rounds (+{WARMUP} warm-up)")
+    parser.add_argument("--only", nargs="*", choices=sorted(_variants(True)), help="run a subset")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    parser.add_argument("--rss-steps", type=int, default=3,
+                        help="steps of the per-variant peak-RSS pass (0 skips it)")
+    parser.add_argument("--peer-model", choices=("ours", "reference"), default="ours",
+                        help="module code the peers train (see the module docstring)")
     args = parser.parse_args()
-    if args.deepspeed:
-        _reexec_in_deepspeed_venv()
-        VARIANTS.update(_deepspeed_variants())
+    wants_ds = not args.no_deepspeed and (not args.only or any("DeepSpeed" in n for n in args.only))
+    why_not = _ensure_deepspeed_venv() if wants_ds else "--no-deepspeed"
+    deepspeed = why_not is None
+    if wants_ds and not deepspeed:
+        print(f"DeepSpeed rows skipped: {why_not}", flush=True)
+    names = [n for n in (args.only or _variants(deepspeed)) if deepspeed or "DeepSpeed" not in n]
     from tests.multirank import run_on_ranks
+    per_rank = run_on_ranks(_interleaved, 2, args=(names, args.steps, deepspeed, args.peer_model),
+                            timeout=3600)
     rows = {}
-    for name in args.only or (_deepspeed_variants() if args.deepspeed else VARIANTS):
-        try:
-            per_rank = run_on_ranks(_worker, 2, args=(name, args.steps + 2), timeout=3600)
-        except Exception as err:  # one failing peer must not lose the others' numbers
-            rows[name] = {"error": str(err).splitlines()[-1][:200]}
-            print(f"{name:>40}: FAILED {rows[name]['error']}", flush=True)
-            continue
-        step_times = [max(t[0] for t in ts) for ts in zip(*(r[0] for r in per_rank))]
-        cpu_times = [max(t[1] for t in ts) for ts in zip(*(r[0] for r in per_rank))]
-        rows[name] = {"median_step_ms": 1e3 * statistics.median(step_times),
-                      "median_step_cpu_ms": 1e3 * statistics.median(cpu_times),
-                      "model_state_mib_per_rank": per_rank[0][2] / 2**20,
-                      "peak_rss_mib_rank0": per_rank[0][3] / 2**20,
-                      "loss_after_steps": per_rank[0][1]}
-        r = rows[name]
-        print(f"{name:>40}: {r['median_step_ms']:8.1f} ms/step {r['median_step_cpu_ms']:8.1f} ms CPU "
-              f"{r['model_state_mib_per_rank']:7.1f} "
-              f"MiB states {r['peak_rss_mib_rank0']:7.1f} MiB RSS  loss {r['loss_after_steps']:.4f}",
-              flush=True)
-    previous = json.loads(RESULTS.read_text())["results"] if RESULTS.exists() else {}
-    rows = {**previous, **rows}   # later runs (e.g. --deepspeed) add or replace their rows
-    print(_markdown(rows, args.steps + 2))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
-                                                  vocab=VOCAB, micro_batch_per_rank=MICRO, dp=2,
-                                                  tp=1, threads_per_rank=1),
-                                   "steps": args.steps, "results": rows}, indent=2))
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    for name in names:
+        rounds = list(zip(*(r[name]["times"] for r in per_rank)))   # per round: (rank0, rank1)
+        rows[name] = {"median_step_ms": 1e3 * statistics.median(max(t[0] for t in r) for r in rounds),
+                      "median_step_cpu_ms": 1e3 * statistics.median(max(t[1] for t in r)
+                                                                    for r in rounds),
+                      "model_state_mib_per_rank": per_rank[0][name]["bytes"] / 2**20,
+                      "loss_after_steps": sum(r[name]["loss"] for r in per_rank) / len(per_rank)}
+    for name in names if args.rss_steps else []:
+        rss = run_on_ranks(_alone, 2, args=(name, args.rss_steps, deepspeed, args.peer_model),
+                           timeout=1200)
+        rows[name]["peak_rss_mib_rank0"] = rss[0] / 2**20
+    print(_markdown(rows, args.steps + WARMUP))
+    out = RESULTS / ("zero_vs_peers.json" if args.peer_model == "ours"
+                     else f"zero_vs_peers-{args.peer_model}.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({
+        "config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ, vocab=VOCAB,
+                       micro_batch_per_rank=MICRO, dp=2, tp=1, threads_per_rank=1),
+        "peer_model": args.peer_model, "timed_rounds": args.steps, "warmup": WARMUP,
+        "interleaved": True, "deepspeed": "included" if deepspeed else f"skipped: {why_not}",
+        "command": "python benchmarks/zero_vs_peers.py " + " ".join(sys.argv[1:]),
+        "results": rows}, indent=2))
+    print(f"wrote {out.relative_to(ROOT)}")
 
 
 def _markdown(rows: dict, steps: int) -> str:
@@ -283,15 +307,13 @@ def _markdown(rows: dict, steps: int) -> str:
              f"peak RSS rank 0 (MiB) | loss after {steps} steps |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in rows.items():
-        if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} | | | | |")
-        else:
-            lines.append(f"| {name} | {r['median_step_ms']:.0f} | {r['median_step_cpu_ms']:.0f} "
-                         f"| {r['model_state_mib_per_rank']:.1f} "
-                         f"| {r['peak_rss_mib_rank0']:.0f} | {r['loss_after_steps']:.4f} |")
+        rss = f"{r['peak_rss_mib_rank0']:.0f}" if "peak_rss_mib_rank0" in r else "-"
+        lines.append(f"| {name} | {r['median_step_ms']:.0f} | {r['median_step_cpu_ms']:.0f} "
+                     f"| {r['model_state_mib_per_rank']:.1f} | {rss} | {r['loss_after_steps']:.4f} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()

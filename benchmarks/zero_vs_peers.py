@@ -276,19 +276,23 @@ def main() -> None:
     from tests.multirank import run_on_ranks
     per_rank = run_on_ranks(_interleaved, 2, args=(names, args.steps, deepspeed, args.peer_model),
                             timeout=3600)
-    rows = {}
+    rows, walls = {}, {}
     for name in names:
         rounds = list(zip(*(r[name]["times"] for r in per_rank)))   # per round: (rank0, rank1)
-        rows[name] = {"median_step_ms": 1e3 * statistics.median(max(t[0] for t in r) for r in rounds),
+        walls[name] = [max(t[0] for t in r) for r in rounds]       # the slower rank's step
+        rows[name] = {"median_step_ms": 1e3 * statistics.median(walls[name]),
                       "median_step_cpu_ms": 1e3 * statistics.median(max(t[1] for t in r)
                                                                     for r in rounds),
                       "model_state_mib_per_rank": per_rank[0][name]["bytes"] / 2**20,
                       "loss_after_steps": sum(r[name]["loss"] for r in per_rank) / len(per_rank)}
+    targets = _targets(walls)
     for name in names if args.rss_steps else []:
         rss = run_on_ranks(_alone, 2, args=(name, args.rss_steps, deepspeed, args.peer_model),
                            timeout=1200)
         rows[name]["peak_rss_mib_rank0"] = rss[0] / 2**20
     print(_markdown(rows, args.steps + WARMUP))
+    for what, ratio in targets.items():
+        print(f"{what}: {ratio:.3f}")
     out = RESULTS / ("zero_vs_peers.json" if args.peer_model == "ours"
                      else f"zero_vs_peers-{args.peer_model}.json")
     out.parent.mkdir(exist_ok=True)
@@ -298,8 +302,29 @@ def main() -> None:
         "peer_model": args.peer_model, "timed_rounds": args.steps, "warmup": WARMUP,
         "interleaved": True, "deepspeed": "included" if deepspeed else f"skipped: {why_not}",
         "command": "python benchmarks/zero_vs_peers.py " + " ".join(sys.argv[1:]),
-        "results": rows}, indent=2))
+        "targets": targets, "results": rows}, indent=2))
     print(f"wrote {out.relative_to(ROOT)}")
+
+
+def _targets(walls: dict[str, list[float]]) -> dict[str, float]:
+    """The issue's targets as medians over rounds of per-round wall-time ratios (each round ran
+    every variant back to back, so a ratio is free of the machine's slow drifts): ours stage 1/2
+    over DDP (target <= 1), ours stage 3 over the fastest stage-3 peer of the round, FSDP2 with
+    or without resharding or DeepSpeed ZeRO-3 (target <= 0.9)."""
+    out = {}
+    for p in ("fp32", "bf16"):
+        for stage in (1, 2):
+            ours, ddp = walls.get(f"ours stage {stage} {p}"), walls.get(f"torch DDP {p}")
+            if ours and ddp:
+                out[f"ours stage {stage} / DDP {p}"] = statistics.median(
+                    a / b for a, b in zip(ours, ddp))
+        peers = [walls[n] for n in (f"FSDP2 reshard=True {p}", f"FSDP2 reshard=False {p}",
+                                    f"DeepSpeed ZeRO-3 {p}") if n in walls]
+        ours = walls.get(f"ours stage 3 {p}")
+        if ours and peers:
+            out[f"ours stage 3 / fastest stage-3 peer {p}"] = statistics.median(
+                a / min(round_) for a, round_ in zip(ours, zip(*peers)))
+    return out
 
 
 def _markdown(rows: dict, steps: int) -> str:

@@ -18,17 +18,23 @@ blocked), torch.optim.AdamW(foreach=True), torch.optim.AdamW(fused=True) and Dee
 
 Part 2, the GPT step (forward + backward + optimizer step), one rank, fp32: GPT 12 layers, hidden
 256, 8 heads, seq 128, vocab 4096, micro-batch 2 (~10.6M parameters). Ours: models.gpt.GPTModel +
-hybrid.zero stage 2 and stage 3 with ``--offload-optimizer none | cpu | nvme`` (nvme under a 2 GiB
-budget). DeepSpeed: models.gpt.reference.ReferenceGPT (same canonical initial weights, same data)
-under ``deepspeed.initialize`` with its AdamW, ZeRO stage 2 with ``offload_optimizer`` none / cpu,
-stage 3 with none / cpu / nvme (DeepSpeed's stages 1-2 treat ``nvme`` as ``cpu``, so that row
-would be a duplicate). NVMe files go to a temporary directory (the page cache on this machine: a
-real NVMe device adds its bandwidth limit to both). Every variant is built, stepped twice to warm
-up, then all advance round-robin one step at a time (the order rotates every round) so the shared
-machine's load hits all alike. Reported: median wall and process CPU seconds per step, overhead
-against the same engine and stage without offload, resident state (every CPU tensor storage the
-variant's build and first steps left alive: params, grads, master, moments, buffers; memory-mapped
-files excluded) and the losses.
+hybrid.zero stage 2 and stage 3 with ``--offload-optimizer none | cpu | nvme``, and stage 3 with
+``--offload-optimizer nvme --offload-params nvme`` (row ``nvme+params``: the 16-bit partitions in
+hybrid.offload.param_store too). No host-memory budget: nvme then uses the planner's largest
+blocks (1M elements; a budget only shrinks them, and would fix glibc's mmap threshold for the
+whole process, i.e. for every row). DeepSpeed: models.gpt.reference.ReferenceGPT (same canonical
+initial weights, same data) under ``deepspeed.initialize`` with its AdamW, ZeRO stage 2 with
+``offload_optimizer`` none / cpu, stage 3 with none / cpu / nvme and nvme+params
+(``offload_param`` nvme beside ``offload_optimizer`` nvme); DeepSpeed's stages 1-2 treat ``nvme``
+as ``cpu``, so that row would be a duplicate. A DeepSpeed variant that cannot run here (e.g. its
+async_io op needs libaio) is reported as a row saying why instead of stopping the benchmark. NVMe
+files go to a temporary directory (the page cache on this machine: a real NVMe device adds its
+bandwidth limit to both). Every variant is built, stepped twice to warm up, then all advance
+round-robin one step at a time (the order rotates every round) so the shared machine's load hits
+all alike. Reported: median wall and process CPU seconds per step, overhead against the same
+engine and stage without offload, resident state (every CPU tensor storage the variant's build
+and first steps left alive: params, grads, master, moments, buffers; memory-mapped files
+excluded) and the losses.
 
 Run:  python benchmarks/offload.py [--reps 9] [--steps 11] [--no-deepspeed]
 Prints markdown tables and writes benchmarks/results/offload.json. One thread
@@ -141,8 +147,13 @@ def _gpt_config():
                      attention_dropout=0.0)
 
 
+def _modes(mode: str) -> tuple[str, str]:
+    """Variant mode -> (optimizer offload, parameter offload): ``nvme+params`` is both on NVMe."""
+    return ("nvme", "nvme") if mode == "nvme+params" else (mode, "none")
+
+
 def _ours(stage: int, mode: str, tmp: str):
-    """models.gpt.GPTModel + hybrid.zero at ``stage`` with optimizer offload ``mode``."""
+    """models.gpt.GPTModel + hybrid.zero at ``stage`` with offload ``mode`` (see _modes)."""
     from hybrid.offload import OffloadConfig
     from hybrid.parallel_state import ParallelState
     from hybrid.zero import ZeroConfig, build_zero_optimizer
@@ -156,8 +167,8 @@ def _ours(stage: int, mode: str, tmp: str):
             config, name, sharding.canonical_init(config, name, SEED), 0, 1)
     else:
         model.init_weights(SEED)
-    offload = OffloadConfig(mode, os.path.join(tmp, f"ours{stage}"),
-                            "2GiB" if mode == "nvme" else None)
+    optimizer, params = _modes(mode)
+    offload = OffloadConfig(optimizer, os.path.join(tmp, f"ours{stage}{mode}"), params=params)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=4_000_000),
                                _adamw_config(), offload=offload, **options)
 
@@ -171,8 +182,11 @@ def _ours(stage: int, mode: str, tmp: str):
 
 
 def _deepspeed(stage: int, mode: str, tmp: str):
-    """ReferenceGPT under deepspeed.initialize, ZeRO ``stage``, offload_optimizer ``mode``."""
+    """ReferenceGPT under deepspeed.initialize, ZeRO ``stage``, offload ``mode`` (see _modes)."""
     import deepspeed
+    optimizer, params_to = _modes(mode)
+    if optimizer == "nvme":
+        _check_async_io()
     from hybrid.zero.config import uses_weight_decay
     from models.gpt.reference import ReferenceGPT
     model = ReferenceGPT(_gpt_config())
@@ -181,8 +195,12 @@ def _deepspeed(stage: int, mode: str, tmp: str):
     groups = [{"params": [p for p in params if uses_weight_decay(p)], "weight_decay": WD},
               {"params": [p for p in params if not uses_weight_decay(p)], "weight_decay": 0.0}]
     zero = {"stage": stage, "reduce_bucket_size": 4_000_000, "allgather_bucket_size": 4_000_000}
-    if mode != "none":
-        zero["offload_optimizer"] = {"device": mode, "nvme_path": os.path.join(tmp, "ds")}
+    if optimizer != "none":
+        zero["offload_optimizer"] = {"device": optimizer, "nvme_path": os.path.join(tmp, "ds")}
+    if params_to == "nvme":   # buffers of 2M elements: the largest parameter (embedding) is 1M
+        zero["offload_param"] = {"device": "nvme", "nvme_path": os.path.join(tmp, "ds"),
+                                 "buffer_count": 5, "buffer_size": 2_000_000,
+                                 "pin_memory": False}
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS),
                                                         "eps": EPS, "weight_decay": WD}},
@@ -198,11 +216,22 @@ def _deepspeed(stage: int, mode: str, tmp: str):
     return step, sum(getattr(p, "ds_numel", p.numel()) for p in params)
 
 
+def _check_async_io() -> None:
+    """DeepSpeed's NVMe offload runs on its async_io op, which needs libaio: say so up front
+    instead of failing minutes into a JIT build."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise RuntimeError("DeepSpeed's async_io op cannot be built here (libaio missing: "
+                           "apt-get install libaio-dev)")
+
+
 def _variants(deepspeed: bool) -> dict:
     out = {f"ours ZeRO-{s} {m}": (_ours, s, m) for s in (2, 3) for m in ("none", "cpu", "nvme")}
+    out["ours ZeRO-3 nvme+params"] = (_ours, 3, "nvme+params")
     if deepspeed:
         out.update({f"DeepSpeed ZeRO-2 {m}": (_deepspeed, 2, m) for m in ("none", "cpu")})
-        out.update({f"DeepSpeed ZeRO-3 {m}": (_deepspeed, 3, m) for m in ("none", "cpu", "nvme")})
+        out.update({f"DeepSpeed ZeRO-3 {m}": (_deepspeed, 3, m)
+                    for m in ("none", "cpu", "nvme", "nvme+params")})
     return out
 
 
@@ -234,18 +263,25 @@ def step_rows(steps: int, deepspeed: bool) -> list[dict]:
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(WARMUP + steps)]
     with tempfile.TemporaryDirectory(prefix="offload-bench-") as tmp:
-        built, meta = {}, {}
+        built, meta, failed = {}, {}, {}
         for name, (fn, stage, mode) in _variants(deepspeed).items():
             before = _live_storages()
-            step, psi = fn(stage, mode, tmp)
-            torch.set_num_threads(1)   # a peer's initialisation must not change the thread count
-            warm = [step(t, torch.roll(t, -1, 1)) for t in batches[:WARMUP]]
+            try:
+                step, psi = fn(stage, mode, tmp)
+                torch.set_num_threads(1)   # a peer's initialisation must not change the threads
+                warm = [step(t, torch.roll(t, -1, 1)) for t in batches[:WARMUP]]
+            except Exception as err:   # noqa: BLE001 - a peer that cannot run here becomes a row
+                if fn is not _deepspeed:
+                    raise
+                failed[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+                print(f"{name}: not run ({failed[name]})", file=sys.stderr)
+                continue
             gc.collect()
             grown = sum(n for p, n in _live_storages().items() if p not in before)
             built[name], meta[name] = step, dict(psi=psi, resident=grown, warm=warm)
         calls = {name: _stepper(s, batches[WARMUP:]) for name, s in built.items()}
         stats = _timed_round_robin(calls, steps, 0)
-    return _summaries(stats, meta)
+    return _summaries(stats, meta) + [dict(variant=n, error=e) for n, e in failed.items()]
 
 
 def _stepper(step, batches):
@@ -267,8 +303,9 @@ def _summaries(stats: dict, meta: dict) -> list[dict]:
                          losses=[round(x, 5) for x in meta[name]["warm"] + st["results"]]))
     base = {r["variant"].rsplit(" ", 1)[0]: r for r in rows if r["variant"].endswith(" none")}
     for r in rows:
-        b = base[r["variant"].rsplit(" ", 1)[0]]
-        r["overhead_wall"], r["overhead_cpu"] = r["wall"] / b["wall"] - 1, r["cpu"] / b["cpu"] - 1
+        b = base.get(r["variant"].rsplit(" ", 1)[0])   # None: the baseline could not run
+        r["overhead_wall"] = r["wall"] / b["wall"] - 1 if b else None
+        r["overhead_cpu"] = r["cpu"] / b["cpu"] - 1 if b else None
     return rows
 
 
@@ -283,9 +320,13 @@ def print_tables(adam: list[dict], steps: list[dict], notes: list[str]) -> None:
     print("| variant | step wall s | step CPU s | overhead wall | overhead CPU | resident MB | "
           "loss first / last |")
     print("|---|---:|---:|---:|---:|---:|---|")
+    pct = lambda x: "n/a" if x is None else f"{100 * x:+.1f}%"   # noqa: E731
     for r in steps:
+        if "error" in r:
+            print(f"| {r['variant']} | not run: {r['error']} | | | | | |")
+            continue
         print(f"| {r['variant']} | {r['wall']:.3f} | {r['cpu']:.3f} | "
-              f"{100 * r['overhead_wall']:+.1f}% | {100 * r['overhead_cpu']:+.1f}% | "
+              f"{pct(r['overhead_wall'])} | {pct(r['overhead_cpu'])} | "
               f"{r['resident'] / 2**20:.1f} | {r['losses'][0]:.5f} / {r['losses'][-1]:.5f} |")
     for note in notes:
         print(f"\n{note}")

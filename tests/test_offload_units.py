@@ -1,6 +1,7 @@
 """Pure checks of hybrid.offload without process groups: the CPU Adam against hybrid.zero.adamw and
 torch.optim.AdamW, the NVMe backend against the host backend (same numbers, documented file layout,
-memory-mapped checkpoint views), size parsing and the budget planner's decisions and errors."""
+memory-mapped checkpoint views), size parsing and the budget planner's decisions and errors,
+including what a ZeRO-3 engine tells the planner it keeps resident with its parameters on NVMe."""
 
 from __future__ import annotations
 
@@ -133,10 +134,14 @@ def test_cli_flags_build_the_config(tmp_path):
     parser = argparse.ArgumentParser()
     add_offload_args(parser)
     args = parser.parse_args(["--offload-optimizer", "nvme", "--offload-nvme-path", str(tmp_path),
-                              "--host-memory-budget", "4GiB"])
+                              "--host-memory-budget", "4GiB", "--offload-params", "nvme"])
     cfg = offload_config_from_args(args)
-    assert (cfg.mode, cfg.host_memory_budget, cfg.enabled) == ("nvme", 4 * 2**30, True)
+    assert (cfg.mode, cfg.host_memory_budget, cfg.enabled, cfg.params) == ("nvme", 4 * 2**30, True,
+                                                                           "nvme")
     assert not offload_config_from_args(parser.parse_args([])).enabled
+    with pytest.raises(ValueError, match="--offload-optimizer nvme"):
+        offload_config_from_args(parser.parse_args(["--offload-optimizer", "cpu",
+                                                    "--offload-params", "nvme"]))
 
 
 def test_parse_bytes_and_config_errors():
@@ -164,3 +169,29 @@ def test_budget_planner_sizes_buffers_and_refuses_impossible_budgets(tmp_path):
     with pytest.raises(ValueError, match="nvme"):   # 12 B x 1e8 of host state cannot fit 1 GiB
         plan_block_elems(OffloadConfig("cpu", host_memory_budget="1GiB"), 10**8, 0)
     assert plan_block_elems(OffloadConfig("cpu", host_memory_budget="4GiB"), 10**8, 0) > 0
+
+
+def test_stage3_planner_counts_the_parameter_store_instead_of_the_partitions(tmp_path, monkeypatch):
+    """With ``params="nvme"`` a ZeRO-3 engine reports as resident the store's buffers in place of
+    its 16-bit partitions (everything else equal), and a budget fixes glibc's mmap threshold."""
+    from hybrid.offload import budget, param_store
+    from hybrid.parallel_state import ParallelState
+    from hybrid.zero import ZeroConfig, build_zero_optimizer
+    from models.gpt.config import GPTConfig
+    from models.gpt.model import GPTModel
+    seen, plan = [], budget.plan_block_elems
+    monkeypatch.setattr(budget, "plan_block_elems",
+                        lambda cfg, numel, resident: seen.append(resident) or plan(cfg, numel, resident))
+    config, state = GPTConfig(6, 32, 4, vocab_size=64, seq_length=8), ParallelState.single_process()
+    for params in ("none", "nvme"):
+        opt = build_zero_optimizer(GPTModel(config, state, device="meta"), state, ZeroConfig(stage=3),
+                                   CFG, offload=OffloadConfig("nvme", str(tmp_path / params), "4GiB",
+                                                              params=params), seed=1)
+        opt.adam.close()
+    sizes = [u.chunk for u in opt.all_units]
+    store = param_store.resident_bytes(sizes, torch.float32)
+    assert store == sum(t.nbytes for t in opt.param_store.resident()) < 4 * sum(sizes)
+    assert seen[0] - seen[1] == 4 * sum(sizes) - store
+    opt.param_store.close()
+    if os.confstr("CS_GNU_LIBC_VERSION"):
+        assert budget.return_freed_buffers_to_os()

@@ -19,7 +19,8 @@ in one file and holds only ``buffers`` chunk-sized host buffers, whatever the nu
   read-ahead window; one FIFO I/O thread (os.preadv / os.pwrite release the GIL) orders a read into
   a buffer after the write-back out of it, and a unit's read after its own write-back.
 
-Resident memory: ``buffers x max(sizes) x itemsize`` bytes (pinned when ``pin``), constant.
+Resident memory: ``buffers x max(sizes) x itemsize`` bytes (pinned when ``pin``), constant
+(:func:`resident_bytes`, which the budget planner counts instead of the in-memory partitions).
 
 File layout (raw elements of ``dtype`` - 2 bytes for bf16/fp16, 4 for fp32 - little-endian, no
 header; unit k has ``sizes[k]`` elements starting at element ``starts[k] = sum(sizes[:k])``)::
@@ -44,6 +45,12 @@ import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
+BUFFERS = 4   # two held by gathers (the current unit, the prefetched next), two read ahead
+
+
+def resident_bytes(sizes: list[int], dtype: torch.dtype, buffers: int = BUFFERS) -> int:
+    """Host bytes a store of these chunk ``sizes`` keeps resident: its buffers, nothing else."""
+    return buffers * max(sizes) * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -62,7 +69,7 @@ class NVMeParamStore:
     """Every unit's parameter chunk (``sizes[k]`` elements of ``dtype``) in a file (module doc)."""
 
     def __init__(self, sizes: list[int], *, dtype: torch.dtype, directory: str, rank: int,
-                 buffers: int = 4, lookahead: int | None = None, order: list[int] | None = None,
+                 buffers: int = BUFFERS, lookahead: int | None = None, order: list[int] | None = None,
                  pin: bool = False):
         if not sizes or min(sizes) <= 0:
             raise ValueError(f"every unit needs a positive chunk size, got {sizes}")

@@ -217,6 +217,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                   make_loader=None) -> Trainer:
     """Everything but the loop; tests inject ``data`` (and a recording ``make_loader``)."""
     data = data if data is not None else build_data(cfg, state)
+    if cfg.parallel.host_memory_budget is not None:   # before any model state is allocated
+        from hybrid.offload.budget import return_freed_buffers_to_os
+        return_freed_buffers_to_os()
     model, rng = build_model(cfg, state, data.vocab_size)
     resume = resume_wanted(cfg)
     if resume and cfg.checkpoint.init_from_hf:

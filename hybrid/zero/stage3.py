@@ -222,14 +222,17 @@ class Stage3Optimizer(ZeroEngine):
 
     def _build_offload_state(self):
         """hybrid.offload backend holding the masters (from the shards) and moments on host/NVMe."""
+        from hybrid.offload import param_store
         from hybrid.offload.budget import build_offload_state
         decay = [[(s.chunk_offset, s.length) for s in u.segments if uses_weight_decay(s.slot.param)]
                  for u in self.all_units]
         item = torch.empty((), dtype=self.dtype).element_size()
         chunks = sum(u.chunk for u in self.all_units)
         largest = max(u.padded for u in self.all_units)
-        resident = item * (2 * chunks + 4 * largest) + (4 * chunks if self.config.mixed_precision
-                                                        else 0)
+        params = (param_store.resident_bytes([u.chunk for u in self.all_units], self.dtype)
+                  if self.offload.params == "nvme" else item * chunks)   # store buffers / shards
+        resident = params + item * (chunks + 4 * largest) + (4 * chunks if self.config.mixed_precision
+                                                             else 0)
         backend = build_offload_state(self.offload, [u.chunk for u in self.all_units], decay,
                                       self.adamw, device=self.device, param_dtype=self.dtype,
                                       rank=self.state.rank, resident_bytes=resident)

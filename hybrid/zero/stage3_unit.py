@@ -77,7 +77,9 @@ class ShardedUnit:
         self.chunk = self.padded // group.size
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
         self.shard = torch.zeros(self.chunk, dtype=dtype, device=device)
-        self.grad = torch.zeros(self.chunk, dtype=dtype, device=device)
+        # not zero-filled: the first reduce overwrites it (grad_accumulated is False), so its pages
+        # stay unmapped while construction still holds every shard (ZeRO-3 params on NVMe)
+        self.grad = torch.empty(self.chunk, dtype=dtype, device=device)
         self.segments = self._owned_segments(group.rank)
         self._gather_handle = None
         self._reduce = None            # (handle, reduced chunk) of an in-flight reduce

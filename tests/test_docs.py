@@ -155,7 +155,9 @@ def documented_scalars() -> set[str]:
 
 def run_block(block: Block, work: Path) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "NNODES", "MASTER")}
-    env.update(WORK=str(work), OMP_NUM_THREADS="1")
+    # the guides run in the activated project environment: this interpreter's `python` first
+    env.update(WORK=str(work), OMP_NUM_THREADS="1",
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]))
     res = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (f"{block} exited {res.returncode}:\n{block.text}\n--- stdout\n"

@@ -11,14 +11,15 @@ import gc
 
 
 def live_storages() -> dict[int, int]:
-    """data_ptr -> bytes of every live CPU tensor storage the garbage collector can see."""
+    """data_ptr -> bytes of every live, non-memory-mapped CPU tensor storage the garbage collector
+    can see."""
     import torch
     out = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
-                if storage.nbytes():
+                if storage.nbytes() and not storage.filename:   # a memory-mapped file is not resident
                     out[storage.data_ptr()] = storage.nbytes()
             except RuntimeError:   # a storage freed under a live wrapper (e.g. FSDP's)
                 continue

@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.measure import bytes_grown_since, live_storages   # noqa: E402
 from benchmarks.peer_env import PeerEnvError, reexec_in_venv   # noqa: E402
 
 DS_VENV = ROOT / "benchmarks" / ".venv-deepspeed"
@@ -235,18 +236,6 @@ def _variants(deepspeed: bool) -> dict:
     return out
 
 
-def _live_storages() -> dict[int, int]:
-    """data_ptr -> bytes of every live CPU tensor storage the garbage collector can see."""
-    import torch
-    out = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-            storage = obj.untyped_storage()
-            if storage.nbytes() and not storage.filename:   # memory-mapped files are not resident
-                out[storage.data_ptr()] = storage.nbytes()
-    return out
-
-
 def _init_deepspeed() -> None:
     import deepspeed
     import torch
@@ -265,7 +254,7 @@ def step_rows(steps: int, deepspeed: bool) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="offload-bench-") as tmp:
         built, meta, failed = {}, {}, {}
         for name, (fn, stage, mode) in _variants(deepspeed).items():
-            before = _live_storages()
+            before = live_storages()
             try:
                 step, psi = fn(stage, mode, tmp)
                 torch.set_num_threads(1)   # a peer's initialisation must not change the threads
@@ -277,7 +266,7 @@ def step_rows(steps: int, deepspeed: bool) -> list[dict]:
                 print(f"{name}: not run ({failed[name]})", file=sys.stderr)
                 continue
             gc.collect()
-            grown = sum(n for p, n in _live_storages().items() if p not in before)
+            grown = bytes_grown_since(before)
             built[name], meta[name] = step, dict(psi=psi, resident=grown, warm=warm)
         calls = {name: _stepper(s, batches[WARMUP:]) for name, s in built.items()}
         stats = _timed_round_robin(calls, steps, 0)

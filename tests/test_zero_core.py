@@ -12,13 +12,19 @@ from hybrid.zero.loss_scaler import DynamicLossScaler, build_loss_scaler
 from hybrid.zero.report import expected_dp_bytes, formula_bytes, measure_storages
 
 
-def test_flat_adamw_matches_torch_adamw_with_param_groups():
+def _torch_adamw_reference():
+    """A weight (decayed) and a bias (not), their clones under torch.optim.AdamW, and the config."""
     torch.manual_seed(0)
     w, b = torch.randn(5, 3), torch.randn(7)
     cfg = AdamWConfig(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     ref = [w.clone().requires_grad_(), b.clone().requires_grad_()]
     opt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return w, b, cfg, ref, opt
+
+
+def test_flat_adamw_matches_torch_adamw_with_param_groups():
+    w, b, cfg, ref, opt = _torch_adamw_reference()
     flat = torch.cat([w.flatten(), b])                      # one flat fp32 partition, split in 2
     chunks = list(torch.split(flat, [10, 12]))              # chunk boundary inside w
     state = FlatAdamWState([10, 12], "cpu")
@@ -57,12 +63,7 @@ def test_dynamic_loss_scaler_hysteresis_growth_and_floor():
 
 def test_fused_adamw_with_grad_scale_matches_torch_adamw_groups():
     """The engines' default kernel: torch's fused AdamW with the gradient unscaling folded in."""
-    torch.manual_seed(0)
-    w, b = torch.randn(5, 3), torch.randn(7)
-    cfg = AdamWConfig(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    ref = [w.clone().requires_grad_(), b.clone().requires_grad_()]
-    opt = torch.optim.AdamW([{"params": [ref[0]]}, {"params": [ref[1]], "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    w, b, cfg, ref, opt = _torch_adamw_reference()
     state = FlatAdamWState([15, 7], "cpu")
     mine = [w.flatten().clone(), b.clone()]
     for step in range(1, 5):

@@ -46,6 +46,21 @@ log = logging.getLogger(__name__)
 ITEM = 4   # fp32 bytes
 
 
+def open_exclusive(path: str, nbytes: int, holder_hint: str) -> int:
+    """Open ``path`` read-write (mode 0600), lock it for this process alone and size it to
+    ``nbytes`` of zeros (sparse until written). One owner per file: a second one would silently
+    overwrite the first's data, so it gets an error naming ``holder_hint`` instead."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"{path} is in use by {holder_hint}") from None
+    os.ftruncate(fd, 0)
+    os.ftruncate(fd, nbytes)
+    return fd
+
+
 class NVMeOptimizerState:
     """fp32 master + Adam moments of a partition (chunk ``sizes``) in a file under ``directory``."""
 
@@ -58,15 +73,9 @@ class NVMeOptimizerState:
         self.starts = np.cumsum([0] + self.sizes[:-1]).tolist() if sizes else []
         self.numel = sum(sizes)
         self.path = os.path.join(directory, f"offload_rank{rank:05d}.bin")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:   # one optimizer per file: a second one would silently overwrite the first's state
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise RuntimeError(f"{self.path} is in use by another NVMe-offloaded optimizer; give "
-                               f"each one its own --offload-nvme-path") from None
-        os.ftruncate(self.fd, 0)
-        os.ftruncate(self.fd, 3 * self.numel * ITEM)    # sparse: zeros until written
+        self.fd = open_exclusive(self.path, 3 * self.numel * ITEM,
+                                 "another NVMe-offloaded optimizer; give each one its own "
+                                 "--offload-nvme-path")
         n = adam.block_elems
         self.slots = [{k: torch.zeros(n, dtype=torch.float32) for k in (*STATE_KINDS, "grad")}
                       for _ in range(2)]

@@ -35,7 +35,6 @@ calls :meth:`NVMeParamStore.invalidate`, without all chunks being resident at on
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from hybrid.offload.nvme import open_exclusive
 
 log = logging.getLogger(__name__)
 BUFFERS = 4   # two held by gathers (the current unit, the prefetched next), two read ahead
@@ -83,15 +84,8 @@ class NVMeParamStore:
             raise ValueError(f"lookahead must be in [0, {buffers - 1}], got {lookahead}")
         self.path = os.path.join(directory, f"params_rank{rank:05d}.bin")
         os.makedirs(directory, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:   # one store per file, as the optimizer-state file
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise RuntimeError(f"{self.path} is in use by another parameter store; give each one "
-                               f"its own directory") from None
-        os.ftruncate(self.fd, 0)
-        os.ftruncate(self.fd, sum(self.sizes) * self.item)
+        self.fd = open_exclusive(self.path, sum(self.sizes) * self.item,
+                                 "another parameter store; give each one its own directory")
         self.buffers = [_Buffer(torch.empty(max(self.sizes), dtype=dtype, pin_memory=pin))
                         for _ in range(buffers)]
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-params")

@@ -154,6 +154,13 @@ def test_next_unit_gather_is_issued_before_current_forward_finishes(world):
         bwd = trace[start:]
         for i in range(2, last + 1):
             assert bwd.index(("gather", i - 1)) < bwd.index(("release", i)), (i, bwd)
+        # the look-ahead passes over the small final LayerNorm (unit `last`): the tied embedding's
+        # second gather starts while the last layer computes, and at the start of backward the
+        # last layer's gather starts beside the norm's, before the output layer's backward ends
+        forward = trace[:start]
+        tied_regather = [k for k, e in enumerate(forward) if e == ("gather", 0)][1]
+        assert tied_regather < forward.index(("forward_done", last - 1)), forward
+        assert bwd.index(("gather", last - 1)) < bwd.index(("backward", last)), bwd
         live, peak = set(), 0
         for event, unit in trace:   # gathered units at any time: current, next, tied embedding
             live.add(unit) if event == "gather" else live.discard(unit) if event == "release" else None

@@ -6,7 +6,10 @@ backward, which is the 2Ψ of parameter all-gathers behind the paper's 3Ψ per s
 drive it:
 
 * forward pre-hook of unit i: wait for its gather (prefetched earlier) and *issue the next unit's
-  gather* asynchronously, so that communication overlaps the current unit's compute;
+  gather* asynchronously, so that communication overlaps the current unit's compute. A small next
+  unit (the final LayerNorm: under 1/16 of the largest unit) or one kept whole computes too little
+  to hide a transfer behind it, so the look-ahead continues past it to the next real unit (the
+  tied embedding after the last layer; the last layer at the start of backward);
 * forward hook of unit i: release it, and hook its outputs' gradients: the hook runs when the
   gradient of the unit's output arrives, i.e. just before the unit's own backward; there the unit
   is gathered again and the previous unit prefetched;
@@ -69,6 +72,9 @@ class Stage3Scheduler:
         self.in_backward = False
         self.trace: list[tuple[str, int]] = []
         self.last = len(modules) - 1
+        largest = max((u.numel for u in units if u is not None), default=0)
+        # units the look-ahead passes over: kept whole (None) or too small to hide a transfer
+        self.small = [u is None or 16 * u.numel < largest for u in units]
         model.register_forward_pre_hook(self._model_pre_forward)
         model.register_forward_hook(self._model_post_forward)
         for i, module in enumerate(modules):
@@ -93,16 +99,21 @@ class Stage3Scheduler:
         for i in range(len(self.units)):
             self.release(i)
 
-    def _next_in_forward(self, i: int) -> int | None:
-        if i < self.last:
-            return i + 1
-        return self.tied[0] if self.tied else None
+    def _forward_after(self, i: int) -> list[int]:
+        """Units used after unit i in forward: the later layers, then the tied ones."""
+        return list(range(i + 1, self.last + 1)) + self.tied
 
-    def _previous_in_backward(self, i: int) -> int | None:
-        for j in range(i - 1, -1, -1):
-            if self.backward_reads[j]:
-                return j
-        return None
+    def _backward_after(self, i: int) -> list[int]:
+        """Units gathered after unit i in backward (those whose backward reads parameters)."""
+        return [j for j in range(i - 1, -1, -1) if self.backward_reads[j]]
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        """Issue the gathers of the ``upcoming`` units in order, up to and including the first
+        one that is not small (see the module docstring)."""
+        for j in upcoming:
+            self.gather(j, async_op=True)
+            if not self.small[j]:
+                return
 
     # ---- forward hooks ---------------------------------------------------------------------
     def _model_pre_forward(self, module, args) -> None:
@@ -113,7 +124,7 @@ class Stage3Scheduler:
         self.gather(i, async_op=False)
         self.trace.append(("forward", i))
         if self.prefetch and not self.in_backward:
-            self.gather(self._next_in_forward(i), async_op=True)
+            self._prefetch(self._forward_after(i))
 
     def _post_forward(self, i: int, module, args, output):
         self.trace.append(("forward_done", i))
@@ -133,8 +144,8 @@ class Stage3Scheduler:
     def _backward_starts(self) -> None:
         self.in_backward = True
         self.trace.append(("backward", -1))
-        if self.prefetch and self.backward_reads[self.last]:
-            self.gather(self.last, async_op=True)
+        if self.prefetch:
+            self._prefetch(self._backward_after(self.last + 1))
 
     def _pre_backward(self, i: int) -> None:
         self.in_backward = True
@@ -146,4 +157,4 @@ class Stage3Scheduler:
         if self.backward_reads[i]:
             self.gather(i, async_op=False)
         if self.prefetch:
-            self.gather(self._previous_in_backward(i), async_op=True)
+            self._prefetch(self._backward_after(i))

@@ -46,7 +46,7 @@ import torch
 from hybrid.offload.nvme import open_exclusive
 
 log = logging.getLogger(__name__)
-BUFFERS = 4   # two held by gathers (the current unit, the prefetched next), two read ahead
+BUFFERS = 4   # up to three held by in-flight gathers (see stage3_hooks), at least one read ahead
 
 
 def resident_bytes(sizes: list[int], dtype: torch.dtype, buffers: int = BUFFERS) -> int:

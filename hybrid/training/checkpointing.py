@@ -154,9 +154,12 @@ def check_model_compatible(saved: dict, mine: dict) -> None:
                               "holds its config) or another checkpoint")
 
 
-def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, config, *, rng=None,
-         load_optimizer: bool = True) -> TrainState:
+def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, config, *,
+         rng=None) -> TrainState:
     """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState.
+    Model and optimizer state are always loaded together: the engines rebuild the 16-bit parameters
+    from the loaded fp32 master (and, with parameters on NVMe, write them through the store), so a
+    model-only load would leave master and parameters disagreeing.
     Collective: if reading fails on any rank (e.g. a corrupted file only it reads), every rank raises."""
     found = {}
 
@@ -166,20 +169,17 @@ def load(path: str | Path, model: nn.Module, optimizer, state: ParallelState, co
             check_model_compatible(reader.metadata["model_config"], model.config.to_dict())
         for piece in model_pieces(model, optimizer, state, for_save=False):
             reader.fill(piece)
-        if load_optimizer:
-            pieces, found["fragments"] = optimizer_pieces(model, optimizer, state, for_save=False)
-            for piece in pieces:
-                reader.fill(piece)
+        pieces, found["fragments"] = optimizer_pieces(model, optimizer, state, for_save=False)
+        for piece in pieces:
+            reader.fill(piece)
 
     agree_on_failure(state.world, read, f"loading checkpoint {path}", state.device)
     reader = found["reader"]
     meta_opt = reader.metadata["optimizer"]
-    if load_optimizer:
-        fragments = found["fragments"]
-        optimizer.step_count = meta_opt["step_count"]
-        optimizer.load_fragments(fragments)   # in place already; refreshes the 16-bit copies
-        if getattr(optimizer, "scaler", None) is not None and meta_opt["loss_scaler"]:
-            optimizer.scaler.load_state_dict(meta_opt["loss_scaler"])
+    optimizer.step_count = meta_opt["step_count"]
+    optimizer.load_fragments(found["fragments"])   # in place already; refreshes the 16-bit copies
+    if getattr(optimizer, "scaler", None) is not None and meta_opt["loss_scaler"]:
+        optimizer.scaler.load_state_dict(meta_opt["loss_scaler"])
     train_state = TrainState(**reader.metadata["train_state"])
     _restore_rng(reader, state, config, rng, train_state.iteration)
     saved = reader.metadata["layout"]

@@ -127,8 +127,19 @@ class ZeroEngine:
         """Make the updated owned chunks the model's parameters (round the master, all-gather)."""
         raise NotImplementedError
 
+    def _zero_grads(self) -> None:
+        """Zero this rank's gradient buffers or partitions."""
+        raise NotImplementedError
+
     def _end_step(self) -> None:
         """After a step, taken or skipped."""
+
+    def zero_grad(self) -> None:
+        """Zero this rank's gradients, including any an offload backend has staged from them."""
+        self._zero_grads()
+        if self.offload is not None:
+            self.adam.drop_staged_grads()
+        self._micro_batches = 0
 
     # ---- the step --------------------------------------------------------------------------
     def check_micro_batches(self) -> None:
@@ -148,8 +159,6 @@ class ZeroEngine:
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
         if not math.isfinite(norm):
-            if self.offload is not None:   # gradients streamed to the host are this step's
-                self.adam.drop_staged_grads()
             self.scaler.update(True)   # fp16: hysteresis / back-off; bf16 and fp32: nothing
             self._finish_step()
             return StepResult(True, norm, scale)

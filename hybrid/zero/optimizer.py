@@ -166,15 +166,12 @@ class ZeroOptimizer(ZeroEngine):
         """Discard this step's gradients without an update (a skipped step): land the collectives
         still in flight, so none writes into the buffers after they are zeroed, then zero them."""
         self.reducer.finish()
-        if self.offload is not None:
-            self.adam.drop_staged_grads()
         self.zero_grad()
 
-    def zero_grad(self) -> None:
+    def _zero_grads(self) -> None:
         """Zero the gradient buffer (stages 0/1) or partition (stage 2); re-attach grad views."""
         (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()
         self._attach_grads()
-        self._micro_batches = 0
 
     def _stream_grad(self, bucket: int) -> None:
         """Offload: bucket's reduced chunk is final for this step; the backend takes it now."""

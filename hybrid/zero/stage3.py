@@ -169,12 +169,9 @@ class Stage3Optimizer(ZeroEngine):
         """Discard this step's gradients without an update (a skipped step): finish the backward's
         reduce-scatters and releases first, so nothing lands in a partition after it is zeroed."""
         self._finish_backward()
-        if self.offload is not None:
-            self.adam.drop_staged_grads()
         self.zero_grad()
 
-    def zero_grad(self) -> None:
-        self._micro_batches = 0
+    def _zero_grads(self) -> None:
         for unit in self.all_units:
             unit.zero_grad()
             for slot in unit.slots:

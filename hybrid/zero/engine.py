@@ -24,7 +24,6 @@ rank's partition) and provides the stage-specific hooks named ``_land_gradients`
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -77,17 +76,6 @@ def _views(chunks: list[torch.Tensor], spans) -> list[torch.Tensor]:
     return [chunks[c].narrow(0, offset, numel) for c, offset, numel, _ in spans]
 
 
-@contextlib.contextmanager
-def _closing(chunks):
-    """The parameter chunks an offload backend writes: a list, or an NVMe parameter store's
-    writer whose ``close()`` queues the last write-back."""
-    try:
-        yield chunks
-    finally:
-        if hasattr(chunks, "close"):
-            chunks.close()
-
-
 class ZeroEngine:
     """Shared step, checkpoint fragments and reports; see the module docstring.
 
@@ -119,8 +107,10 @@ class ZeroEngine:
         ``grad_divisor`` x loss scale; the step may modify them in place."""
         raise NotImplementedError
 
-    def _param_chunks(self) -> list[torch.Tensor]:
-        """The 16-bit (or fp32) parameter chunks this rank owns, one per chunk."""
+    def _param_chunks(self):
+        """A context manager yielding the 16-bit (or fp32) parameter chunks this rank owns, one
+        per chunk, for an offload backend to write (an NVMe parameter store's writer queues the
+        last write-back when it closes)."""
         raise NotImplementedError
 
     def _publish(self) -> None:
@@ -185,7 +175,7 @@ class ZeroEngine:
     def _update(self, grads: list[torch.Tensor], grad_scale: float) -> None:
         """AdamW on the owned pieces, the gradients divided by ``grad_scale`` first."""
         if self.offload is not None:   # the host / NVMe backend runs AdamW, writes the chunks
-            with _closing(self._param_chunks()) as out:   # gradients it staged are used first
+            with self._param_chunks() as out:   # gradients it staged are used first
                 self.adam.update(grads, out, lr=self.lr, grad_scale=grad_scale)
             return
         self.adam.step += 1
@@ -236,7 +226,7 @@ class ZeroEngine:
             raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
                              f"elements this rank owns; was it saved from another model?")
         if self.offload is not None:
-            with _closing(self._param_chunks()) as out:
+            with self._param_chunks() as out:
                 self.adam.publish(out)
         self._publish()
 

@@ -22,6 +22,7 @@ the backend runs AdamW there and writes the updated values into this rank's para
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -139,8 +140,9 @@ class ZeroOptimizer(ZeroEngine):
             self.adam.write_master(b, piece.chunk_offset,
                                    src[piece.param_offset:piece.param_offset + piece.numel])
 
-    def _param_chunks(self) -> list[torch.Tensor]:
-        return [self._chunk_of(self.flat_param, b) for b in self.layout.buckets]
+    def _param_chunks(self):
+        chunks = [self._chunk_of(self.flat_param, b) for b in self.layout.buckets]
+        return contextlib.nullcontext(chunks)
 
     def _attach_grads(self) -> None:
         """Stages 0/1: ``param.grad`` = views of the flat buffer; stage 2: no full-size grads."""

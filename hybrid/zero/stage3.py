@@ -30,6 +30,7 @@ Outside forward/backward the model's partitioned parameters hold no storage: rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -188,7 +189,7 @@ class Stage3Optimizer(ZeroEngine):
         """The owned 16-bit chunks (with parameters on NVMe: the store's writer)."""
         if self.param_store is not None:
             return self.param_store.writer()
-        return [u.shard for u in self.all_units]
+        return contextlib.nullcontext([u.shard for u in self.all_units])
 
     def _publish(self) -> None:
         """Round the fp32 masters into the 16-bit partitions; re-gather the persistent parameters."""

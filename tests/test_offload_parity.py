@@ -3,10 +3,11 @@
 For ZeRO stages 0-3 at DP 2 (tiny GPTModel, 5 steps, fp32) a run with the fp32 master and Adam
 moments offloaded to host memory (``cpu``) or to files (``nvme``) is compared with the same run
 without offload: with the ``exact`` CPU Adam kernel losses, parameters and every optimizer-state
-fragment are bitwise equal (also with stage 3's parameter partitions on NVMe, ``params="nvme"``); with the default ``fused`` kernel (torch's single-pass AdamW, within
-about an ulp per step) they agree to rtol 1e-6. Also bf16 mixed precision
-(bitwise, exact kernel), and a checkpoint round trip: fragments saved from a CPU-offloaded stage 1
-run load into an NVMe-offloaded stage 2 run that continues exactly like the uninterrupted run.
+fragment are bitwise equal (also with stage 3's parameter partitions on NVMe, ``params="nvme"``);
+with the default ``fused`` kernel (torch's single-pass AdamW, within about an ulp per step) they
+agree to rtol 1e-6. Also bf16 mixed precision (bitwise, exact kernel), and a checkpoint round
+trip: fragments saved from a CPU-offloaded stage 1 run load into an NVMe-offloaded stage 2 run that
+continues exactly like the uninterrupted run.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def test_soak_memory_flat_losses_continuous(tmp_path):
     corpus = build_corpus(tmp_path / "corpus")
     save = tmp_path / "ckpt"
     per_launch = MINUTES / LAUNCHES
-    iters = int(MINUTES * 60 * 1000)          # never reached (~80 it/s here): the launches stop on their clocks
+    iters = int(MINUTES * 60 * 1000)   # never reached (~80 it/s here): launches stop on their clocks
     args = tiny_cli(corpus, tmp_path / "cache", iters=iters,
                     extra=["--global-batch-size", "4", "--save", str(save), "--load", str(save),
                            "--save-interval", "200", "--log-interval", "200",

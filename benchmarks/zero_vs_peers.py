@@ -21,8 +21,8 @@ over fp32 shards; DeepSpeed its ``bf16`` mode (bf16 params, fp32 master).
 One invocation measures everything. DeepSpeed lives only in benchmarks/.venv-deepspeed (created on
 first use by benchmarks.peer_env: torch==2.13.0 from this machine's wheel first, then deepspeed
 under a constraint that keeps that torch; never a project dependency); the script re-runs itself
-there so every variant is timed in the same processes. ``--no-deepspeed`` (or a failed install, said in the output) runs the
-rest in the current interpreter.
+there so every variant is timed in the same processes. ``--no-deepspeed`` (or a failed install,
+said in the output) runs the rest in the current interpreter.
 
 Timing is interleaved: both ranks build every variant, then advance them round-robin one step at a
 time (the order rotates each round), so the shared machine's load hits all alike. A step's time is

@@ -10,7 +10,8 @@ parameter and is refused when that cannot fit. With ``--offload-params nvme`` (Z
 engine counts the parameter store's buffers (:func:`hybrid.offload.param_store.resident_bytes`)
 instead of the 16-bit partitions. :func:`build_offload_state` is what the ZeRO engines call.
 
-A budget also fixes glibc's mmap threshold (:func:`return_freed_buffers_to_os`): by default glibc
+A budget also fixes glibc's mmap threshold (:func:`return_freed_buffers_to_os`, which the trainer
+calls before it builds the model; code that builds engines itself calls it first): by default glibc
 serves allocations below an adaptive threshold (up to 32 MiB) from a heap it rarely shrinks, and
 ZeRO-3 allocates and frees each unit's gathered parameters and gradients every step, so the
 resident set drifts GBs above the live tensors (measured on a 170M-parameter fp32 GPT with its
@@ -141,8 +142,6 @@ def build_offload_state(config: OffloadConfig, sizes: list[int],
     from hybrid.offload.nvme import NVMeOptimizerState
     if not config.enabled:
         raise ValueError("build_offload_state needs --offload-optimizer cpu or nvme")
-    if config.host_memory_budget is not None:
-        return_freed_buffers_to_os()
     block = plan_block_elems(config, sum(sizes), resident_bytes)
     adam = CPUAdamW(adamw, kernel=config.kernel, block_elems=block)
     if config.mode == "cpu":

@@ -15,13 +15,16 @@ copies that into the output. Here a reduce-scatter is one all-to-all (each rank 
 its input to rank j: (n-1)/n of the tensor, a real reduce-scatter's volume) followed by a local sum
 of the n chunks received, and an all-gather sends this rank's shard straight into the output slot
 of every peer (point-to-point, all posted at once: again (n-1)/n). NCCL's native collectives are
-used as they are.
+used as they are. A CPU group whose ranks share a host can instead take both through shared
+memory (:func:`use_shared_memory`, :mod:`hybrid.shm_collectives`): the ZeRO engines turn it on for
+their DP group; the ledger records the same volumes either way.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -111,6 +114,8 @@ class Group:
     rank: int
     ledger: CommLedger
     pg: object | None = None
+    timeout: timedelta | None = None
+    shm: object | None = None    # a hybrid.shm_collectives.ShmTransport, see use_shared_memory
 
     @property
     def size(self) -> int:
@@ -176,8 +181,30 @@ def _is_gloo(group: Group) -> bool:
 
 def needs_reduce_scratch(group: Group) -> bool:
     """Whether :func:`reduce_scatter_into` on ``group`` receives into a full-size scratch buffer
-    (gloo's all-to-all path): callers that reduce often keep one and pass it as ``scratch``."""
-    return group.size > 1 and group.pg is not None and _is_gloo(group)
+    (gloo's all-to-all path): callers that reduce often keep one and pass it as ``scratch``.
+    Not with shared memory (:func:`use_shared_memory`): the peers' regions are read directly."""
+    return group.size > 1 and group.pg is not None and group.shm is None and _is_gloo(group)
+
+
+def use_shared_memory(group: Group, nbytes: int) -> bool:
+    """Route ``group``'s all-gathers and reduce-scatters of up to ``nbytes`` per call through
+    shared memory when its ranks share a host (CPU gloo groups; :mod:`hybrid.shm_collectives`).
+    Collective over ``group``: every rank calls it, with the same ``nbytes``, while none of the
+    group's collectives is in flight. The regions only grow; returns whether the transport is on.
+    """
+    if group.size < 2 or group.pg is None or not _is_gloo(group):
+        return False
+    capacity = 2 * nbytes     # room for one collective while the one before it is still read
+    if group.shm is not None and group.shm.capacity >= capacity:
+        return True
+    from hybrid.shm_collectives import ShmTransport
+    group.shm = ShmTransport.create(group, capacity, group.timeout)
+    return group.shm is not None
+
+
+def transport_buffers(group: Group) -> list[torch.Tensor]:
+    """This rank's constant-size shared-memory region of ``group`` (memory report), if any."""
+    return group.shm.buffers() if group.shm is not None else []
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
@@ -191,6 +218,10 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
         output.copy_(shard.view_as(output))
         return _Done() if async_op else None
     group.require_process_group()
+    if group.shm is not None and output.is_contiguous():
+        work = group.shm.all_gather(output, shard.contiguous())
+        if work is not None:
+            return _finish(work, async_op)
     if not (_is_gloo(group) and output.is_contiguous()):
         return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
     slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
@@ -220,6 +251,10 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
         output.copy_(full.view_as(output))
         return _Done() if async_op else None
     group.require_process_group()
+    if group.shm is not None and output.is_contiguous():
+        work = group.shm.reduce_scatter(output, full.contiguous())
+        if work is not None:
+            return _finish(work, async_op)
     if not (_is_gloo(group) and output.is_contiguous()):
         return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
     if scratch is None:

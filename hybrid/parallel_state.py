@@ -132,7 +132,7 @@ def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: Comm
     for ranks in all_groups:
         pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
         if rank in ranks:
-            mine = Group(kind, ranks, ranks.index(rank), ledger, pg)
+            mine = Group(kind, ranks, ranks.index(rank), ledger, pg, timeout)
     assert mine is not None, f"rank {rank} is in no {kind} group"
     return mine
 

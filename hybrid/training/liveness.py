@@ -38,6 +38,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hybrid.processes import process_gone
+
 log = logging.getLogger(__name__)
 
 BEATS_PER_WINDOW = 3
@@ -93,23 +95,6 @@ def resolve(host: str) -> str:
         return socket.gethostbyname(host) if host else ""
     except OSError:
         return host
-
-
-def process_gone(pid: int) -> bool:
-    """No process ``pid`` on this host, or only its zombie (killed, not yet reaped by torchrun)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except FileNotFoundError:
-        return True
-    except OSError:   # no /proc here: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def name_ranks(peers: list[Peer]) -> str:

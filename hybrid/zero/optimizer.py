@@ -63,6 +63,9 @@ class ZeroOptimizer(ZeroEngine):
         if self.offload is None:   # otherwise _build_buffers made the offload backend
             self.adam = FlatAdamWState(self.layout.chunk_sizes(), self.device)
         self.scaler = build_loss_scaler(config)
+        if config.shm_collectives and self.partitions > 1:   # reduce-scatters write a whole bucket
+            comm.use_shared_memory(state.dp, max(b.numel for b in self.layout.buckets) *
+                                   self.flat_param.element_size())
         self.reducer = GradReducer(self.params, self.layout, state.dp, REDUCER_MODES[config.stage],
                                    dtype=self.dtype, device=self.device,
                                    overlap=config.overlap_communication, grad_flat=self.grad_flat,
@@ -218,11 +221,12 @@ class ZeroOptimizer(ZeroEngine):
         categories = {"param16": [self.flat_param] + [p.data for p in self.params],
                       "grad16": [self.grad_flat if self.grad_flat is not None else self.grad_part],
                       "master32": [self.master_flat] if self.master_flat is not None else self.masters,
-                      "adam_moments": self.adam.tensors(), "buffers": self.reducer.buffers()}
+                      "adam_moments": self.adam.tensors(),
+                      "buffers": self.reducer.buffers() + comm.transport_buffers(self.state.dp)}
         if self.offload is not None:   # what the backend keeps resident (nothing on NVMe)
             host = self.adam.resident()
             categories.update(master32=host["master32"], adam_moments=host["adam_moments"],
-                              buffers=self.reducer.buffers() + host["buffers"])
+                              buffers=categories["buffers"] + host["buffers"])
         itemsize = self.flat_param.element_size()
         formula = formula_bytes(self.num_local_params, self.config.stage, self.state.dp_size,
                                 param_bytes=itemsize, mixed_precision=self.config.mixed_precision)

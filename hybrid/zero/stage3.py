@@ -96,7 +96,10 @@ class Stage3Optimizer(ZeroEngine):
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
-        self._reduce_buffers = _ReduceBuffers(max(u.padded for u in self.all_units), self.dtype,
+        largest = max(u.padded for u in self.all_units)
+        if zero_config.shm_collectives:   # a reduce-scatter writes a whole unit into the region
+            comm.use_shared_memory(state.dp, largest * self.dtype.itemsize)
+        self._reduce_buffers = _ReduceBuffers(largest, self.dtype,
                                               self.device, comm.needs_reduce_scratch(state.dp))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
@@ -253,6 +256,7 @@ class Stage3Optimizer(ZeroEngine):
             "adam_moments": (self.adam.tensors() if self.offload is None
                              else self.adam.resident()["adam_moments"]),
             "buffers": list(self.model.buffers()) + self._reduce_buffers.tensors() +
+                       comm.transport_buffers(self.state.dp) +
                        ([] if self.offload is None else self.adam.resident()["buffers"])})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         formula = formula_bytes(self.psi, 3, self.state.dp_size, param_bytes=param_bytes,

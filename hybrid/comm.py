@@ -240,7 +240,8 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
                         async_op: bool = False, scratch: torch.Tensor | None = None):
     """Sum ``full`` over ``group`` and keep this rank's 1/size slice (along dim 0) in ``output``.
 
-    ``output`` may be this rank's own slice of ``full`` (in place). On gloo the chunks arrive in a
+    ``output`` may be this rank's own slice of ``full`` (in place); ``full`` must stay untouched
+    until ``wait()``. On gloo the chunks arrive in a
     full-size receive buffer: ``scratch`` (a contiguous tensor of at least ``full.numel()``
     elements of its dtype, untouched until ``wait()``), or a fresh allocation."""
     if full.numel() != output.numel() * group.size:

@@ -141,21 +141,25 @@ class ShmTransport:
         return self._work(seq, read)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> "_ShmWork | None":
-        """``output`` (contiguous) = this rank's 1/size slice of ``full`` summed over the ranks, in
-        rank order; ``output`` may be that slice of ``full``. None: too large."""
+        """``output`` (contiguous) = this rank's 1/size slice of ``full`` summed over the ranks
+        (its own part first, then the peers' in rank order); ``output`` may be that slice of
+        ``full``. None: too large."""
         placed = self._reserve(full.nbytes)
         if placed is None:
             return None
         seq, start = placed
-        self._typed(self.group.rank, start, full).copy_(full.reshape(-1))
+        me, chunk, source = self.group.rank, output.numel(), full.reshape(-1)
+        lo, hi = me * chunk, (me + 1) * chunk
+        mine = self._typed(me, start, full)
+        mine[:lo].copy_(source[:lo])          # the peers' chunks; this rank's own is read in
+        mine[hi:].copy_(source[hi:])          # place from ``full`` (untouched until wait())
         self._publish(seq)
-        chunk = output.numel()
-        lo = self.group.rank * chunk
         flat_out = output.view(-1)
 
         def read() -> None:
-            parts = [self._typed(r, start, full)[lo:lo + chunk] for r in range(self.group.size)]
-            torch.add(parts[0], parts[1], out=flat_out)
+            parts = [source[lo:hi]] + [self._typed(r, start, full)[lo:hi]
+                                       for r in range(self.group.size) if r != me]
+            torch.add(parts[0], parts[1], out=flat_out)   # out may BE parts[0]: read first
             for part in parts[2:]:
                 flat_out.add_(part)
         return self._work(seq, read)

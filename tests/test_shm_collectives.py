@@ -31,7 +31,8 @@ def _plan(seed=5, count=60):
     """The same list of collectives on every rank: (kind, dtype, shard numel, in flight before
     the oldest is waited)."""
     r = random.Random(seed)
-    return [(r.choice(("gather", "reduce")), r.choice((torch.float32, torch.bfloat16)),
+    kinds = ("gather", "reduce", "gather in place", "reduce in place")
+    return [(r.choice(kinds), r.choice((torch.float32, torch.bfloat16)),
              r.randint(1, 700), r.randint(1, 5)) for _ in range(count)]
 
 
@@ -43,10 +44,16 @@ def _against_expected(rank, world_size):
     waits = random.Random(rank)      # each rank waits in its own order
     inflight, results, over_capacity = [], [], 0
     for op, (kind, dtype, numel, depth) in enumerate(_plan()):
-        mine = _inputs(op, rank, numel * (world_size if kind == "reduce" else 1), dtype)
-        out = torch.empty(numel * (world_size if kind == "gather" else 1), dtype=dtype)
+        mine = _inputs(op, rank, numel * (world_size if "reduce" in kind else 1), dtype)
+        out = torch.empty(numel * (world_size if "gather" in kind else 1), dtype=dtype)
         over_capacity += mine.nbytes > group.shm.capacity
-        if kind == "gather":
+        own = slice(rank * numel, (rank + 1) * numel)
+        if kind == "gather in place":        # the shard is this rank's slot of the output
+            out[own] = mine
+            mine = out[own]
+        if kind == "reduce in place":        # the output is this rank's slice of the input
+            out = mine[own]
+        if "gather" in kind:
             handle = comm.all_gather_into(out, mine, group, async_op=True)
         else:
             handle = comm.reduce_scatter_into(out, mine, group, async_op=True)
@@ -57,9 +64,9 @@ def _against_expected(rank, world_size):
     for handle in inflight:
         handle.wait()
     for op, kind, dtype, numel, out in results:
-        every = [_inputs(op, r, numel * (world_size if kind == "reduce" else 1), dtype)
+        every = [_inputs(op, r, numel * (world_size if "reduce" in kind else 1), dtype)
                  for r in range(world_size)]
-        if kind == "gather":
+        if "gather" in kind:
             assert torch.equal(out, torch.cat(every)), op
         else:
             expected = sum(x.float()[rank * numel:(rank + 1) * numel] for x in every)

@@ -3,7 +3,8 @@
 GPT: 4 layers, hidden 256, 4 heads, seq 128, vocab 8192, micro-batch 4 per rank, 2 gloo CPU ranks
 (DP 2, TP 1), one thread each, fp32 and bf16. A step is forward + backward + AdamW update:
 
-    ours stage 0/1/2/3   models.gpt.GPTModel + hybrid.zero (bf16: bf16 params/grads, fp32 master)
+    ours stage 0/1/2/3   models.gpt.GPTModel + hybrid.zero (bf16: bf16 params/grads, fp32 master;
+                         DP collectives through shared memory, HYBRID_SHM_COLLECTIVES=0: gloo)
     DDP                  torch DistributedDataParallel + torch.optim.AdamW
     ZeRO-1 (torch)       DDP + torch.distributed.optim.ZeroRedundancyOptimizer
     FSDP2 reshard=T/F    torch.distributed.fsdp.fully_shard(reshard_after_forward=True/False)

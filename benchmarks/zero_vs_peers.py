@@ -78,21 +78,16 @@ def _ours(rank, world, stage, precision):
     from hybrid.parallel_state import ParallelState
     from hybrid.topology import Topology
     from hybrid.zero import AdamWConfig, ZeroConfig, build_zero_optimizer
-    from models.gpt import sharding
     from models.gpt.model import GPTModel
     state = ParallelState.initialize(Topology(world, 1, gpus_per_node=world))
     config = _config()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model = GPTModel(config, state, device="meta", dtype=dtype)
-    options = {}
-    if stage == 3:
-        options["init_fn"] = lambda name: sharding.shard_tensor(
-            config, name, sharding.canonical_init(config, name, SEED), 0, 1)
-    else:
+    if stage < 3:   # stage 3 partitions the meta model from its init_parameter(name, SEED)
         model.init_weights(SEED)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision=precision,
                                                         bucket_size=1_000_000),
-                               AdamWConfig(lr=1e-4), **options)
+                               AdamWConfig(lr=1e-4), **({"seed": SEED} if stage == 3 else {}))
 
     def step(tokens, labels):
         opt.zero_grad()

@@ -22,6 +22,7 @@ their DP group; the ledger records the same volumes either way.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -282,6 +283,25 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: 
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)
+
+
+@contextlib.contextmanager
+def unrecorded(group: Group):
+    """Collectives inside are control traffic (flags, names), not training traffic: the ledger,
+    which counts what ZeRO's volumes are about, does not record them."""
+    enabled, group.ledger.enabled = group.ledger.enabled, False
+    try:
+        yield
+    finally:
+        group.ledger.enabled = enabled
+
+
+def max_over(group: Group, value: int, device: str | torch.device = "cpu") -> int:
+    """The largest ``value`` of any rank of ``group`` (a control all-reduce, unrecorded)."""
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
+    with unrecorded(group):
+        all_reduce(flag, group, op="max")
+    return int(flag.item())
 
 
 def _itemsize(dtype: torch.dtype) -> int:

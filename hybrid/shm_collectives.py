@@ -39,8 +39,8 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from hybrid import comm
 from hybrid.processes import process_gone
 
 log = logging.getLogger(__name__)
@@ -70,18 +70,20 @@ class ShmTransport:
     # ---- set-up ----------------------------------------------------------------------------
     @classmethod
     def create(cls, group, capacity: int, timeout: timedelta | None = None) -> "ShmTransport | None":
-        """Collective over ``group`` (every rank calls it with the same ``capacity``): the transport,
-        or None where it cannot be used (then each rank says why in the debug log)."""
+        """Collective over ``group``, a gloo group of several ranks (every rank calls it with the
+        same ``capacity``): the transport, or None where it cannot be used (then each rank says
+        why in the debug log). Its control messages are not recorded in the ledger."""
         capacity = _align(capacity)
         timeout = timeout or timedelta(minutes=30)
         why = _local_reason_not(group, capacity)
-        if _any_rank(group, why is not None):
+        if comm.max_over(group, why is not None):
             log.debug("shared-memory collectives off for the %s group: %s", group.kind,
                       why or "another rank cannot use them")
             return None
-        token = [secrets.token_hex(8) if group.rank == 0 else None]
-        dist.broadcast_object_list(token, group_src=0, group=group.pg)
-        names = [f"{SHM_DIR}/hybrid-{token[0]}-{i}" for i in range(group.size + 1)]  # regions, header
+        token = torch.tensor([secrets.randbits(62) if group.rank == 0 else 0])
+        with comm.unrecorded(group):
+            comm.broadcast(token, group)
+        names = [f"{SHM_DIR}/hybrid-{int(token):x}-{i}" for i in range(group.size + 1)]  # + header
         try:
             _create_file(names[group.rank], capacity)
             if group.rank == 0:
@@ -91,7 +93,7 @@ class ShmTransport:
             log.warning("shared-memory collectives off for the %s group: %s", group.kind, err)
             failed = True
         opened = None
-        if not _any_rank(group, failed):
+        if not comm.max_over(group, failed):
             try:
                 regions = [torch.from_file(n, shared=True, size=capacity, dtype=torch.uint8)
                            for n in names[:-1]]
@@ -101,7 +103,7 @@ class ShmTransport:
             except (OSError, RuntimeError) as err:   # a different /dev/shm (another container)
                 log.warning("shared-memory collectives off for the %s group: cannot map a peer's "
                             "region (%s)", group.kind, err)
-        failed = _any_rank(group, opened is None)    # every rank has mapped (or given up): unlink
+        failed = comm.max_over(group, opened is None)   # every rank mapped (or gave up): unlink
         for name in ((names[group.rank], names[-1]) if group.rank == 0 else (names[group.rank],)):
             try:
                 os.unlink(name)
@@ -111,7 +113,7 @@ class ShmTransport:
             return None
         regions, header = opened
         header[PID, group.rank] = os.getpid()
-        dist.barrier(group=group.pg)                 # every pid is written before anyone waits
+        comm.barrier(group)                          # every pid is written before anyone waits
         log.debug("shared-memory collectives on for the %s group: %d bytes per rank", group.kind,
                   capacity)
         return cls(group, capacity, regions, header, timeout)
@@ -259,21 +261,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _any_rank(group, flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank of ``group`` (a small gloo all-reduce)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
-    return bool(t.item())
-
-
 def _local_reason_not(group, capacity: int) -> str | None:
     """Why this rank cannot take part (None: it can)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"{DISABLE_ENV}=0"
-    if group.pg is None or group.size < 2:
-        return "a single-rank or dry-run group"
-    if dist.get_backend(group.pg) != "gloo":
-        return f"backend {dist.get_backend(group.pg)} (CPU gloo groups only)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} (the ordering of the counters is written for x86-64)"
     if not os.path.isdir(SHM_DIR):
@@ -292,7 +283,7 @@ def _create_file(path: str, nbytes: int) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError:
-        os.close(fd)
         os.unlink(path)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)

@@ -113,22 +113,17 @@ def test_switched_off_by_the_environment():
 
 def _train(rank, world_size, stage, shm):
     from hybrid.zero import AdamWConfig, ZeroConfig, build_zero_optimizer
-    from models.gpt import sharding
     from models.gpt.config import GPTConfig
     from models.gpt.model import GPTModel
     state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
     config = GPTConfig(2, 32, 4, vocab_size=128, seq_length=16, hidden_dropout=0.0,
                        attention_dropout=0.0)
-    model = GPTModel(config, state, device="meta" if stage == 3 else "cpu")
-    options = {}
-    if stage == 3:
-        options["init_fn"] = lambda name: sharding.shard_tensor(
-            config, name, sharding.canonical_init(config, name, 0), 0, 1)
-    else:
+    model = GPTModel(config, state, device="meta")   # stage 3 partitions it from init_parameter
+    if stage < 3:
         model.init_weights(0)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=3000,
                                                         shm_collectives=shm),
-                               AdamWConfig(lr=1e-2), **options)
+                               AdamWConfig(lr=1e-2), **({"seed": 0} if stage == 3 else {}))
     assert (state.dp.shm is not None) == shm
     g = torch.Generator().manual_seed(rank)
     losses = []

@@ -126,17 +126,11 @@ def agree_on_failure(world: comm.Group, step, what: str, device) -> None:
             step()
         except Exception as err:  # reported to every rank below, re-raised here with its cause
             error = err
-    flag = torch.tensor([0 if error is None else world.ranks[world.rank] + 1], dtype=torch.int64,
-                        device=device)
-    enabled, world.ledger.enabled = world.ledger.enabled, False   # bookkeeping, not traffic
-    try:
-        comm.all_reduce(flag, world, op="max")
-    finally:
-        world.ledger.enabled = enabled
+    failed = comm.max_over(world, 0 if error is None else world.ranks[world.rank] + 1, device)
     if error is not None:
         raise CheckpointError(f"{what} failed on this rank: {error}") from error
-    if int(flag.item()):
-        raise CheckpointError(f"{what} failed on rank {int(flag.item()) - 1}; see its log")
+    if failed:
+        raise CheckpointError(f"{what} failed on rank {failed - 1}; see its log")
 
 
 def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],

@@ -51,14 +51,7 @@ class ExitCondition:
             local = 2
         elif self.deadline is not None and time.monotonic() >= self.deadline:
             local = 1
-        flag = torch.tensor([local], dtype=torch.int32, device=self.device)
-        enabled = self.world.ledger.enabled
-        self.world.ledger.enabled = False  # bookkeeping, not training traffic
-        try:
-            comm.all_reduce(flag, self.world, op="max")
-        finally:
-            self.world.ledger.enabled = enabled
-        code = int(flag.item())
+        code = comm.max_over(self.world, local, self.device)
         if code and self.reason is None:
             self.reason = "signal SIGTERM" if code == 2 else "--exit-duration-in-mins reached"
             log.warning("stopping: %s; saving a checkpoint", self.reason)

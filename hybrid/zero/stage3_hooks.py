@@ -29,6 +29,8 @@ backward (activation recompute) gather without prefetching and never release.
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -99,15 +101,16 @@ class Stage3Scheduler:
         for i in range(len(self.units)):
             self.release(i)
 
-    def _forward_after(self, i: int) -> list[int]:
-        """Units used after unit i in forward: the later layers, then the tied ones."""
-        return list(range(i + 1, self.last + 1)) + self.tied
+    def _forward_after(self, i: int) -> Iterator[int]:
+        """Units used after unit i in forward: the later layers, then the tied ones (lazily: the
+        look-ahead stops at the first unit that is not small)."""
+        return itertools.chain(range(i + 1, self.last + 1), self.tied)
 
-    def _backward_after(self, i: int) -> list[int]:
+    def _backward_after(self, i: int) -> Iterator[int]:
         """Units gathered after unit i in backward (those whose backward reads parameters)."""
-        return [j for j in range(i - 1, -1, -1) if self.backward_reads[j]]
+        return (j for j in range(i - 1, -1, -1) if self.backward_reads[j])
 
-    def _prefetch(self, upcoming: list[int]) -> None:
+    def _prefetch(self, upcoming: Iterator[int]) -> None:
         """Issue the gathers of the ``upcoming`` units in order, up to and including the first
         one that is not small (see the module docstring)."""
         for j in upcoming:

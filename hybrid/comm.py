@@ -1,4 +1,4 @@
-"""The one thin layer every collective goes through, with a ledger of logical volumes (DESIGN.md 5).
+"""The one thin layer every collective goes through, with a ledger of logical volumes (docs/design.md §5).
 
 ZeRO §5 and §7 count communication as the data a ring collective moves per rank: an all-reduce of
 Ψ elements moves 2Ψ(n-1)/n (a reduce-scatter plus an all-gather), an all-gather or a reduce-scatter

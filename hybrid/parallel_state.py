@@ -1,4 +1,4 @@
-"""The explicit parallel state: world, TP and DP process groups of one rank (DESIGN.md 1).
+"""The explicit parallel state: world, TP and DP process groups of one rank (docs/design.md §1).
 
 Built from a pure :class:`~hybrid.topology.Topology` inside a torchrun or ``torch.multiprocessing``
 job and passed to every layer, optimizer and checkpoint that communicates. There are no module-level

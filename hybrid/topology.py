@@ -4,7 +4,7 @@ A :class:`Topology` maps every global rank to its node, its local index on the n
 parallel (TP) rank and its data-parallel (DP) rank, with no torch.distributed involved, so a 400-GPU
 DGX-2 layout can be checked on a laptop.
 
-Rank order (DESIGN.md invariant 2): TP varies fastest. The rank grid is ``arange(world).view(dp, tp)``:
+Rank order (docs/design.md §2): TP varies fastest. The rank grid is ``arange(world).view(dp, tp)``:
 
     world 8, tp 2, 4 GPUs per node
         node 0: ranks 0 1 | 2 3        TP groups: [0,1] [2,3] [4,5] [6,7]   (adjacent, inside a node)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several machines: run this same command on every node (torchrun's c10d rendezvous).
 #   NNODES=2 NPROC=16 MASTER=node0.example:29500 JOB_ID=gpt100b bash launch/multinode.sh --config table5-zero-100B
-# Rank order is TP-fastest (DESIGN.md 2): a TP group of <= NPROC ranks stays inside one node, DP groups
+# Rank order is TP-fastest (docs/design.md §2): a TP group of <= NPROC ranks stays inside one node, DP groups
 # stride across nodes. The checkpoint directory (--save) must be on a filesystem every node shares.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,7 +25,7 @@ from hybrid.training.metrics import install_rank_logging  # noqa: E402
 # Bad input found before or at launch: config/topology/model dims (ValueError subclasses:
 # TrainConfigError, TopologyError, ConfigError), data (IndexedDatasetError, dataset ValueErrors) and
 # checkpoints, and paths that do not exist (a tokenizer model). Reported as one line, exit code 2,
-# no traceback (DESIGN.md 9, 10).
+# no traceback (docs/design.md §9, §10).
 USER_ERRORS = (ValueError, CheckpointError, FileNotFoundError)
 
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the reliability tests (DESIGN.md invariant 10): a tiny real corpus (sentencepiece
+"""Shared pieces of the reliability tests (docs/design.md §10): a tiny real corpus (sentencepiece
 tokenizer + Megatron .bin/.idx) built once, the CLI of a tiny GPT run on it, the entry point
 ``launch/pretrain_gpt.py`` loaded in-process, tree hashes to prove checkpoints are untouched, and a
 torchrun command line."""

@@ -1,4 +1,4 @@
-"""Bad input never hangs and never loses data (DESIGN.md invariants 9, 10): a catalogue of wrong
+"""Bad input never hangs and never loses data (docs/design.md §9, §10): a catalogue of wrong
 parallel layouts, broken data files, damaged checkpoints and bad command lines, each run through the
 real entry point ``launch/pretrain_gpt.py`` (in-process ``main(argv)``, a few as subprocesses).
 

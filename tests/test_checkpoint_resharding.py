@@ -1,4 +1,4 @@
-"""Checkpoints are independent of the layout that wrote them (DESIGN.md invariant 8).
+"""Checkpoints are independent of the layout that wrote them (docs/design.md §8).
 
 A run saved at TP2 x DP2 with ZeRO stage 3 after 2 of 4 iterations is resumed at TP1 x DP4 stage 1,
 TP4 x DP1 stage 2 (4 ranks, one spawn) and TP1 x DP1 stage 0 (one process). The oracle is the same

@@ -1,4 +1,4 @@
-"""GPT config validation and the paper's presets (ZeRO Tables 5, 6, 10) checked against PAPER.md."""
+"""GPT config validation and the paper's presets (ZeRO Tables 5, 6, 10) checked against docs/design.md §Paper."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""TP GPT vs the single-device oracle (DESIGN.md invariant 4), fp32, dropout off.
+"""TP GPT vs the single-device oracle (docs/design.md §4), fp32, dropout off.
 
 For TP 1, 2, 4, sequence parallelism on/off, a vocab divisible and not divisible by TP and two model
 shapes: the logits, the per-token loss and EVERY parameter gradient (gathered from the TP shards with

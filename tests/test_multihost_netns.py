@@ -1,4 +1,4 @@
-"""A real two-host run (DESIGN.md invariants 2, 8, 10): two network namespaces joined by a veth pair
+"""A real two-host run (docs/design.md §2, §8, §10): two network namespaces joined by a veth pair
 (10.213.<n>.1 and .2, traffic only between them), two CPU ranks each, started on each "host" with
 ``launch/multinode.sh`` (torchrun c10d rendezvous on 10.213.<n>.1). TP 2 lives inside a host, DP 2
 crosses the veth link.

@@ -1,4 +1,4 @@
-"""Crashes never lose training (DESIGN.md invariants 8, 10), with real processes:
+"""Crashes never lose training (docs/design.md §8, §10), with real processes:
 
 * ``torchrun --max-restarts 1``: rank 1 is SIGKILLed mid-training; torchrun restarts the job, which
   resumes from the latest checkpoint, and the completed run's per-iteration losses equal an

@@ -1,4 +1,4 @@
-"""Lost peers are named, fast (DESIGN.md invariant 10; hybrid/training/liveness.py).
+"""Lost peers are named, fast (docs/design.md §10; hybrid/training/liveness.py).
 
 First the diagnosis in one process, against a real c10d store: alive, lost, failed and already
 diagnosed peers. Then four ranks (TP 2 x DP 2) run the real entry point (``launch/pretrain_gpt.py``

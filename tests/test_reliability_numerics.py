@@ -1,4 +1,4 @@
-"""NaN/Inf never reaches the weights or a checkpoint (DESIGN.md invariant 10), on 2 gloo ranks
+"""NaN/Inf never reaches the weights or a checkpoint (docs/design.md §10), on 2 gloo ranks
 (DP 2, ZeRO stage 2 - and stages 0 and 3 for the skip -, 2 micro-batches per step), with the NaN
 injected into ONE rank's loss:
 

@@ -1,4 +1,4 @@
-"""Nothing in the project runs code from its inputs (DESIGN.md invariant 8):
+"""Nothing in the project runs code from its inputs (docs/design.md §8):
 
 * a static scan (``ast``) of every tracked ``.py`` file: no ``torch.load`` without
   ``weights_only=True``, no ``pickle.load(s)``, no ``import pickle`` in hybrid/ models/ launch/ tools/,

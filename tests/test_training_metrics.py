@@ -1,6 +1,6 @@
 """Metrics: the TensorBoard event files hold every Megatron-named scalar (read back with
 tensorboard's EventAccumulator), the model-state bytes per category, and a DP traffic per step
-equal to ZeRO's 2Ψ(n-1)/n for stage 2 (PAPER.md); only the writer rank writes."""
+equal to ZeRO's 2Ψ(n-1)/n for stage 2 (docs/design.md §Paper); only the writer rank writes."""
 
 from pathlib import Path
 

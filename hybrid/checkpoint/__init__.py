@@ -1,4 +1,4 @@
-"""Layout-independent, atomic checkpoints with an integrity manifest (DESIGN.md invariant 8)."""
+"""Layout-independent, atomic checkpoints with an integrity manifest (docs/design.md §8)."""
 
 from hybrid.checkpoint.format import FORMAT_VERSION, CheckpointError, Piece
 from hybrid.checkpoint.loader import CheckpointReader, resolve_checkpoint_dir

@@ -1,4 +1,4 @@
-"""The on-disk checkpoint format, independent of the layout that wrote it (DESIGN.md invariant 8).
+"""The on-disk checkpoint format, independent of the layout that wrote it (docs/design.md §8).
 
 A checkpoint is a directory ``<save>/iter_0000100/`` holding
 

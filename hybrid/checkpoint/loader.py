@@ -1,4 +1,4 @@
-"""Checkpoint reader with resharding: load at any TP/DP degree and ZeRO stage (DESIGN.md 8).
+"""Checkpoint reader with resharding: load at any TP/DP degree and ZeRO stage (docs/design.md §8).
 
 :class:`CheckpointReader` verifies the manifest, reads the piece index of every rank file (safetensors
 headers only), and fills *target* pieces - the ranges the loading rank owns in its own layout:

@@ -1,4 +1,4 @@
-"""Atomic, multi-rank checkpoint writer with an integrity manifest and keep-last-k (DESIGN.md 8).
+"""Atomic, multi-rank checkpoint writer with an integrity manifest and keep-last-k (docs/design.md §8).
 
 Protocol (every rank calls :func:`save_checkpoint`; the directory must be on a filesystem all ranks
 share):
@@ -119,7 +119,7 @@ def read_latest(save_dir: Path) -> str | None:
 def agree_on_failure(world: comm.Group, step, what: str, device) -> None:
     """Collective over ``world``: run ``step`` (or nothing when None) and make every rank raise if
     any rank's step failed, so a failed save or load never leaves the other ranks waiting in a
-    collective (DESIGN.md 10)."""
+    collective (docs/design.md §10)."""
     error = None
     if step is not None:
         try:

@@ -1,6 +1,6 @@
 """Memory, FLOPs and throughput models (ZeRO §3, §5-§7, §10; Megatron-LM; selective recompute).
 
-Pure functions of numbers (DESIGN.md invariant 7), shared by the runtime's start-up memory report,
+Pure functions of numbers (docs/design.md §7), shared by the runtime's start-up memory report,
 tools/paper_tables.py, tools/dry_run.py and the tests:
 
 - :mod:`~hybrid.perf.model_states` - model-state bytes per device per ZeRO stage (Figure 1, Tables 1-2)

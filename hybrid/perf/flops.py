@@ -1,8 +1,8 @@
 """Parameter counts and model FLOPs of a dense GPT (Megatron-LM, Narayanan et al. 2021, §5.1 / App. A).
 
-Pure arithmetic on model dimensions (DESIGN.md invariant 7): no torch, no configs, no process groups.
+Pure arithmetic on model dimensions (docs/design.md §7): no torch, no configs, no process groups.
 
-Parameters (PAPER.md):      Ψ ≈ 12 l h² (1 + 13/(12h) + (V + s)/(12 l h))
+Parameters (docs/design.md §Paper):      Ψ ≈ 12 l h² (1 + 13/(12h) + (V + s)/(12 l h))
 Model FLOPs per iteration:  F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
 With full activation recompute the hardware executes one more forward pass of every layer:
                             F_hw = 96 B s l h² (1 + s/(6h) + V/(16 l h))

@@ -10,7 +10,7 @@ With data parallelism of degree Nd, ZeRO partitions them:
     stage 3 (Pos+g+p)      (2 + 2 + K) Ψ / Nd
 
 With model (tensor) parallelism of degree Nm, Ψ is the per-MP-rank share Ψ / Nm. Pure functions of
-numbers (DESIGN.md invariant 7): the runtime's start-up memory report, tools/paper_tables.py and the
+numbers (docs/design.md §7): the runtime's start-up memory report, tools/paper_tables.py and the
 tests call these same functions.
 """
 

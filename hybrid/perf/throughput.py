@@ -132,7 +132,7 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                        assumptions: ThroughputAssumptions = ThroughputAssumptions()
                        ) -> IterationEstimate:
     """Time of one iteration of ``grad_accumulation`` micro-batches of ``micro_batch`` sequences per
-    replica on ``tp`` x ``dp`` GPUs (TP fastest, DESIGN.md invariant 2)."""
+    replica on ``tp`` x ``dp`` GPUs (TP fastest, docs/design.md §2)."""
     cluster = cluster or dgx2_v100_cluster()
     topo = Topology(tp * dp, tp, cluster.gpus_per_node, allow_tp_across_nodes=True)
     gpus, a = topo.world_size, assumptions

@@ -1,4 +1,4 @@
-"""Weight initialisation independent of the tensor-parallel degree (Megatron-LM §3; DESIGN.md 4).
+"""Weight initialisation independent of the tensor-parallel degree (Megatron-LM §3; docs/design.md §4).
 
 Every rank generates the *full* master weight of a parameter from a generator seeded by the run seed
 and a stable hash of the parameter's name, keeps its contiguous slice along the partition dimension

@@ -261,7 +261,7 @@ class VocabParallelEmbedding(_TPModule):
 @functools.lru_cache(maxsize=1)
 def _apex_fused_layer_norm():
     """NVIDIA apex's fused CUDA layer norm when apex is installed with its CUDA extension (optional,
-    DESIGN.md "Dependencies"), else None; torch's own kernel is the fallback."""
+    docs/design.md "Dependencies"), else None; torch's own kernel is the fallback."""
     if importlib.util.find_spec("fused_layer_norm_cuda") is None:
         return None
     try:

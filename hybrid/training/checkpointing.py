@@ -1,4 +1,4 @@
-"""Save and resume a training run with the layout-independent checkpoint format (DESIGN.md 8).
+"""Save and resume a training run with the layout-independent checkpoint format (docs/design.md §8).
 
 What a checkpoint holds, and where it comes from:
 

@@ -1,4 +1,4 @@
-"""Training configuration: dataclasses that validate themselves (DESIGN.md invariant 9).
+"""Training configuration: dataclasses that validate themselves (docs/design.md §9).
 
 One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections`. Every field
 name is the Megatron-LM flag with dashes turned into underscores (``tensor_model_parallel_size`` <->

@@ -4,7 +4,7 @@ No process group and no communication (torchtitan-style dry run): the pure :clas
 out every rank, :meth:`ParallelState.dry_run` gives one rank's groups, the real tensor-parallel GPT is
 built on the meta device (shapes only) to count that rank's parameters, and the pure models of
 :mod:`hybrid.perf` give model-state bytes per rank (ZeRO §5), DP traffic per step (ZeRO §7) and
-FLOPs per iteration (Megatron's formula, PAPER.md), plus the activation estimate of
+FLOPs per iteration (Megatron's formula, docs/design.md §Paper), plus the activation estimate of
 :func:`hybrid.perf.memory.device_memory` for ``--recompute``.
 """
 

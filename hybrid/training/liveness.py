@@ -1,4 +1,4 @@
-"""Naming the lost peer when a job loses ranks (DESIGN.md invariant 10).
+"""Naming the lost peer when a job loses ranks (docs/design.md §10).
 
 gloo reports a dead peer as ``Connection closed by peer [10.213.7.2]:41373`` (or, when a host vanished
 without closing its sockets, as a timeout): an address and a port, never a rank or a host. This module

@@ -7,7 +7,7 @@ for evaluation ``lm loss validation`` / ``lm loss validation ppl``. Beyond Megat
 measured model-state bytes per category (``model-state/<category>-bytes``, ZeRO §5) and the bytes
 each rank moved per step per group (``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7).
 
-Throughput uses Megatron's model-FLOPs formula (PAPER.md, via :mod:`hybrid.perf.flops`); MFU is
+Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`); MFU is
 TFLOP/s per rank over a configurable peak. Only the writer rank opens a TensorBoard writer; every
 rank may call ``log`` (the others drop it), so no caller needs ``if rank == 0``.
 """

@@ -1,4 +1,4 @@
-"""The seven sections of the training configuration, each validating itself (DESIGN.md 9).
+"""The seven sections of the training configuration, each validating itself (docs/design.md §9).
 
 Every field name is the Megatron-LM command-line flag with dashes turned into underscores
 (``tensor_model_parallel_size`` <-> ``--tensor-model-parallel-size``); the ``help`` metadata is the
@@ -272,7 +272,7 @@ class TrainingSection:
 
 @dataclass
 class CheckpointSection:
-    """Where and how often layout-independent checkpoints are written (DESIGN.md invariant 8)."""
+    """Where and how often layout-independent checkpoints are written (docs/design.md §8)."""
 
     save: str | None = _help("directory to save checkpoints to", default=None)
     load: str | None = _help("directory to resume from (its `latest`)", default=None)

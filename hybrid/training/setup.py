@@ -1,6 +1,6 @@
 """Named ``build_*`` steps that turn a :class:`TrainConfig` into a running job (torchtitan-style).
 
-    state     = build_parallel_state(cfg)          # Topology -> TP and DP groups (DESIGN.md 1, 2)
+    state     = build_parallel_state(cfg)          # Topology -> TP and DP groups (docs/design.md §1, §2)
     data      = build_data(cfg, state)             # tokenizer, train/valid GPT datasets (Megatron)
     model     = build_model(cfg, state, vocab)     # TP GPT; meta device for ZeRO stage 3
     optimizer = build_optimizer(cfg, model, state) # ZeRO-DP stage 0-3 (AdamW, mixed precision)

@@ -1,6 +1,6 @@
 """Measured model-state memory and DP communication beside the ZeRO paper's formulas (§5, §7).
 
-Memory is measured from the real storages a rank holds (DESIGN.md 6): every tensor's untyped storage
+Memory is measured from the real storages a rank holds (docs/design.md §6): every tensor's untyped storage
 is counted once, by its data pointer, in the first category that claims it - so an fp32 master that
 IS the parameter partition adds nothing, and views into one flat buffer count that buffer once.
 Categories: ``param16`` (the model's parameters, "16-bit" even when fp32), ``grad16``, ``master32``,

@@ -1,5 +1,5 @@
 """Small value types every ZeRO stage returns: the outcome of a step and the optimizer-state
-fragments a rank owns (what a layout-independent checkpoint saves, DESIGN.md 8).
+fragments a rank owns (what a layout-independent checkpoint saves, docs/design.md §8).
 
 A :class:`Fragment` is a 1-D view of ``numel`` elements of one parameter's fp32 master or Adam
 moment, starting at ``offset`` in the flattened TP-local parameter. Saving writes the fragments each

@@ -1,14 +1,14 @@
 """GPT model configuration (GPT-2 architecture as used by Megatron-LM and the ZeRO paper, §10 Table 5).
 
 A :class:`GPTConfig` holds the model dimensions only (no parallel degrees, no batch sizes) and checks
-itself on construction, with messages that say what to change (DESIGN.md invariant 9). Whether it
+itself on construction, with messages that say what to change (docs/design.md §9). Whether it
 fits a tensor-parallel degree is a separate question, :meth:`GPTConfig.validate_for_tp`, because the
 same model is trained at several TP degrees.
 
 Parameter count of a dense GPT-2 layer (pre-LayerNorm, 4h MLP, biases everywhere):
     2 LayerNorms 4h + fused QKV 3h^2 + 3h + projection h^2 + h + MLP 8h^2 + 5h  =  12h^2 + 13h,
 plus word embeddings V_padded * h, position embeddings P * h and the final LayerNorm 2h, which is
-the paper's  Psi ~ 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))  (PAPER.md, FLOPs section).
+the paper's  Psi ~ 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))  (docs/design.md §Paper, FLOPs).
 """
 
 from __future__ import annotations

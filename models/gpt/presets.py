@@ -4,7 +4,7 @@
 - ``PAPER_RUNS``: every row of ZeRO Table 5 (Figure 2 throughput comparison; a ZeRO row and a Megatron
   baseline row per size), Table 6 (60B superlinear scaling) and Table 10 (data-parallel only) as a
   :class:`PaperRun` with its GPU count, model-parallel degree, batch per replica and total batch.
-  Numbers are copied from PAPER.md; seq 1024 and the GPT-2 vocab 50257 are the paper's stated values.
+  Numbers are copied from docs/design.md §Paper; seq 1024 and the GPT-2 vocab 50257 are the paper's stated values.
 
 Look up with :func:`get_config` and :func:`get_paper_run`; names are listed by :func:`paper_run_names`.
 """

@@ -1,4 +1,4 @@
-"""Single-device GPT-2 in plain PyTorch: the numerical oracle of the tests (DESIGN.md invariant 4).
+"""Single-device GPT-2 in plain PyTorch: the numerical oracle of the tests (docs/design.md §4).
 
 Written independently of the tensor-parallel model on purpose: ``[b, s, h]`` layout, ``nn.Linear`` /
 ``nn.Embedding``, attention spelled out as softmax(QK^T / sqrt(d)) V with an explicit causal mask,

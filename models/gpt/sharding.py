@@ -11,7 +11,7 @@ true vocab, fused QKV rows ordered ``[q; k; v]`` with the heads contiguous insid
   weights (attention out, MLP out) along columns (dim 1); everything else is replicated.
 
 Initial values are defined here too (:func:`canonical_init`), keyed by canonical name, so the
-reference and every TP degree start from the same weights (DESIGN.md invariant 4).
+reference and every TP degree start from the same weights (docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load GPT weights from any source into a tensor-parallel :class:`GPTModel` (DESIGN.md invariant 8).
+"""Load GPT weights from any source into a tensor-parallel :class:`GPTModel` (docs/design.md §8).
 
 The common currency is the canonical state dict (:mod:`models.gpt.sharding`: the single-device
 reference's names and shapes). Three sources give one, whatever layout produced them:

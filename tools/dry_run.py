@@ -1,8 +1,10 @@
 """Dry run of the paper's Table 5 runs at full size on the meta device (ZeRO §10; torchtitan-style
-dry run): for every row, build the real tensor-parallel GPT of one TP rank with the real TP layers
-(nothing allocated), count its parameters and model-state bytes under the row's ZeRO stage and DP
-degree, and compare with the formulas of hybrid.perf; then show which TP groups of the 400-GPU (and
-384/256-GPU baseline) layouts stay inside a DGX-2 node.
+dry run), through the same path as ``launch/pretrain_gpt.py --dry-run``: every row's preset (from
+launch/presets/) is checked by :func:`hybrid.training.dry_run.dry_run_report`, which builds the real
+tensor-parallel GPT of one TP rank (nothing allocated), counts its parameters and estimates model
+states, activations and buffers with hybrid.perf. This tool adds the comparison with the parameter
+formulas and shows which TP groups of the 400-GPU (and 384/256-GPU baseline) layouts stay inside a
+DGX-2 node.
 
     python -m tools.dry_run            # table + topology summary
     python -m tools.dry_run --json
@@ -14,45 +16,36 @@ import argparse
 import json
 import sys
 
-import torch
-
-from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import gpt_param_count, megatron_param_count
 from hybrid.perf.model_states import GB, model_state_bytes
 from hybrid.topology import Topology
-from models.gpt.model import GPTModel
+from hybrid.training.arguments import parse_args
+from hybrid.training.dry_run import dry_run_report, total_bytes
 from models.gpt.presets import PAPER_RUNS, PaperRun
-from tools.paper_numbers import run_layout, run_memory
 
 GPUS_PER_NODE = 16
-
-
-def count_rank_parameters(run: PaperRun, rank: int = 0) -> int:
-    """Parameters of ``rank``'s TP shard of the run's GPT, built on meta (tied weights once)."""
-    topo = Topology(run.gpus, run.tp, GPUS_PER_NODE, allow_tp_across_nodes=True)
-    state = ParallelState.dry_run(topo, rank)
-    model = GPTModel(run.config, state, device="meta", dtype=torch.bfloat16)
-    unique = {id(p): p for p in model.parameters()}
-    return sum(p.numel() for p in unique.values())
+DEVICE_BYTES = 32e9
+# ZeRO Table 3: the ZeRO-R configuration a stage-2 preset's --recompute amounts to.
+ZERO_R_CONFIG = {"full": "C3", "full-pa": "C4", "full-pa-cpu": "C5"}
 
 
 def dry_run_row(run: PaperRun) -> dict:
     c = run.config
-    counted = count_rank_parameters(run)
+    report = dry_run_report(parse_args(["--config", run.name])[0])
+    counted = report["params_per_rank"]
     exact = gpt_param_count(c.num_layers, c.hidden_size, c.padded_vocab_size(run.tp),
                             c.max_position_embeddings, tp=run.tp)
     megatron = megatron_param_count(c.num_layers, c.hidden_size, c.vocab_size, c.seq_length) / run.tp
     stage = 2 if run.zero else 0
-    states = model_state_bytes(counted, stage, run.dp)
-    config, partition, cpu = run_layout(run)
-    memory = run_memory(run, partition=partition, cpu=cpu)
+    total = total_bytes(report)
     return {"name": run.name, "gpus": run.gpus, "tp": run.tp, "dp": run.dp, "stage": stage,
-            "config": config, "params_per_rank": counted, "formula_exact": exact,
+            "config": ZERO_R_CONFIG.get(report["recompute"], "?") if run.zero else "baseline",
+            "params_per_rank": counted, "formula_exact": exact,
             "megatron_formula_per_rank": megatron, "megatron_rel_diff": counted / megatron - 1,
-            "model_states_gb": states.total / GB,
+            "model_states_gb": report["model_states_per_rank"]["total"] / GB,
             "formula_model_states_gb": model_state_bytes(megatron * run.tp, stage, run.dp,
                                                          mp=run.tp).total / GB,
-            "total_gb": memory.total / GB, "fits_32gb": memory.fits(32e9)}
+            "total_gb": total / GB, "fits_32gb": total <= DEVICE_BYTES}
 
 
 def topology_summary(gpus: int, tp: int) -> dict:

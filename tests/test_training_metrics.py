@@ -13,6 +13,8 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from hybrid.training.arguments import parse_args
+from hybrid.training.config import TrainConfigError
 from hybrid.training.metrics import (CUDA_MEMORY_NAMES, HOST_MEMORY_NAMES, SCALAR_NAMES,
                                      VALIDATION_NAMES, claim_run_dir, console_line,
                                      cuda_memory_bytes, format_duration, host_memory_bytes)
@@ -185,6 +187,17 @@ def test_runs_started_in_the_same_second_do_not_share_a_directory(tmp_path):
     runs = [claim_run_dir(tmp_path, None, now=now) for _ in range(3)]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     assert [r.name for r in runs] == [stamp, f"{stamp}-2", f"{stamp}-3"]
+
+
+def test_bad_run_directory_is_one_clear_error(tmp_path):
+    for bad in ("../elsewhere", "/tmp/abs"):
+        with pytest.raises(TrainConfigError, match="--run-name"):
+            parse_args(tiny_args(extra=["--run-name", bad]))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(ValueError, match="--tensorboard-dir .*file.*writable"):
+        claim_run_dir(not_a_dir, None)
+    assert not_a_dir.read_text() == ""
 
 
 # --- memory probes --------------------------------------------------------------------------

@@ -33,7 +33,6 @@ HOST_MEMORY_NAMES = ("mem-rss-bytes", "mem-max-rss-bytes")            # every de
 CUDA_MEMORY_NAMES = ("mem-allocated-bytes", "mem-max-allocated-bytes", "mem-reserved-bytes",
                      "mem-max-reserved-bytes", "mem-alloc-retries")   # CUDA ranks only
 VALIDATION_NAMES = ("lm loss validation", "lm loss validation ppl")
-OFF_CLOCK_NAMES = ("eval-time", "checkpoint-save-time")              # seconds, outside iteration-time
 # The HParams tab shows these scalars as the metrics of a run, beside its config.
 HPARAMS_METRICS = ("lm loss", "lm loss validation")
 
@@ -144,7 +143,7 @@ class ThroughputModel:
 
 
 def gpt_flops_per_iteration(global_batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (engineer C's hybrid.perf)."""
+    """Megatron's model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), from hybrid.perf.flops."""
     from hybrid.perf.flops import model_flops_per_iteration
     return model_flops_per_iteration(global_batch, seq, layers, hidden, vocab)
 

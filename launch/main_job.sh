@@ -19,7 +19,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 cat <<MSG
 
 Main job finished.
-  TensorBoard logs : runs/tiny-cpu      view with: .venv/bin/tensorboard --logdir runs/tiny-cpu
+  TensorBoard logs : runs/tiny-cpu (one sub-directory per run)   view with: .venv/bin/tensorboard --logdir runs/tiny-cpu
   Checkpoint       : checkpoints/tiny-cpu/$(cat checkpoints/tiny-cpu/latest 2>/dev/null || echo '<none>')
                      resume/continue: bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400
   Layout check     : .venv/bin/python launch/pretrain_gpt.py --config table5-zero-100B --dry-run

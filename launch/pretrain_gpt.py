@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
-    if cfg.logging.tensorboard_dir:
-        log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", cfg.logging.tensorboard_dir,
+    if trainer.metrics.run_dir is not None:
+        log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", trainer.metrics.run_dir,
                  cfg.logging.tensorboard_dir)
     if cfg.checkpoint.save:
         log.info("checkpoint: %s (resume with --load %s)", cfg.checkpoint.save, cfg.checkpoint.save)

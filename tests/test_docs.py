@@ -35,7 +35,8 @@ FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 FORWARDERS = ("launch/local.sh", "launch/multinode.sh", "launch/main_job.sh", "launch/slurm_dgx2.sbatch")
 PRETRAIN = "launch/pretrain_gpt.py"
 # Only CUDA ranks log these (docs/tensorboard.md documents both the CPU and the GPU memory names).
-GPU_ONLY_SCALARS = {"mem-allocated-bytes", "mem-max-allocated-bytes"}
+GPU_ONLY_SCALARS = {"mem-allocated-bytes", "mem-max-allocated-bytes", "mem-reserved-bytes",
+                    "mem-max-reserved-bytes", "mem-alloc-retries"}
 
 
 @dataclass(frozen=True)

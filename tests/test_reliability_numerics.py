@@ -89,7 +89,7 @@ def _skip_case(precision: str, micro: int, tb_dir: str, zero: int = 2, where: st
     t.train()
     t.metrics.close()
     final = _params(t)
-    return {"tb_skipped": _tensorboard_scalar(tb_dir, "skipped-iterations")
+    return {"tb_skipped": _tensorboard_scalar(str(t.metrics.run_dir), "skipped-iterations")
             if t.state.rank == 0 else None, "untouched": _same(snaps[1], snaps[2]), "trained_after": not _same(snaps[2], final),
             "finite": _finite(final), "skipped": t.ts.skipped_iterations,
             "losses_after": [t.losses[0], t.losses[2]], "poisoned_loss": t.losses[1],

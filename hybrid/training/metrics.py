@@ -2,43 +2,56 @@
 
 Scalar names follow Megatron-LM so its users' dashboards work: ``lm loss``, ``learning-rate``,
 ``loss-scale``, ``grad-norm``, ``batch-size``, ``iteration-time`` (s), ``throughput`` (model TFLOP/s
-per rank, as in Megatron), ``mem-*``, and
-for evaluation ``lm loss validation`` / ``lm loss validation ppl``. Beyond Megatron we log the
-measured model-state bytes per category (``model-state/<category>-bytes``, ZeRO §5) and the bytes
-each rank moved per step per group (``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7).
+per rank, as in Megatron), ``mem-*``, and for evaluation ``lm loss validation`` /
+``lm loss validation ppl``. Beyond Megatron we log the measured model-state bytes per category
+(``model-state/<category>-bytes``, ZeRO §5), the bytes each rank moved per step per group
+(``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7), and the seconds spent outside
+training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
-Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`); MFU is
-TFLOP/s per rank over a configurable peak. Only the writer rank opens a TensorBoard writer; every
-rank may call ``log`` (the others drop it), so no caller needs ``if rank == 0``.
+Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);
+MFU is TFLOP/s per rank over a configurable peak. Only the writer rank opens a TensorBoard writer;
+every rank may call ``log`` (the others drop it), so no caller needs ``if rank == 0``. Each run
+writes to its own run directory under ``--tensorboard-dir`` (``--run-name``, else its start time),
+so ``tensorboard --logdir`` on the parent shows re-runs side by side instead of overlaid.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Megatron's "throughput" is model TFLOP/s per GPU; tokens/s has no Megatron scalar, ours is
-# "tokens-per-second".
+# Logged every --log-interval. Megatron's "throughput" is model TFLOP/s per GPU; tokens/s has no
+# Megatron scalar, ours is "tokens-per-second".
 SCALAR_NAMES = ("lm loss", "learning-rate", "loss-scale", "grad-norm", "batch-size", "iteration-time",
-                "throughput", "tokens-per-second", "mfu", "skipped-iterations", "consumed-samples",
-                "mem-rss-bytes", "mem-max-rss-bytes", "mem-max-allocated-bytes")
+                "throughput", "tokens-per-second", "mfu", "skipped-iterations", "consumed-samples")
+HOST_MEMORY_NAMES = ("mem-rss-bytes", "mem-max-rss-bytes")            # every device
+CUDA_MEMORY_NAMES = ("mem-allocated-bytes", "mem-max-allocated-bytes", "mem-reserved-bytes",
+                     "mem-max-reserved-bytes", "mem-alloc-retries")   # CUDA ranks only
 VALIDATION_NAMES = ("lm loss validation", "lm loss validation ppl")
+# The HParams tab shows these scalars as the metrics of a run, beside its config.
+HPARAMS_METRICS = ("lm loss", "lm loss validation")
 
 
 class MetricsWriter:
-    """``log(metrics, step)``: TensorBoard scalars on the writer rank, nothing elsewhere."""
+    """``log(metrics, step)``: TensorBoard scalars on the writer rank, nothing elsewhere.
 
-    def __init__(self, tensorboard_dir: str | None, rank: int, writer_rank: int = 0):
+    ``run_dir`` is this run's directory (None on the other ranks or without ``tensorboard_dir``)."""
+
+    def __init__(self, tensorboard_dir: str | None, rank: int, writer_rank: int = 0,
+                 run_name: str | None = None):
         self.is_writer = rank == writer_rank
         self._tb = None
+        self.run_dir: Path | None = None
         if tensorboard_dir and self.is_writer:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is optional
-            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
-            log.info("TensorBoard logs in %s (view: tensorboard --logdir %s)", tensorboard_dir,
+            self.run_dir = claim_run_dir(Path(tensorboard_dir), run_name)
+            self._tb = SummaryWriter(log_dir=str(self.run_dir), max_queue=100)
+            log.info("TensorBoard run %s (view every run: tensorboard --logdir %s)", self.run_dir,
                      tensorboard_dir)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -52,6 +65,18 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.add_text(tag, "```\n" + text + "\n```", step)
 
+    def log_config(self, config: dict) -> None:
+        """The resolved ``{section: {field: value}}`` config, once: as YAML in the TEXT tab (tag
+        ``config``; it loads back with ``--config``) and field by field in the HPARAMS tab."""
+        if self._tb is None:
+            return
+        import yaml
+        from torch.utils.tensorboard.summary import hparams
+        self.log_text("config", yaml.safe_dump(config, sort_keys=False).rstrip())
+        # the summaries add_hparams writes, but into this run (add_hparams opens a sub-run)
+        for summary in hparams(flat_hparams(config), dict.fromkeys(HPARAMS_METRICS, 0.0)):
+            self._tb.file_writer.add_summary(summary)
+
     def flush(self) -> None:
         if self._tb is not None:
             self._tb.flush()
@@ -60,6 +85,46 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def claim_run_dir(parent: Path, run_name: str | None, now: float | None = None) -> Path:
+    """``parent/run_name``, or ``parent/<start time>`` (``20261123-231500``, local time) made new:
+    a second run started in the same second takes ``-2``, ``-3``... A named run that exists is
+    appended to (a resumed job keeping one curve does this), with a warning."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if run_name:
+            path = parent / run_name
+            if any(path.glob("events.out.tfevents.*")):
+                log.warning("TensorBoard run %s already holds events; this run adds to its curves "
+                            "(pass another --run-name to keep the runs apart)", path)
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        for n in range(1, 1000):
+            path = parent / (stamp if n == 1 else f"{stamp}-{n}")
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{parent / stamp}-* (999 runs in one second)")
+    except OSError as err:
+        raise ValueError(f"cannot create a TensorBoard run directory under --tensorboard-dir "
+                         f"{str(parent)!r} ({err.strerror or err}); choose a writable directory "
+                         f"or pass --tensorboard-dir '' to log no TensorBoard events") from None
+
+
+def flat_hparams(config: dict) -> dict[str, float | str]:
+    """``{section: {field: value}}`` as ``{'section.field': value}`` in the types the HParams tab
+    takes: numbers stay numbers (booleans 0/1), lists become comma-separated text, None 'none'."""
+    flat = {}
+    for section, fields in config.items():
+        for name, value in fields.items():
+            if isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            flat[f"{section}.{name}"] = "none" if value is None else value
+    return flat
 
 
 @dataclass
@@ -78,24 +143,52 @@ class ThroughputModel:
 
 
 def gpt_flops_per_iteration(global_batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (engineer C's hybrid.perf)."""
+    """Megatron's model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), from hybrid.perf.flops."""
     from hybrid.perf.flops import model_flops_per_iteration
     return model_flops_per_iteration(global_batch, seq, layers, hidden, vocab)
 
 
 def memory_bytes(device) -> dict[str, float]:
-    """Process memory: CUDA allocator (current and peak) on GPU, resident set size (current and
-    peak) on CPU."""
-    import torch
+    """Process memory of this rank: the host resident set (current and peak) on every device, and
+    on CUDA the caching allocator's state (:func:`cuda_memory_bytes`)."""
+    out = host_memory_bytes()
     if getattr(device, "type", "cpu") == "cuda":
-        return {"mem-allocated-bytes": float(torch.cuda.memory_allocated(device)),
-                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated(device))}
-    import resource
-    with open("/proc/self/statm") as f:
-        rss_pages = int(f.read().split()[1])
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss     # Linux reports KiB
-    return {"mem-rss-bytes": float(rss_pages * os.sysconf("SC_PAGE_SIZE")),
-            "mem-max-rss-bytes": float(peak_kib * 1024)}
+        import torch
+        out.update(cuda_memory_bytes(torch.cuda.memory_stats(device)))
+    return out
+
+
+def host_memory_bytes(status: str | None = None) -> dict[str, float]:
+    """Current and peak resident set size from ONE read of ``/proc/self/status`` (VmRSS, VmHWM).
+
+    Both come from the same exact counters in one read, and the kernel reports VmHWM as the
+    larger of its high-water mark and that current RSS, so the peak is never below the current
+    value. The former pair was not: ``getrusage().ru_maxrss`` derives from per-CPU cached RSS
+    counters that lag the exact sum /proc reports, and was read at another instant; on this
+    machine's kernel it came out below /proc/self/statm's RSS in about one read in ten."""
+    if status is None:
+        with open("/proc/self/status") as f:
+            status = f.read()
+    kib = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            kib[key] = int(value.split()[0])          # "  123456 kB"
+    return {"mem-rss-bytes": float(kib["VmRSS"] * 1024), "mem-max-rss-bytes": float(kib["VmHWM"] * 1024)}
+
+
+def cuda_memory_bytes(stats: dict) -> dict[str, float]:
+    """Megatron's ``mem-*`` scalars from ``torch.cuda.memory_stats()``: bytes held by tensors
+    (allocated) and by the caching allocator (reserved), current and peak since the process
+    started, and how often a cudaMalloc failed and the cache was flushed to retry (a count; a
+    rising value means fragmentation is costing time)."""
+    keys = {"mem-allocated-bytes": "allocated_bytes.all.current",
+            "mem-max-allocated-bytes": "allocated_bytes.all.peak",
+            "mem-reserved-bytes": "reserved_bytes.all.current",
+            "mem-max-reserved-bytes": "reserved_bytes.all.peak",
+            "mem-alloc-retries": "num_alloc_retries"}
+    # memory_stats() is {} until the first CUDA allocation: zeros then
+    return {name: float(stats.get(key, 0)) for name, key in keys.items()}
 
 
 def format_duration(seconds: float) -> str:

@@ -9,6 +9,7 @@ need several sections or the world size live in :class:`hybrid.training.config.T
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class TrainConfigError(ValueError):
@@ -293,13 +294,21 @@ class LoggingSection:
     """Console and TensorBoard metrics (Megatron's scalar names)."""
 
     log_interval: int = _help("console/TensorBoard line every N iterations", default=10)
-    tensorboard_dir: str | None = _help("TensorBoard event directory (none: no TensorBoard)",
-                                        default=None)
+    tensorboard_dir: str | None = _help("TensorBoard directory; each run writes to its own run "
+                                        "directory in it (none: no TensorBoard)", default=None)
+    run_name: str | None = _help("name of this run's directory under --tensorboard-dir (default: "
+                                 "the start time, e.g. 20261123-231500); a name that exists is "
+                                 "appended to", default=None)
     peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
                                default=125.0)
 
     def __post_init__(self) -> None:
         _positive(self, "log_interval")
+        if self.run_name is not None and not isinstance(self.run_name, str):
+            raise TrainConfigError(f"--run-name must be text, got {self.run_name!r}; quote it")
+        if self.run_name and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts):
+            raise TrainConfigError(f"--run-name {self.run_name!r} must be a name inside "
+                                   f"--tensorboard-dir, not a path out of it; pass a plain name")
         if not self.peak_tflops > 0:
             raise TrainConfigError(f"--peak-tflops must be positive, got {self.peak_tflops}")
 

@@ -231,8 +231,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     m = cfg.model
     flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                     m.hidden_size, model.config.padded_vocab_size(state.tp_size))
-    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank)
-    metrics.log_text("config", cfg.describe())
+    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name)
+    metrics.log_config(cfg.to_dict())
     trainer = Trainer(cfg, state, model, optimizer,
                       schedule=build_lr_schedule(cfg.optimizer, cfg.training.train_iters),
                       make_loader=make_loader or make_loader_factory(data, cfg, state),

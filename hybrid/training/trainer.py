@@ -5,13 +5,17 @@
         for each of the accumulation steps:  optimizer.backward(mean loss of a micro-batch / steps)
         optimizer.step(lr)                                      # ZeRO-DP reduce, clip, AdamW
         every log_interval:   console line + TensorBoard scalars
-        every eval_interval:  validation loss and perplexity
+        every eval_interval:  validation loss and perplexity               (off the clock)
         on SIGTERM / --exit-duration-in-mins:  save and stop (all ranks agree)
-        every save_interval:  layout-independent checkpoint
+        every save_interval:  layout-independent checkpoint                (off the clock)
 
 Global batch = micro batch x DP x accumulation steps; each DP rank reads its slice of every micro-step
 from a sampler driven by the consumed-samples count, which the checkpoint stores, so a resumed run
 continues at exactly the next sample.
+
+Evaluation and checkpoint saves run off the training clock: their seconds are their own scalars
+(``eval-time``, ``checkpoint-save-time``), not part of ``iteration-time`` and the tokens/s, TFLOP/s
+and MFU derived from it, and their collectives are not in the per-step bytes of the comm ledger.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class IntervalStats:
     loss_sum: float = 0.0
     skipped: int = 0
     start: float = field(default_factory=time.perf_counter)
+    off_clock: float = 0.0        # seconds of evaluation and checkpointing inside the interval
     last_grad_norm: float = float("nan")
     last_loss_scale: float = 1.0
     ledger_mark: int = 0
@@ -68,8 +73,8 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
         loader = self.make_loader("train", self.ts.consumed_train_samples)
+        self.metrics.log(self._model_state_bytes(), self.ts.iteration)
         stats = self._new_interval()
-        self._log_model_states()
         with ExitCondition(self.state.world, self.cfg.training.exit_duration_in_mins,
                            device=self.state.device) as stop:
             while self.ts.iteration < self.train_iters:
@@ -79,15 +84,15 @@ class Trainer:
                     self._log_interval(stats)
                     stats = self._new_interval()
                 if self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
-                    self.evaluate()
+                    self._off_clock(stats, "eval-time", self.evaluate)
                 if stop.should_exit():
-                    self.save()
+                    self._checkpoint(stats)
                     break
                 if self.cfg.checkpoint.save_interval and self._due(self.cfg.checkpoint.save_interval):
-                    self.save()
+                    self._checkpoint(stats)
         _close(loader)
         if self.ts.iteration >= self.train_iters and self.last_saved_iteration != self.ts.iteration:
-            self.save()
+            self._checkpoint(stats)
         self.metrics.flush()
         return self.ts
 
@@ -175,6 +180,21 @@ class Trainer:
                            self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
         self.last_saved_iteration = self.ts.iteration
 
+    def _checkpoint(self, stats: IntervalStats) -> None:
+        if self.cfg.checkpoint.save:
+            self._off_clock(stats, "checkpoint-save-time", self.save)
+
+    def _off_clock(self, stats: IntervalStats, scalar: str, work) -> None:
+        """Run ``work`` (evaluation, a checkpoint save) outside the training clock: its seconds are
+        logged as ``scalar`` and left out of the interval's iteration-time, and its collectives are
+        left out of the comm ledger, whose per-step bytes are training traffic only."""
+        start = time.perf_counter()
+        with comm.unrecorded(self.state.world):   # one ledger serves the world, TP and DP groups
+            work()
+        seconds = time.perf_counter() - start
+        stats.off_clock += seconds
+        self.metrics.log({scalar: seconds}, self.ts.iteration)
+
     # ---- bookkeeping -------------------------------------------------------------------------
     def _due(self, interval: int) -> bool:
         return self.ts.iteration % interval == 0
@@ -196,7 +216,8 @@ class Trainer:
         return IntervalStats(ledger_mark=self.state.ledger.position)
 
     def _log_interval(self, stats: IntervalStats) -> None:
-        seconds = (time.perf_counter() - stats.start) / stats.iterations
+        wall = time.perf_counter() - stats.start
+        seconds = (wall - stats.off_clock) / stats.iterations     # training only
         good = stats.iterations - stats.skipped
         m = {"lm loss": stats.loss_sum / good if good else float("nan"),
              "learning-rate": self.schedule(self.ts.iteration - 1),
@@ -207,9 +228,10 @@ class Trainer:
              "mfu": self.throughput.mfu(seconds),
              "skipped-iterations": float(self.ts.skipped_iterations),
              "consumed-samples": float(self.ts.consumed_train_samples),
-             **memory_bytes(self.state.device), **self._comm_per_step(stats)}
+             **memory_bytes(self.state.device), **self._model_state_bytes(),
+             **self._comm_per_step(stats)}
         self.metrics.log(m, self.ts.iteration)
-        eta = seconds * (self.train_iters - self.ts.iteration)
+        eta = wall / stats.iterations * (self.train_iters - self.ts.iteration)   # evals, saves too
         log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))
 
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
@@ -221,15 +243,15 @@ class Trainer:
         self.state.ledger.discard()   # read: a long run's ledger must not grow (soak test)
         return out
 
-    def _log_model_states(self) -> None:
+    def _model_state_bytes(self) -> dict[str, float]:
+        """This rank's model-state bytes per category, measured from the engine's storages now
+        (stage 3's gathered parameters come and go), beside the paper's formula (ZeRO §5)."""
         report = getattr(self.optimizer, "memory_report", None)
         if report is None:
-            return
+            return {}
         r = report()
-        self.metrics.log({f"model-state/{c}-bytes": float(v) for c, v in r.measured.items()},
-                         self.ts.iteration)
-        self.metrics.log({f"model-state/{c}-paper-bytes": float(v) for c, v in r.formula.items()},
-                         self.ts.iteration)
+        return {**{f"model-state/{c}-bytes": float(v) for c, v in r.measured.items()},
+                **{f"model-state/{c}-paper-bytes": float(v) for c, v in r.formula.items()}}
 
 
 def _close(loader) -> None:

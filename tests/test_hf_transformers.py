@@ -1,33 +1,26 @@
 """Our HF export loads in Hugging Face transformers and gives our logits (tools/export_hf.py).
 
-transformers is not a project dependency: this test makes its own venv (``--system-site-packages``
-plus a .pth file, so it reuses this interpreter's torch) under ``$HYBRID_CACHE/hf-venv-<key>``
-(default ./data-cache; one per parent interpreter), ``pip install transformers`` into it once, and
-runs a small script there. If pip cannot reach a package index the test is skipped with pip's
-message. In the venv, ``GPT2LMHeadModel.from_pretrained`` loads the export of a random model
+transformers is not a project dependency: it lives in the test-only environment of
+:mod:`tests.hf_env` (built by ``launch/run_tests.sh`` before the suite, never inside it), and a small
+script runs there. ``GPT2LMHeadModel.from_pretrained`` loads the export of a random model
 (non-trivial biases and LayerNorms, vocab padded at TP 1) and its fp32 logits must match our
 GPTModel's to 1e-4 (max abs); ``AutoTokenizer`` must encode and decode like our
 sentencepiece tokenizer.
 """
 
-import hashlib
 import json
-import os
-import shutil
-import site
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid.data.default_corpus import default_cache_dir
 from hybrid.data.tokenizer import Tokenizer, train_tokenizer
 from hybrid.parallel_state import ParallelState
 from models.gpt.config import GPTConfig
 from models.gpt.weights import build_model, save_canonical
+from tests import hf_env
 from tests.test_hf_export import random_canonical
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "  indented\n\nand blank lines", "héllo wörld 123",
@@ -48,50 +41,13 @@ json.dump({"version": transformers.__version__, "ids": ids, "decoded": [tok.deco
            model.transformer.wte.weight.data_ptr()}, open(out + ".json", "w"))
 """
 
-# pip's messages when no index is reachable (offline machine, proxy, DNS)
-_OFFLINE = ("no matching distribution", "could not find a version", "connection", "network is",
-            "temporary failure in name resolution", "max retries", "proxyerror", "timed out")
-
-
-def _pip_install(venv: Path) -> subprocess.CompletedProcess:
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True,
-                   capture_output=True)
-    # If this interpreter is itself a venv (launch/run_tests.sh's .venv), --system-site-packages
-    # reaches the base Python only: a .pth file puts this torch, safetensors, ... on the path too.
-    purelib = subprocess.run([str(venv / "bin" / "python"), "-c",
-                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    Path(purelib, "_hybrid_parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    return subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
-                           "--disable-pip-version-check", "transformers"],
-                          capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def hf_python() -> str:
-    """Python of a cached venv with transformers (built once; concurrent builders race safely)."""
-    key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]     # one venv per parent interpreter
-    final = default_cache_dir().resolve() / f"hf-venv-{key}"
-    if not (final / ".ready").is_file():
-        tmp = final.with_name(f".tmp-hf-venv-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            result = _pip_install(tmp)
-        except subprocess.TimeoutExpired:
-            shutil.rmtree(tmp, ignore_errors=True)
-            pytest.skip("pip install transformers timed out (no usable package index?)")
-        if result.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            if any(s in result.stderr.lower() for s in _OFFLINE):
-                pytest.skip(f"pip cannot reach a package index to install transformers: {last}")
-            pytest.fail(f"pip install transformers failed: {result.stderr[-2000:]}")
-        (tmp / ".ready").write_text("transformers\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:                        # another process finished first: use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(final / "bin" / "python")
+    python = hf_env.ready_python()
+    if python is None:
+        pytest.skip("the transformers test environment is not built: run `python -m tests.hf_env` "
+                    "(launch/run_tests.sh does before the suite)")
+    return python
 
 
 def test_transformers_loads_export_with_same_logits_and_tokenizer(tmp_path, hf_python):

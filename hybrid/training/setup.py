@@ -22,7 +22,7 @@ import torch
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
-from hybrid.training import checkpointing
+from hybrid.training.resume import load as load_checkpoint
 from hybrid.training.config import TrainConfig
 from hybrid.training.liveness import Liveness
 from hybrid.training.lr_schedule import build_lr_schedule
@@ -227,7 +227,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
     train_state = None
     if resume:
-        train_state = checkpointing.load(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
+        train_state = load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
     m = cfg.model
     flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                     m.hidden_size, model.config.padded_vocab_size(state.tp_size))

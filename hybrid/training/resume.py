@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from hybrid import comm
 from hybrid.checkpoint.format import CheckpointError
+from hybrid.checkpoint.lock import new_run_id
 from hybrid.checkpoint.loader import CheckpointReader
 from hybrid.checkpoint.state import CheckpointState, load_state, save_state
 from hybrid.parallel_state import ParallelState
@@ -40,6 +42,19 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
+    run_id: str | None = None   # the run's identity, kept across resumes (hybrid.checkpoint.lock)
+
+
+def fresh_run_id(state: ParallelState) -> str:
+    """Collective over ``state.world``: rank 0's new run id, on every rank."""
+    text = torch.zeros(32, dtype=torch.uint8)
+    if state.rank == 0:
+        raw = new_run_id().encode()
+        text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    text = text.to(state.device)
+    with comm.unrecorded(state.world):
+        comm.broadcast(text, state.world)
+    return bytes(text.cpu().tolist()).rstrip(b"\0").decode()
 
 
 def _layout(state: ParallelState, zero_stage: int) -> dict:
@@ -59,12 +74,14 @@ def rng_tensors(rng) -> dict[str, torch.Tensor]:
 
 def save(path: str | Path, train_state: TrainState, model: GPTModel, optimizer: CheckpointState,
          state: ParallelState, config, *, rng=None, keep_last: int = 2) -> Path:
-    """Collective over ``state.world``: write one checkpoint of the current iteration."""
+    """Collective over ``state.world``: write one checkpoint of the current iteration, marked with
+    the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``)."""
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model.config.to_dict(),
                 "layout": _layout(state, config.parallel.zero_stage)}
     return save_state(path, train_state.iteration, optimizer, model.checkpoint_layout(), state,
-                      extra=rng_tensors(rng), metadata=metadata, keep_last=keep_last)
+                      extra=rng_tensors(rng), metadata=metadata, keep_last=keep_last,
+                      run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite)
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -94,7 +111,7 @@ def load(path: str | Path, model: GPTModel, optimizer: CheckpointState, state: P
             check_model_compatible(metadata["model_config"], model.config.to_dict())
 
     reader = load_state(path, optimizer, model.checkpoint_layout(), state, check_metadata=same_model)
-    train_state = TrainState(**reader.metadata["train_state"])
+    train_state = TrainState(**{**reader.metadata["train_state"], "run_id": reader.run_id})
     _restore_rng(reader, state, config, rng, train_state.iteration)
     saved = reader.metadata["layout"]
     log.info("loaded checkpoint %s (iteration %d, written at TP %d x DP %d, ZeRO stage %d)",

@@ -55,8 +55,12 @@ class SaveDirLock:
 
     def __init__(self, save_dir: str | Path):
         self.path = Path(save_dir) / LOCK_FILE
-        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise CheckpointError(f"cannot open the lock file {self.path} ({err.strerror}); --save "
+                                  f"must be a directory this user can write") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -117,8 +121,9 @@ class SaveDirLock:
 
 
 def holds_checkpoints(save_dir: Path) -> bool:
-    """A ``latest`` marker or any ``iter_*`` directory, complete or left by an interrupted save."""
-    return (save_dir / LATEST_FILE).is_file() or any(p.is_dir() for p in save_dir.glob("iter_*"))
+    """A ``latest`` marker or any complete ``iter_*`` directory."""
+    return (save_dir / LATEST_FILE).is_file() or any(
+        p.is_dir() and not p.name.endswith(".tmp") for p in save_dir.glob("iter_*"))
 
 
 def check_fresh_run(save_dir: Path, overwrite: bool) -> None:

@@ -194,8 +194,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],
         save_dir.mkdir(mode=0o755, parents=True, exist_ok=True)   # never world-writable
         remove_stale_saves(save_dir, run_id, replace_other_runs)
         if tmp.exists():
-            raise CheckpointError(f"{tmp} exists and was written by another run; remove it if no "
-                                  f"job is writing it")
+            raise CheckpointError(f"{tmp} exists and was written by another run (an interrupted "
+                                  f"save); remove it, or start this run with --overwrite")
         tmp.mkdir(mode=0o755)
         if run_id is not None:
             (tmp / _OWNER_FILE).write_text(run_id + "\n")

@@ -14,8 +14,21 @@ fi
 export OMP_NUM_THREADS=1
 # SIGTERM to torchrun reaches every rank, which saves a checkpoint; allow it time before SIGKILL.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
+# Run again, the main job starts a new run over the previous one's checkpoints (--overwrite: they
+# are deleted when the new run saves its first), unless the arguments say --load / --save / --overwrite.
+ARGS=("$@")
+CHOSEN=""
+for arg in "$@"; do
+    case "$arg" in --load|--load=*|--save|--save=*|--overwrite|--no-overwrite) CHOSEN=1 ;; esac
+done
+if [ -z "$CHOSEN" ] && [ -f checkpoints/tiny-cpu/latest ]; then
+    echo "note: checkpoints/tiny-cpu holds the previous main job's run; this one starts anew and" \
+         "replaces it (--overwrite). To continue it instead:" \
+         "bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400"
+    ARGS+=(--overwrite)
+fi
 .venv/bin/python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4 \
-    launch/pretrain_gpt.py --config tiny-cpu "$@"
+    launch/pretrain_gpt.py --config tiny-cpu ${ARGS[@]+"${ARGS[@]}"}
 cat <<MSG
 
 Main job finished.

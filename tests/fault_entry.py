@@ -73,8 +73,8 @@ def _patch_save(where: str) -> None:
     if where == "rank-file":
         write = writer.write_rank_file
 
-        def crashing_write(directory, rank, pieces, extra):
-            path = write(directory, rank, pieces, extra)
+        def crashing_write(directory, rank, pieces, extra, *identity):
+            path = write(directory, rank, pieces, extra, *identity)
             if directory.name == target + ".tmp":
                 os._exit(9)
             return path

@@ -186,7 +186,7 @@ def test_import_hf_at_tp1_and_tp2_matches_reference(tmp_path):
 def test_checkpoint_to_hf_via_tools(tmp_path):
     """A TP 2 training checkpoint (F's format) -> tools/export_hf.py -> the same canonical tensors;
     tools/import_hf.py -> canonical file -> equal again."""
-    from hybrid.checkpoint.export import canonical_state_dict
+    from models.gpt.weights import canonical_state_dict
     from tests.test_evaluate import write_training_checkpoint
     from tools import export_hf, import_hf
     ckpt = write_training_checkpoint(tmp_path / "ckpt", tp=2, iters=1)
@@ -206,10 +206,10 @@ def test_checkpoint_to_hf_via_tools(tmp_path):
 def test_model_only_checkpoint_falls_back_to_model_weights(tmp_path):
     """A checkpoint without fp32 master weights (no optimizer) loads its model weights."""
     from hybrid.checkpoint import save_checkpoint
-    from hybrid.training.checkpointing import model_pieces
+    from hybrid.checkpoint.state import state_pieces
     state = ParallelState.single_process()
     model = build_model(CONFIG, state, random_canonical(CONFIG))
-    pieces = model_pieces(model, None, state, for_save=True)
+    pieces = state_pieces(model, model.checkpoint_layout(), state, for_save=True)
     save_checkpoint(tmp_path / "ckpt", 1, pieces, {}, {"model_config": CONFIG.to_dict()}, state.world)
     loaded, config = load_canonical(tmp_path / "ckpt")
     assert config == CONFIG

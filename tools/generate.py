@@ -49,10 +49,8 @@ def training_run_config(load: str) -> dict | None:
     path = Path(load)
     if not path.is_dir() or (path / "config.json").is_file():
         return None
-    from hybrid.checkpoint import resolve_checkpoint_dir
-    from hybrid.checkpoint.format import METADATA_FILE
-    meta = json.loads((resolve_checkpoint_dir(path) / METADATA_FILE).read_text())
-    return meta.get("config")
+    from hybrid.checkpoint import CheckpointReader
+    return CheckpointReader(path).metadata.get("config")   # hash-checked against the manifest
 
 
 def default_corpus(run: dict) -> tuple[str, str]:

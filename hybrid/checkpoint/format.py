@@ -87,15 +87,3 @@ def local_shape(full_shape: tuple[int, ...], partition_dim: int, tp_size: int) -
                               f"split into {tp_size} tensor-parallel shards")
     shape[partition_dim] //= tp_size
     return tuple(shape)
-
-
-def full_shape_of(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
-    """Canonical shape of a TP-local parameter (attributes of hybrid.tensor_parallel layers)."""
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
-    return tuple(shape)
-
-
-def partition_dim_of(param: torch.Tensor) -> int:
-    return int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else -1

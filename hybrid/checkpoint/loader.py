@@ -10,8 +10,11 @@ headers only), and fills *target* pieces - the ranges the loading rank owns in i
 When the loading layout has the saved TP degree (a resume, or a change of DP degree or ZeRO stage
 only) a rank reads just the byte ranges that overlap what it owns, with ``safe_open(...).get_slice``.
 Otherwise one parameter is assembled at a time, so peak extra memory is one full parameter.
-Integrity: every file's size is checked up front, each rank file's sha256 when this rank first reads
-it (``verify="lazy"``; ``"all"`` hashes everything at once). Nothing is unpickled.
+Integrity - no byte is used before its hash is checked: every file's size is checked up front, the
+metadata's sha256 before it is parsed, each rank file's safetensors header (its piece index) against
+its own manifest hash before it is parsed, and the whole rank file's sha256 before the first tensor
+is read from it (``verify="lazy"``; ``"all"`` hashes everything at once). Every file must name the
+same run (``run_id``) as the manifest. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybrid.checkpoint.format import (FORMAT_VERSION, LATEST_FILE, METADATA_FILE, CheckpointError,
-                                      Piece, local_shape)
-from hybrid.checkpoint.manifest import read_manifest, verify_files
+from hybrid.checkpoint.format import (FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, METADATA_FILE,
+                                      CheckpointError, Piece, local_shape)
+from hybrid.checkpoint.manifest import read_manifest, read_verified_header, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,12 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     """``path`` is a save directory (its ``latest`` is used) or one ``iter_*`` directory."""
     path = Path(path)
     if (path / LATEST_FILE).is_file():
-        return path / (path / LATEST_FILE).read_text().strip()
+        name = (path / LATEST_FILE).read_bytes().decode(errors="replace").strip()
+        if not name.startswith("iter_") or Path(name).name != name:
+            raise CheckpointError(f"{path / LATEST_FILE} names {name[:80]!r}, not an iteration "
+                                  f"directory of {path}; it was edited or corrupted - load an iter_* "
+                                  f"directory of {path} directly")
+        return path / name
     if (path / METADATA_FILE).is_file() or path.name.startswith("iter_"):
         return path
     raise CheckpointError(f"{path} holds no checkpoint (no '{LATEST_FILE}' marker and no "
@@ -50,14 +58,14 @@ class CheckpointReader:
                                   f"'{LATEST_FILE}' points to a deleted checkpoint")
         if verify not in ("lazy", "all", "none"):
             raise ValueError(f"verify must be 'lazy', 'all' or 'none', got {verify!r}")
-        entries = self._manifest = read_manifest(self.directory)
+        manifest = read_manifest(self.directory)
+        entries = self._manifest = manifest["files"]
         self._verify = verify
         if verify != "none":
             verify_files(self.directory, entries, hashes=verify == "all")
             verify_files(self.directory, entries, [METADATA_FILE])
         self._verified: set[str] = set(entries) if verify != "lazy" else {METADATA_FILE}
-        with open(self.directory / METADATA_FILE) as f:
-            self.metadata = json.load(f)
+        self.metadata = self._read_metadata()
         if self.metadata.get("format_version", 0) > FORMAT_VERSION:
             raise CheckpointError(f"{self.directory} uses checkpoint format "
                                   f"{self.metadata['format_version']}, newer than {FORMAT_VERSION}; "
@@ -65,19 +73,53 @@ class CheckpointReader:
         self._rank_files = sorted(n for n in entries if n.startswith("rank_"))
         self._index: dict[tuple[str, str], list[dict]] = defaultdict(list)
         self._extra: dict[int, dict[str, tuple[str, str]]] = defaultdict(dict)
-        self._read_headers()
+        run_ids = {MANIFEST_FILE: manifest.get("run_id"), METADATA_FILE: self.metadata.get("run_id")}
+        run_ids.update(self._read_headers())
+        self._check_one_run(run_ids)
         self._cache: tuple[tuple, torch.Tensor] | None = None
 
-    def _read_headers(self) -> None:
+    def _read_metadata(self) -> dict:
+        try:
+            with open(self.directory / METADATA_FILE) as f:
+                metadata = json.load(f)
+            if isinstance(metadata, dict):
+                return metadata
+        except (OSError, ValueError):
+            pass
+        raise CheckpointError(f"{self.directory / METADATA_FILE} is not a readable JSON object; load "
+                              f"another iteration")
+
+    def _read_headers(self) -> dict[str, str | None]:
+        """Index every rank file's pieces from its verified header; returns each file's run id."""
+        run_ids = {}
         for fname in self._rank_files:
-            with safe_open(str(self.directory / fname), framework="pt") as f:
-                header = f.metadata()
-                for entry in json.loads(header["pieces"]):
-                    entry["file"] = fname
-                    self._index[(entry["kind"], entry["name"])].append(entry)
-                for key in f.keys():
-                    if key.startswith("extra:"):
-                        self._extra[int(header["rank"])][key[len("extra:"):]] = (fname, key)
+            header = read_verified_header(self.directory, fname, self._manifest[fname],
+                                          check=self._verify != "none")
+            meta = header["__metadata__"]
+            run_ids[fname] = meta.get("run_id")
+            for entry in json.loads(meta["pieces"]):
+                entry["file"] = fname
+                self._index[(entry["kind"], entry["name"])].append(entry)
+            for key in header:
+                if key.startswith("extra:"):
+                    self._extra[int(meta["rank"])][key[len("extra:"):]] = (fname, key)
+        return run_ids
+
+    def _check_one_run(self, run_ids: dict[str, str | None]) -> None:
+        """Files of two runs in one checkpoint (two jobs shared a --save): refuse, naming them."""
+        by_run = defaultdict(list)
+        for fname, run_id in run_ids.items():
+            by_run[run_id].append(fname)
+        if len(by_run) > 1:
+            parts = "; ".join(f"{', '.join(sorted(files)[:3])}{' ...' if len(files) > 3 else ''} "
+                              f"from run {run_id or '(none)'}" for run_id, files in by_run.items())
+            raise CheckpointError(f"{self.directory} mixes files of different runs ({parts}): two "
+                                  f"jobs wrote into one --save; load another iteration")
+
+    @property
+    def run_id(self) -> str | None:
+        """The run that wrote this checkpoint (None: written before checkpoints named their run)."""
+        return self.metadata.get("run_id")
 
     def _read(self, fname: str, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Tensor ``key`` of rank file ``fname`` (elements [lo, hi) of it if given), hash-checked

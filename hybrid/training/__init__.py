@@ -4,6 +4,6 @@
   ``arguments``: YAML/TOML file + command-line overrides;
 - ``setup``: the ``build_*`` steps (parallel state, data, model, ZeRO optimizer) and ``run``;
 - ``trainer``: the loop; ``lr_schedule``; ``metrics`` (console + TensorBoard); ``exit`` (SIGTERM,
-  time limit); ``checkpointing`` (layout-independent save/resume via hybrid.checkpoint);
+  time limit); ``resume`` (resume bookkeeping on top of hybrid.checkpoint);
 - ``dry_run``: check a many-GPU layout on one CPU process.
 """

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -22,11 +23,12 @@ import torch
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
-from hybrid.training import checkpointing
 from hybrid.training.config import TrainConfig
 from hybrid.training.liveness import Liveness
 from hybrid.training.lr_schedule import build_lr_schedule
 from hybrid.training.metrics import MetricsWriter, ThroughputModel, gpt_flops_per_iteration
+from hybrid.training.resume import TrainState, fresh_run_id
+from hybrid.training.resume import load as load_checkpoint
 from hybrid.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -225,9 +227,10 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     if resume and cfg.checkpoint.init_from_hf:
         log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
     optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
-    train_state = None
     if resume:
-        train_state = checkpointing.load(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
+        train_state = load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
+    else:
+        train_state = TrainState(run_id=fresh_run_id(state))
     m = cfg.model
     flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                     m.hidden_size, model.config.padded_vocab_size(state.tp_size))
@@ -239,7 +242,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                       metrics=metrics,
                       throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops),
                       rng=rng, train_state=train_state)
-    if train_state is not None and cfg.checkpoint.save == cfg.checkpoint.load:
+    if resume and cfg.checkpoint.save == cfg.checkpoint.load:
         trainer.last_saved_iteration = train_state.iteration   # no need to write it again
     return trainer
 
@@ -274,6 +277,17 @@ def check_save_dir(cfg: TrainConfig) -> None:
                               f"choose a writable directory") from None
 
 
+def claim_save(cfg: TrainConfig, state: ParallelState):
+    """Collective: the job's lock on --save, held until the block ends (refuses a directory another
+    job holds, or another run's checkpoints unless resuming or --overwrite)."""
+    from hybrid.checkpoint.lock import claim_save_dir
+    if not cfg.checkpoint.save:
+        return contextlib.nullcontext()
+    lock = claim_save_dir(cfg.checkpoint.save, resuming=resume_wanted(cfg),
+                          overwrite=cfg.checkpoint.overwrite, world=state.world, device=state.device)
+    return lock if lock is not None else contextlib.nullcontext()
+
+
 def run(cfg: TrainConfig) -> Trainer:
     """The whole pretraining program; returns the finished trainer. A collective that fails
     because other ranks are gone raises :class:`~hybrid.training.liveness.PeersLostError` naming
@@ -284,12 +298,13 @@ def run(cfg: TrainConfig) -> Trainer:
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     with Liveness.start(state.rank, state.world_size, timeout) as liveness:
         try:
-            trainer = build_trainer(cfg, state)
-            try:
-                trainer.train()
-            finally:
-                trainer.metrics.close()
-            leave_job(state)
+            with claim_save(cfg, state):
+                trainer = build_trainer(cfg, state)
+                try:
+                    trainer.train()
+                finally:
+                    trainer.metrics.close()
+                leave_job(state)
         except Exception as err:
             liveness.check(err, restart_hint(cfg))
             raise

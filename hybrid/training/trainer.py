@@ -30,8 +30,8 @@ import torch
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
-from hybrid.training import checkpointing
-from hybrid.training.checkpointing import TrainState
+from hybrid.training import resume
+from hybrid.training.resume import TrainState
 from hybrid.training.exit import ExitCondition
 from hybrid.training.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
 from hybrid.zero.results import StepResult
@@ -176,8 +176,8 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
-        checkpointing.save(self.cfg.checkpoint.save, self.ts, self.model, self.optimizer, self.state,
-                           self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
+        resume.save(self.cfg.checkpoint.save, self.ts, self.model, self.optimizer, self.state,
+                    self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
         self.last_saved_iteration = self.ts.iteration
 
     def _checkpoint(self, stats: IntervalStats) -> None:

@@ -230,6 +230,35 @@ class ZeroEngine:
                 self.adam.publish(out)
         self._publish()
 
+    # ---- the checkpoint state protocol (hybrid.checkpoint.state.CheckpointState) ------------
+    @property
+    def optimizer_state_replicated(self) -> bool:
+        """Every DP rank holds the same master and moments; engines that partition them say no."""
+        return False
+
+    @property
+    def parameters_replicated(self) -> bool:
+        """Every DP rank holds the whole 16-bit parameters; stage 3 partitions them."""
+        return True
+
+    def _parameter_fragments(self) -> list[Fragment]:
+        """The 16-bit (or fp32) parameters this rank holds, as ``model`` fragments."""
+        raise NotImplementedError
+
+    def checkpoint_pieces(self) -> list[Fragment]:
+        return self._parameter_fragments() + self.owned_fragments()
+
+    def checkpoint_counters(self) -> dict:
+        return {"step_count": self.step_count, "loss_scaler": self.scaler.state_dict()}
+
+    def load_checkpoint_pieces(self, pieces: list[Fragment], counters: dict) -> None:
+        """The master and moments of ``pieces`` become this rank's (the 16-bit parameters are
+        rebuilt from the master, so ``model`` pieces only matter through it). Collective over DP."""
+        self.step_count = counters["step_count"]
+        self.load_fragments([f for f in pieces if f.kind != "model"])
+        if counters["loss_scaler"]:
+            self.scaler.load_state_dict(counters["loss_scaler"])
+
     # ---- reports ---------------------------------------------------------------------------
     @property
     def param_bytes(self) -> int:

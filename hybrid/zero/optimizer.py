@@ -37,6 +37,7 @@ from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.partition import FlatLayout
 from hybrid.zero.reducer import GradReducer
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
+from hybrid.zero.results import Fragment
 
 log = logging.getLogger(__name__)
 REDUCER_MODES = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_partition"}
@@ -235,9 +236,12 @@ class ZeroOptimizer(ZeroEngine):
                             measure_storages(categories), formula)
 
     @property
-    def fragments_replicated_over_dp(self) -> bool:
+    def optimizer_state_replicated(self) -> bool:
         """Stage 0 keeps the whole optimizer state on every DP rank (save it from DP rank 0 only)."""
         return self.partitions == 1
+
+    def _parameter_fragments(self) -> list[Fragment]:
+        return [Fragment(name, "model", 0, p.data.view(-1)) for name, p in zip(self.names, self.params)]
 
 
 def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:

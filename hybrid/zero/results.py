@@ -27,7 +27,7 @@ class StepResult:
 @dataclass(frozen=True)
 class Fragment:
     param_name: str
-    kind: str            # one of FRAGMENT_KINDS
+    kind: str            # one of FRAGMENT_KINDS, or "model" for the parameters themselves
     offset: int          # element offset in the flattened TP-local parameter
     tensor: torch.Tensor  # 1-D
 

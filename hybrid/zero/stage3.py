@@ -44,6 +44,7 @@ from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
+from hybrid.zero.results import Fragment
 from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
 
@@ -281,6 +282,14 @@ class Stage3Optimizer(ZeroEngine):
                   else [u.shard for u in self.all_units])
         return {seg.slot.name: (seg.param_offset, seg.of(shard))
                 for unit, shard in zip(self.all_units, shards) for seg in unit.segments}
+
+    @property
+    def parameters_replicated(self) -> bool:
+        return False   # each DP rank holds its partition of every unit (ZeRO §5.3 Pos+g+p)
+
+    def _parameter_fragments(self) -> list[Fragment]:
+        return [Fragment(name, "model", offset, tensor)
+                for name, (offset, tensor) in self.named_local_params().items()]
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:

@@ -20,14 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from hybrid.checkpoint.state import ParamLayout
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan, Recomputer
 from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbedding,
                                     column_parallel_linear, copy_to_tp, set_tp_attributes,
                                     vocab_parallel_cross_entropy)
+from hybrid.zero.results import Fragment, copy_overlaps
 from models.gpt.config import GPTConfig
 from models.gpt.layer import TransformerLayer, dropout
-from models.gpt.sharding import canonical_init, gather_canonical, shard_tensor
+from models.gpt.sharding import canonical_init, checkpoint_layout, gather_canonical, shard_tensor
 
 
 class PositionEmbedding(nn.Module):
@@ -147,6 +149,25 @@ class GPTModel(nn.Module):
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """The full reference-layout state dict, gathered over TP (every TP rank must call)."""
         return gather_canonical(self.config, dict(self.named_parameters()), self.group)
+
+    # ---- the checkpoint state protocol (hybrid.checkpoint.state.CheckpointState) ------------
+    optimizer_state_replicated = True   # a model holds no optimizer state: nothing to save twice
+    parameters_replicated = True        # trained without ZeRO stage 3, every DP rank holds them
+
+    def checkpoint_layout(self) -> dict[str, ParamLayout]:
+        """Where each TP-local parameter sits in its full tensor (what a checkpoint piece records)."""
+        return checkpoint_layout(self.config, dict(self.named_parameters()), self.state.tp_size)
+
+    def checkpoint_pieces(self) -> list[Fragment]:
+        """This rank's whole TP-local parameters as ``model`` pieces (views: filled in place)."""
+        return [Fragment(name, "model", 0, p.data.view(-1)) for name, p in self.named_parameters()]
+
+    def checkpoint_counters(self) -> dict:
+        return {}
+
+    @torch.no_grad()
+    def load_checkpoint_pieces(self, pieces: list[Fragment], counters: dict) -> None:
+        copy_overlaps(self.checkpoint_pieces(), pieces)
 
     def sharding_units(self) -> list[nn.Module]:
         """Submodules that ZeRO stage 3 gathers one at a time, in forward order."""

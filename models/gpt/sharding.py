@@ -21,6 +21,7 @@ import math
 import torch
 
 from hybrid import comm
+from hybrid.checkpoint.state import ParamLayout
 from hybrid.comm import Group
 from hybrid.tensor_parallel.init import full_init, shard
 from models.gpt.config import GPTConfig
@@ -66,6 +67,19 @@ def partition_dim(name: str) -> int:
     if name.endswith(_ROW_PARALLEL):
         return 1
     return -1
+
+
+def checkpoint_layout(config: GPTConfig, local: dict[str, torch.Tensor],
+                      tp: int) -> dict[str, ParamLayout]:
+    """TP-local parameters (this rank's shapes) -> their full shapes in the TP model's layout
+    (vocab padded), split dims and real vocab rows: what a checkpoint piece records."""
+    out = {}
+    for name, t in local.items():
+        dim, shape = partition_dim(name), list(t.shape)
+        if dim >= 0:
+            shape[dim] *= tp
+        out[name] = ParamLayout(tuple(shape), dim, config.vocab_size if name == WORD_EMBEDDING else None)
+    return out
 
 
 def to_tp_layout(config: GPTConfig, name: str, full: torch.Tensor, tp: int) -> torch.Tensor:

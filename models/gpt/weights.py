@@ -21,11 +21,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hybrid.checkpoint import CheckpointError, CheckpointReader
+from hybrid.checkpoint.state import state_pieces
 from hybrid.parallel_state import ParallelState
 from models.gpt.config import GPTConfig
 from models.gpt.hf import is_hf_directory, load_hf_directory
 from models.gpt.model import GPTModel
-from models.gpt.sharding import WORD_EMBEDDING, shard_tensor
+from models.gpt.sharding import WORD_EMBEDDING, canonical_shapes, from_tp_layout, shard_tensor
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +55,33 @@ def load_canonical(path: str | Path, kind: str = "master") -> tuple[dict[str, to
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a checkpoint directory (--save of a "
                                 f"training run), a Hugging Face GPT-2 directory or a .safetensors file")
-    from hybrid.checkpoint import CheckpointReader
-    from hybrid.checkpoint.export import canonical_state_dict
     if kind == "master" and not CheckpointReader(path).has("master", WORD_EMBEDDING):
         log.info("%s holds no fp32 master weights; using the model weights", path)
         kind = "model"
     state_dict, config = canonical_state_dict(path, kind)
     return {k: v.float() for k, v in state_dict.items()}, GPTConfig.from_dict(config)
+
+
+def canonical_state_dict(path: str | Path, kind: str = "master") -> tuple[dict[str, torch.Tensor], dict]:
+    """``(state_dict, gpt_config_dict)`` of the training checkpoint at ``path`` (a save dir or an
+    iter dir) in the canonical layout of ``models/gpt/reference.py``, whatever layout trained it.
+
+    Pieces are stored in the TP model's full layout (QKV rows interleaved per head, word embedding
+    padded); :func:`from_tp_layout` undoes both. ``kind="master"`` gives the fp32 master weights
+    (exact training state); ``"model"`` the 16-bit parameters the forward pass used."""
+    reader = CheckpointReader(path)
+    config = GPTConfig.from_dict(_model_config(reader))
+    out = {name: from_tp_layout(config, name, reader.full_tensor(kind, name)).clone()
+           for name in canonical_shapes(config)}
+    return out, reader.metadata["model_config"]
+
+
+def _model_config(reader: CheckpointReader) -> dict:
+    config = reader.metadata.get("model_config")
+    if config is None:
+        raise CheckpointError(f"{reader.directory} stores no model_config; it was not written by "
+                              f"a training run of this framework (hybrid.training.resume)")
+    return config
 
 
 def _load_canonical_file(path: Path) -> tuple[dict[str, torch.Tensor], GPTConfig]:
@@ -101,20 +123,15 @@ def _inference(config: GPTConfig, dropout: bool) -> GPTConfig:
 
 def _load_from_checkpoint(path: Path, state: ParallelState, kind: str, dtype: torch.dtype,
                           dropout: bool) -> GPTModel:
-    from hybrid.checkpoint import CheckpointReader
-    from hybrid.training.checkpointing import model_pieces
     reader = CheckpointReader(path)
-    if "model_config" not in reader.metadata:
-        raise ValueError(f"{reader.directory} stores no model_config; it was not written by "
-                         f"hybrid.training.checkpointing")
-    config = _inference(GPTConfig.from_dict(reader.metadata["model_config"]), dropout)
+    config = _inference(GPTConfig.from_dict(_model_config(reader)), dropout)
     if kind == "master" and not reader.has("master", WORD_EMBEDDING):
         log.info("%s holds no fp32 master weights; using the model weights", path)
         kind = "model"
     model = GPTModel(config, state, device="meta", dtype=dtype)
     model.to_empty(device=state.device)
     model.device = state.device
-    for piece in model_pieces(model, None, state, for_save=False):   # this rank's whole shards
+    for piece in state_pieces(model, model.checkpoint_layout(), state, for_save=False):
         piece.kind = kind
         reader.fill(piece)
     return model.eval()

@@ -1,0 +1,138 @@
+"""Resume bookkeeping of a training run on top of the checkpoint format (docs/design.md §8).
+
+The state itself travels through :mod:`hybrid.checkpoint.state`: the ZeRO engine hands out its
+parameters, fp32 master, Adam moments and counters (step count, loss scaler) as pieces, the model
+says where each parameter sits in its full tensor. What is left here belongs to the run:
+
+    data position           TrainState (iteration, consumed samples; the sampler resumes there)
+    RNG states              every rank's default and TP-region streams
+    config                  the resolved TrainConfig and the model's GPTConfig (so a run can rebuild
+                            itself), the layout that wrote the checkpoint
+
+RNG states are restored only when the layout is unchanged; otherwise each rank reseeds from
+(seed, iteration).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid import comm
+from hybrid.checkpoint.format import CheckpointError
+from hybrid.checkpoint.lock import new_run_id
+from hybrid.checkpoint.loader import CheckpointReader
+from hybrid.checkpoint.state import CheckpointState, load_state, save_state
+from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel.random import RNGStates
+from models.gpt.model import GPTModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Progress of a run: what a resume must continue from."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    run_id: str | None = None   # the run's identity, kept across resumes (hybrid.checkpoint.lock)
+
+
+def fresh_run_id(state: ParallelState) -> str:
+    """Collective over ``state.world``: rank 0's new run id, on every rank."""
+    text = torch.zeros(32, dtype=torch.uint8)
+    if state.rank == 0:
+        raw = new_run_id().encode()
+        text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    text = text.to(state.device)
+    with comm.unrecorded(state.world):
+        comm.broadcast(text, state.world)
+    return bytes(text.cpu().tolist()).rstrip(b"\0").decode()
+
+
+def _layout(state: ParallelState, zero_stage: int) -> dict:
+    return {"world_size": state.world_size, "tensor_model_parallel_size": state.tp_size,
+            "data_parallel_size": state.dp_size, "zero_stage": zero_stage}
+
+
+def rng_tensors(rng) -> dict[str, torch.Tensor]:
+    if rng is None:
+        return {"cpu": torch.get_rng_state()}
+    s = rng.get_states()
+    out = {"cpu": s.cpu, "tp": s.tp}
+    if s.cuda is not None:
+        out["cuda"] = s.cuda
+    return out
+
+
+def save(path: str | Path, train_state: TrainState, model: GPTModel, optimizer: CheckpointState,
+         state: ParallelState, config, *, rng=None, keep_last: int = 2) -> Path:
+    """Collective over ``state.world``: write one checkpoint of the current iteration, marked with
+    the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``)."""
+    metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
+                "model_config": model.config.to_dict(),
+                "layout": _layout(state, config.parallel.zero_stage)}
+    return save_state(path, train_state.iteration, optimizer, model.checkpoint_layout(), state,
+                      extra=rng_tensors(rng), metadata=metadata, keep_last=keep_last,
+                      run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite)
+
+
+_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+         "max_position_embeddings", "vocab_size")
+
+
+def check_model_compatible(saved: dict, mine: dict) -> None:
+    """The model dims (resolved GPTConfig dicts) must match; parallel layout, batch sizes, precision,
+    dropout and recompute may change."""
+    diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k)!r} vs this run {mine.get(k)!r}"
+             for k in _DIMS if saved.get(k) != mine.get(k)]
+    if diffs:
+        raise CheckpointError("the checkpoint was written by a model with other dims (" +
+                              "; ".join(diffs) + "); use the checkpoint's dims (its metadata.json "
+                              "holds its config) or another checkpoint")
+
+
+def load(path: str | Path, model: GPTModel, optimizer: CheckpointState, state: ParallelState, config,
+         *, rng=None) -> TrainState:
+    """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState.
+    Model and optimizer state are always loaded together: the engines rebuild the 16-bit parameters
+    from the loaded fp32 master (and, with parameters on NVMe, write them through the store), so a
+    model-only load would leave master and parameters disagreeing.
+    Collective: if reading fails on any rank (e.g. a corrupted file only it reads), every rank raises."""
+    def same_model(metadata: dict) -> None:
+        if metadata.get("model_config"):
+            check_model_compatible(metadata["model_config"], model.config.to_dict())
+
+    reader = load_state(path, optimizer, model.checkpoint_layout(), state, check_metadata=same_model)
+    train_state = TrainState(**{**reader.metadata["train_state"], "run_id": reader.run_id})
+    _restore_rng(reader, state, config, rng, train_state.iteration)
+    saved = reader.metadata["layout"]
+    log.info("loaded checkpoint %s (iteration %d, written at TP %d x DP %d, ZeRO stage %d)",
+             reader.directory, train_state.iteration, saved["tensor_model_parallel_size"],
+             saved["data_parallel_size"], saved["zero_stage"])
+    return train_state
+
+
+def _restore_rng(reader: CheckpointReader, state: ParallelState, config, rng, iteration: int) -> None:
+    saved = reader.metadata["layout"]
+    same = (saved["world_size"] == state.world_size
+            and saved["tensor_model_parallel_size"] == state.tp_size)
+    if same:
+        t = reader.extra(state.rank)
+        if rng is not None and "tp" in t:
+            rng.set_states(RNGStates(t["cpu"], t.get("cuda"), t["tp"]))
+        else:
+            torch.set_rng_state(t["cpu"])
+        return
+    log.info("layout changed since the checkpoint: reseeding RNG streams from seed + iteration")
+    torch.manual_seed(config.training.seed + iteration)
+    if rng is not None:
+        rng.seed = config.training.seed + iteration
+        rng.seed_all()

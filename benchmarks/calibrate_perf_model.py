@@ -132,7 +132,7 @@ def adam_bandwidth(numel: int = 2_000_000, repeats: int = 5) -> float:
     m, v = torch.zeros(numel), torch.zeros(numel)
     try:
         from hybrid.zero.adamw import adamw_step
-        from hybrid.zero.config import AdamWConfig
+        from hybrid.adamw_config import AdamWConfig
         config, counter = AdamWConfig(lr=1e-4), [0]
 
         def step():
@@ -251,7 +251,7 @@ def _optimizer(model, state, config, stage):
     """The ZeRO engine of ``stage``, or the fallback (torch AdamW, DP by hybrid.comm all-reduce)."""
     try:
         from hybrid.zero import AdamWConfig, ZeroConfig
-        from hybrid.zero.optimizer import build_zero_optimizer
+        from hybrid.zero.factory import build_zero_optimizer
     except ImportError:
         from hybrid.training.fallback_optimizer import ReplicatedAdamW
         return ReplicatedAdamW(model, state, lr=1e-4), "fallback torch AdamW + hybrid.comm all-reduce"

@@ -19,7 +19,8 @@ import torch
 
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
-from hybrid.zero.config import AdamWConfig, ZeroConfig
+from hybrid.adamw_config import AdamWConfig
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.stage3 import Stage3Optimizer
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
@@ -240,7 +241,7 @@ def test_evaluation_forward_releases_every_unit_and_matches_reference():
 def test_build_zero_optimizer_dispatches_a_materialised_model_without_overlap():
     """The engine entry point hands stage 3 to Stage3Optimizer; a model built on a real device is
     partitioned from its current values; synchronous communication gives the same numbers."""
-    from hybrid.zero.optimizer import build_zero_optimizer
+    from hybrid.zero.factory import build_zero_optimizer
     state = ParallelState.single_process()
     model = GPTModel(CONFIG, state)                    # materialised with seed 0
     zero = ZeroConfig(stage=3, overlap_communication=False, stage3_prefetch=False)

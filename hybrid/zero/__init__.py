@@ -7,8 +7,10 @@ Stages 0-2: :mod:`.partition` (flat buffers, buckets), :mod:`.reducer` (bucketed
 communication overlapped with backward), :mod:`.optimizer` (the engine). Stage 3: ``stage3*``.
 """
 
-from hybrid.zero.config import AdamWConfig, LossScaleConfig, ZeroConfig, uses_weight_decay
-from hybrid.zero.optimizer import ZeroOptimizer, build_zero_optimizer
+from hybrid.adamw_config import AdamWConfig, uses_weight_decay
+from hybrid.zero.config import LossScaleConfig, ZeroConfig
+from hybrid.zero.factory import build_zero_optimizer
+from hybrid.zero.optimizer import ZeroOptimizer
 from hybrid.zero.results import Fragment, StepResult
 
 __all__ = ["AdamWConfig", "Fragment", "LossScaleConfig", "StepResult", "ZeroConfig",

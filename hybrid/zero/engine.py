@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.comm import Group
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import adamw_step, fused_adamw_step
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
-from hybrid.zero.config import AdamWConfig, ZeroConfig
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.report import CommReport, comm_report
 from hybrid.zero.results import Fragment, StepResult, copy_overlaps
 

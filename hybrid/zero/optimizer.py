@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from hybrid import comm
+from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import FlatAdamWState
-from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.partition import FlatLayout
@@ -49,7 +50,7 @@ class ZeroOptimizer(ZeroEngine):
                  adamw: AdamWConfig, offload=None):
         if config.stage not in REDUCER_MODES:
             raise ValueError(f"ZeroOptimizer implements stages 0-2, got {config.stage}; "
-                             f"build stage 3 with build_zero_optimizer")
+                             f"build stage 3 with hybrid.zero.build_zero_optimizer")
         self.state, self.config, self.adamw = state, config, adamw
         self.lr = adamw.lr
         self.names, self.params = _trainable(model)
@@ -251,18 +252,3 @@ def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
     if not params:
         raise ValueError("the model has no trainable parameters to optimize")
     return names, params
-
-
-def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                         adamw_config: AdamWConfig, offload=None, **stage3_options):
-    """The engine for ``zero_config.stage``: stages 0-2 here, stage 3 in :mod:`.stage3`
-    (``stage3_options``, e.g. ``init_fn``/``seed`` for a meta-built model, go to stage 3 only).
-    ``offload``: a :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
-    if zero_config.stage == 3:
-        from hybrid.zero.stage3 import build_stage3_optimizer  # engineer E2's engine
-        if offload is not None:
-            stage3_options["offload"] = offload
-        return build_stage3_optimizer(model, state, zero_config, adamw_config, **stage3_options)
-    if stage3_options:
-        raise TypeError(f"options {sorted(stage3_options)} apply to ZeRO stage 3 only")
-    return ZeroOptimizer(model, state, zero_config, adamw_config, offload)

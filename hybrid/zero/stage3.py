@@ -37,10 +37,11 @@ import torch
 from torch import nn
 
 from hybrid import comm
+from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
 from hybrid.zero import stage3_build as build
 from hybrid.zero.adamw import FlatAdamWState
-from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
@@ -61,7 +62,7 @@ class Stage3Optimizer(ZeroEngine):
                  offload=None):
         if zero_config.stage != 3:
             raise ValueError(f"Stage3Optimizer implements ZeRO stage 3, got stage {zero_config.stage}; "
-                             f"use build_zero_optimizer for stages 0-2")
+                             f"use hybrid.zero.build_zero_optimizer for stages 0-2")
         if not hasattr(model, "sharding_units"):
             raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
                             f"ordered submodules it gathers one at a time")
@@ -319,11 +320,3 @@ class _ReduceBuffers:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for pair in self._all for t in pair if t is not None]
-
-
-def build_stage3_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                           adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None,
-                           seed: int = 0, offload=None) -> Stage3Optimizer:
-    """What :func:`hybrid.zero.optimizer.build_zero_optimizer` returns for stage 3."""
-    return Stage3Optimizer(model, state, zero_config, adamw_config, init_fn=init_fn, seed=seed,
-                           offload=offload)

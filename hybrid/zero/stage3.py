@@ -11,8 +11,8 @@ gradient reduce-scatter (§7.2.2).
 Usage (the same engine interface as stages 0-2)::
 
     model = GPTModel(config, state, device="meta")
-    opt = Stage3Optimizer(model, state, ZeroConfig(stage=3, precision="bf16"), AdamWConfig(),
-                          init_fn=lambda name: value_of(name))     # full TP-local value
+    opt = ParameterPartitioning(model, state, ZeroConfig(stage=3, precision="bf16"), AdamWConfig(),
+                                init_fn=lambda name: value_of(name))     # full TP-local value
     for micro in batches:  opt.backward(model(tokens, labels).mean() / len(batches))
     result = opt.step()
 
@@ -52,17 +52,21 @@ log = logging.getLogger(__name__)
 MAX_REDUCES_IN_FLIGHT = 2   # overlap one unit's reduce-scatter with the next unit's backward
 
 
-class Stage3Optimizer(ZeroEngine):
-    """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring.
-    The step itself is :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive summed over DP
-    and are divided inside the AdamW pass (``grad_divisor``)."""
+class ParameterPartitioning(ZeroEngine):
+    """Pos+g+p, parameter partitioning (ZeRO §5.3, stage 3): Pos+g, and each rank keeps only its
+    1/Nd of the 16-bit parameters, gathered unit by unit around their use. ``backward(loss)`` per
+    micro-batch, ``step()`` once, see the module docstring. The step itself is
+    :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive summed over DP and are divided
+    inside the AdamW pass (``grad_divisor``)."""
+
+    stage = 3
 
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                  adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
                  offload=None):
-        if zero_config.stage != 3:
-            raise ValueError(f"Stage3Optimizer implements ZeRO stage 3, got stage {zero_config.stage}; "
-                             f"use hybrid.zero.build_zero_optimizer for stages 0-2")
+        if zero_config.stage != self.stage:
+            raise ValueError(f"ParameterPartitioning is ZeRO stage 3, the config asks for stage "
+                             f"{zero_config.stage}; build engines with hybrid.zero.build_zero_optimizer")
         if not hasattr(model, "sharding_units"):
             raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
                             f"ordered submodules it gathers one at a time")
@@ -260,9 +264,9 @@ class Stage3Optimizer(ZeroEngine):
                        comm.transport_buffers(self.state.dp) +
                        ([] if self.offload is None else self.adam.resident()["buffers"])})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
-        formula = formula_bytes(self.psi, 3, self.state.dp_size, param_bytes=param_bytes,
+        formula = formula_bytes(self.psi, self.stage, self.state.dp_size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)
-        return MemoryReport(3, self.state.dp_size, self.state.tp_size, self.config.precision,
+        return MemoryReport(self.stage, self.state.dp_size, self.state.tp_size, self.config.precision,
                             self.psi, measured, formula)
 
     def expected_overhead_bytes(self) -> dict[str, float]:

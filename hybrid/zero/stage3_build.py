@@ -5,7 +5,7 @@ its 1/Nd chunk of every unit's flat parameter buffer. Values come from a per-par
 keyed by canonical name (independent of TP and DP degree), computed one parameter at a time: the
 largest transient tensor is one TP-local parameter, never the whole model.
 
-Steps, each a small function used by :class:`~hybrid.zero.stage3.Stage3Optimizer`:
+Steps, each a small function used by :class:`~hybrid.zero.stage3.ParameterPartitioning`:
 ``assign_units`` (which unit owns which parameter, persistent small ones apart), ``initial_values``
 (where values come from), ``make_units`` (flat buffers, meta parameters replaced by views),
 ``tied_units`` / ``backward_reads`` (hints for the gather schedule).

@@ -8,6 +8,10 @@ gradients have been accumulated (a post-accumulate-grad hook counts them; a tied
 once, after both of its uses), so a step moves 3Ψ(n-1)/n per rank: two parameter all-gathers and one
 gradient reduce-scatter (§7.2.2).
 
+Each rank initialises only its chunks, one parameter at a time, in fp32: the fp32 master keeps those
+values and the 16-bit chunk is their rounding, so the master starts where the fp32 model of stages
+0-2 starts (one seed, one curve at every stage; ``--init-from-hf`` keeps the checkpoint's fp32).
+
 Usage (the same engine interface as stages 0-2)::
 
     model = GPTModel(config, state, device="meta")
@@ -79,19 +83,21 @@ class ParameterPartitioning(ZeroEngine):
                                            zero_config.stage3_param_persistence_threshold)
         self.psi = sum(p.numel() for p in model.parameters())
         self.persistent_numel = sum(p.numel() for _, p in small)
+        init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
         self.units, self.persistent = build.make_units(
             model, groups, small, state.dp, dtype=self.dtype, device=self.device,
-            alignment=zero_config.alignment_elements, init=build.initial_values(model, init_fn, seed))
+            alignment=zero_config.alignment_elements)
         self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
         self.offload = offload if offload is not None and offload.enabled else None
         if self.offload is None:
-            self.masters = [u.shard if not zero_config.mixed_precision else u.shard.float()
-                            for u in self.all_units]
+            self.masters = self._materialize(init)
             self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
         else:
-            self.masters, self.adam = [], self._build_offload_state()   # it writes the shards
+            self.masters, self.adam = [], self._build_offload_state(init)   # it fills the shards
+        if self.persistent is not None:
+            self.persistent.gather(async_op=False)   # the small parameters stay whole
         self.param_store = self._build_param_store()
         self.scaler = build_loss_scaler(zero_config)
         self.scheduler = Stage3Scheduler(model, modules, self.units,
@@ -119,6 +125,17 @@ class ParameterPartitioning(ZeroEngine):
         self._init_engine()
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
+
+    def _materialize(self, init) -> list[torch.Tensor]:
+        """Fill every unit's 16-bit chunk from the initial values; returns the masters: the fp32
+        values themselves in mixed precision (never the rounded 16-bit chunk), else the chunk."""
+        masters = []
+        for unit in self.all_units:
+            master = (torch.zeros(unit.chunk, dtype=torch.float32, device=self.device)
+                      if self.config.mixed_precision else None)
+            unit.materialize(init, master)
+            masters.append(unit.shard if master is None else master)
+        return masters
 
     # ---- gradients -------------------------------------------------------------------------
     def _grad_hook(self, k: int):
@@ -226,8 +243,9 @@ class ParameterPartitioning(ZeroEngine):
             unit.attach_store(store, k)
         return store
 
-    def _build_offload_state(self):
-        """hybrid.offload backend holding the masters (from the shards) and moments on host/NVMe."""
+    def _build_offload_state(self, init):
+        """hybrid.offload backend holding the masters and moments on host/NVMe; each unit's chunk
+        is filled with its fp32 initial values passing through one transient fp32 host chunk."""
         from hybrid.offload import param_store
         from hybrid.offload.budget import build_offload_state
         decay = [[(s.chunk_offset, s.length) for s in u.segments if uses_weight_decay(s.slot.param)]
@@ -243,7 +261,9 @@ class ParameterPartitioning(ZeroEngine):
                                       self.adamw, device=self.device, param_dtype=self.dtype,
                                       rank=self.state.rank, resident_bytes=resident)
         for k, unit in enumerate(self.all_units):
-            backend.write_master(k, 0, unit.shard)
+            values = torch.zeros(unit.chunk, dtype=torch.float32)   # on the host, as the backend
+            unit.materialize(init, values)
+            backend.write_master(k, 0, values)
         return backend
 
     # ---- reports ---------------------------------------------------------------------------

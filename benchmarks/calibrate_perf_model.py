@@ -131,8 +131,8 @@ def adam_bandwidth(numel: int = 2_000_000, repeats: int = 5) -> float:
     p, g = torch.zeros(numel), torch.full((numel,), 1e-3)
     m, v = torch.zeros(numel), torch.zeros(numel)
     try:
+        from hybrid.adamw_config import AdamWConfig
         from hybrid.zero.adamw import adamw_step
-        from hybrid.zero.config import AdamWConfig
         config, counter = AdamWConfig(lr=1e-4), [0]
 
         def step():
@@ -251,19 +251,19 @@ def _optimizer(model, state, config, stage):
     """The ZeRO engine of ``stage``, or the fallback (torch AdamW, DP by hybrid.comm all-reduce)."""
     try:
         from hybrid.zero import AdamWConfig, ZeroConfig
-        from hybrid.zero.optimizer import build_zero_optimizer
+        from hybrid.zero.factory import build_zero_optimizer
     except ImportError:
         from hybrid.training.fallback_optimizer import ReplicatedAdamW
         return ReplicatedAdamW(model, state, lr=1e-4), "fallback torch AdamW + hybrid.comm all-reduce"
     zcfg, acfg = ZeroConfig(stage=stage, precision="fp32"), AdamWConfig(lr=1e-4)
     if stage == 3:
-        from hybrid.zero.stage3 import Stage3Optimizer
+        from hybrid.zero.stage3 import ParameterPartitioning
         from models.gpt.sharding import canonical_init, shard_tensor
 
         def init_fn(name):
             return shard_tensor(config, name, canonical_init(config, name, 1), state.tp_rank,
                                 state.tp_size)
-        return Stage3Optimizer(model, state, zcfg, acfg, init_fn=init_fn), "hybrid.zero stage 3"
+        return ParameterPartitioning(model, state, zcfg, acfg, init_fn=init_fn), "hybrid.zero stage 3"
     return build_zero_optimizer(model, state, zcfg, acfg), f"hybrid.zero stage {stage}"
 
 

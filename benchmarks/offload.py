@@ -84,7 +84,7 @@ def _timed_round_robin(fns: dict, reps: int, warmup: int) -> dict:
 
 # ---- part 1: the CPU Adam ------------------------------------------------------------------
 def _adamw_config():
-    from hybrid.zero.config import AdamWConfig
+    from hybrid.adamw_config import AdamWConfig
     return AdamWConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
 
@@ -188,7 +188,7 @@ def _deepspeed(stage: int, mode: str, tmp: str):
     optimizer, params_to = _modes(mode)
     if optimizer == "nvme":
         _check_async_io()
-    from hybrid.zero.config import uses_weight_decay
+    from hybrid.adamw_config import uses_weight_decay
     from models.gpt.reference import ReferenceGPT
     model = ReferenceGPT(_gpt_config())
     model.init_weights(SEED)

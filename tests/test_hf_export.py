@@ -152,9 +152,9 @@ def _import_ranks(rank, world_size, hf_dir, tokens):
         init_from_pretrained(GPTModel(config.replace(num_layers=1), state), hf_dir)
     # ZeRO stage 3 builds on meta and materialises partitions through init_fn
     from hybrid.zero import AdamWConfig, ZeroConfig
-    from hybrid.zero.stage3 import Stage3Optimizer
+    from hybrid.zero.stage3 import ParameterPartitioning
     meta = GPTModel(config, state, device="meta")
-    Stage3Optimizer(meta, state, ZeroConfig(stage=3), AdamWConfig(),
+    ParameterPartitioning(meta, state, ZeroConfig(stage=3), AdamWConfig(),
                     init_fn=pretrained_init_fn(hf_dir, meta))
     labels = tokens.roll(-1, dims=1)
     with torch.no_grad():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.offload import CPUAdamW, HostOptimizerState, NVMeOptimizerState
 from hybrid.zero.adamw import adamw_step
-from hybrid.zero.config import AdamWConfig
 
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SIZES, DECAY = [100, 64, 250], [[(0, 40)], [], [(10, 200)]]

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.offload import CPUAdamW, HostOptimizerState
 from hybrid.offload.param_store import NVMeParamStore
-from hybrid.zero.config import AdamWConfig
 
 SIZES = [48, 160, 96, 160, 64]          # embedding, three layers, final norm (chunks of one rank)
 FORWARD = [0, 1, 2, 3, 4]

@@ -20,7 +20,7 @@ from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
-from hybrid.zero.optimizer import build_zero_optimizer
+from hybrid.zero.factory import build_zero_optimizer
 from hybrid.zero.results import Fragment
 from tests.multirank import run_on_ranks
 from tests.test_zero_stages import GPTTask, train

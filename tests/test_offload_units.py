@@ -15,9 +15,9 @@ import torch
 from hybrid.offload import (CPUAdamW, HostOptimizerState, NVMeOptimizerState, OffloadConfig,
                             add_offload_args, offload_config_from_args, parse_bytes,
                             plan_block_elems)
+from hybrid.adamw_config import AdamWConfig
 from hybrid.offload.cpu_adam import Span, split_spans
 from hybrid.zero.adamw import adamw_step
-from hybrid.zero.config import AdamWConfig
 
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 DECAY = [(10, 100), (300, 50), (900, 100)]

@@ -11,7 +11,8 @@ import torch
 
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import ActivationMeter, RecomputePlan
-from hybrid.recompute.planner import ModelDims, estimate, layer_activation_bytes, mode_costs
+from hybrid.recompute.planner import (ModelDims, estimate, layer_activation_bytes, mode_costs,
+                                      plan_for_budget, plan_from_cli)
 from hybrid.tensor_parallel import RNGTracker
 from tests.recompute_toy import ToyStack
 
@@ -48,13 +49,13 @@ def test_fp32_bytes_double_values_not_masks():
 def test_budget_picks_cheapest_fitting_plan_and_refuses_impossible():
     d = ModelDims(8, 1024, 16, 1024, 1, tp=4)
     costs = mode_costs(d)
-    roomy = RecomputePlan.from_budget(d, 1e12)
+    roomy = plan_for_budget(d, 1e12)
     assert set(roomy.modes) == {"none"}
-    tight = RecomputePlan.from_budget(d, 9 * costs["full"].device_bytes + costs["none"].device_bytes)
+    tight = plan_for_budget(d, 9 * costs["full"].device_bytes + costs["none"].device_bytes)
     assert "full" in tight.modes or "full-pa" in tight.modes
     assert estimate(tight, d).peak_bytes <= 9 * costs["full"].device_bytes + costs["none"].device_bytes
     with pytest.raises(ValueError, match="Raise --memory-budget"):
-        RecomputePlan.from_budget(d, 1000)
+        plan_for_budget(d, 1000)
 
 
 # ---- a CPU run under three budgets --------------------------------------------------------------
@@ -80,7 +81,7 @@ def test_plans_fit_three_budgets_on_cpu():
     full_flops = estimate(RecomputePlan.uniform("full", LAYERS), d).recompute_flops
     rows = []
     for budget in (0.9 * none_peak, 0.6 * none_peak, 1.02 * floor):
-        plan = RecomputePlan.from_budget(d, budget, host_chunk_bytes=1 << 16)
+        plan = plan_for_budget(d, budget, host_chunk_bytes=1 << 16)
         est = estimate(plan, d)
         measured = _measured_peak(plan)
         rows.append((budget, plan.counts(), measured, est.recompute_flops))
@@ -96,12 +97,12 @@ def test_plans_fit_three_budgets_on_cpu():
 def test_from_cli_flags():
     from models.gpt.config import GPTConfig
     config = GPTConfig(4, 64, 4, vocab_size=128, seq_length=32)
-    assert RecomputePlan.from_cli("selective", config, micro_batch=2).modes == ("selective",) * 4
+    assert plan_from_cli("selective", config, micro_batch=2).modes == ("selective",) * 4
     with pytest.raises(ValueError, match="needs --memory-budget"):
-        RecomputePlan.from_cli("auto", config, micro_batch=2)
+        plan_from_cli("auto", config, micro_batch=2)
     with pytest.raises(ValueError, match="only applies to --recompute auto"):
-        RecomputePlan.from_cli("full", config, micro_batch=2, memory_budget=1e6)
-    plan = RecomputePlan.from_cli("auto", config, micro_batch=2, tp=2, memory_budget=1e9)
+        plan_from_cli("full", config, micro_batch=2, memory_budget=1e6)
+    plan = plan_from_cli("auto", config, micro_batch=2, tp=2, memory_budget=1e9)
     assert plan.modes == ("none",) * 4 and "planned for" in str(plan)
 
 
@@ -115,7 +116,7 @@ def test_closed_form_search_matches_brute_force():
     for granularity in (1, 3):
         for frac in (0.5, 0.7, 0.9):
             budget = frac * none_peak
-            plan = RecomputePlan.from_budget(d, budget, granularity=granularity)
+            plan = plan_for_budget(d, budget, granularity=granularity)
             best = None
             for high in MODES:
                 for low in MODES:
@@ -149,7 +150,7 @@ def test_auto_plans_fit_budgets_on_the_gpt_model():
     full = estimate(RecomputePlan.uniform("full", 4), d)
     rows = []
     for budget in (0.95 * none_peak, 0.6 * none_peak, 1.02 * full.peak_bytes):
-        plan = RecomputePlan.from_cli("auto", config, micro_batch=2, memory_budget=budget, device="cpu",
+        plan = plan_from_cli("auto", config, micro_batch=2, memory_budget=budget, device="cpu",
                                       host_chunk_bytes=1 << 16)
         measured = _gpt_peak(config, 2, plan)
         flops = estimate(plan, d).recompute_flops

@@ -4,10 +4,11 @@ storage-deduplicated memory measurement and the paper's formulas."""
 import pytest
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import FlatAdamWState, fused_adamw_step
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
-from hybrid.zero.config import AdamWConfig, LossScaleConfig, ZeroConfig
+from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.loss_scaler import DynamicLossScaler, build_loss_scaler
 from hybrid.zero.report import expected_dp_bytes, formula_bytes, measure_storages
 
@@ -148,7 +149,7 @@ def test_flat_layout_buckets_chunks_and_pieces():
 
 
 def test_engine_rejects_misuse_with_actionable_errors():
-    from hybrid.zero.optimizer import build_zero_optimizer
+    from hybrid.zero.factory import build_zero_optimizer
     state = ParallelState.single_process()
     with pytest.raises(ValueError, match="init_weights"):
         build_zero_optimizer(torch.nn.Linear(3, 3, device="meta"), state, ZeroConfig(), AdamWConfig())

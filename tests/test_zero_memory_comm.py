@@ -12,7 +12,7 @@ import torch
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
-from hybrid.zero.optimizer import build_zero_optimizer
+from hybrid.zero.factory import build_zero_optimizer
 from tests.multirank import run_on_ranks
 from tests.test_zero_stages import MLPTask, train
 

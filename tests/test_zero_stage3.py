@@ -17,10 +17,11 @@ import functools
 import pytest
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
-from hybrid.zero.config import AdamWConfig, ZeroConfig
-from hybrid.zero.stage3 import Stage3Optimizer
+from hybrid.zero.config import ZeroConfig
+from hybrid.zero.stage3 import ParameterPartitioning
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
@@ -57,7 +58,7 @@ def build(state: ParallelState, zero_config: ZeroConfig, config: GPTConfig = CON
         return shard_tensor(config, name, canonical_init(config, name, SEED), state.tp_rank,
                             state.tp_size)
 
-    return model, Stage3Optimizer(model, state, zero_config, AdamWConfig(**ADAMW), init_fn=init_fn)
+    return model, ParameterPartitioning(model, state, zero_config, AdamWConfig(**ADAMW), init_fn=init_fn)
 
 
 def train_step(model, opt, state, tokens, labels, accum: int) -> tuple[float, float]:
@@ -171,13 +172,13 @@ def test_stage3_rejects_misuse_with_actionable_errors():
     state = ParallelState.single_process()
     model = GPTModel(CONFIG, state, device="meta")
     with pytest.raises(ValueError, match="stage 3"):
-        Stage3Optimizer(model, state, ZeroConfig(stage=2), AdamWConfig())
+        ParameterPartitioning(model, state, ZeroConfig(stage=2), AdamWConfig())
     bare = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"))  # meta, no init_parameter
     bare.sharding_units = lambda: list(bare)
     with pytest.raises(ValueError, match="meta device and there is no initialiser"):
-        Stage3Optimizer(bare, state, ZeroConfig(stage=3), AdamWConfig())
+        ParameterPartitioning(bare, state, ZeroConfig(stage=3), AdamWConfig())
     with pytest.raises(TypeError, match="sharding_units"):
-        Stage3Optimizer(torch.nn.Linear(2, 2), state, ZeroConfig(stage=3), AdamWConfig())
+        ParameterPartitioning(torch.nn.Linear(2, 2), state, ZeroConfig(stage=3), AdamWConfig())
     model, opt = build(state, ZeroConfig(stage=3, gradient_accumulation_steps=2))
     tokens, labels = data(steps=1)
     opt.backward(model(tokens[0], labels[0]).mean())
@@ -238,14 +239,14 @@ def test_evaluation_forward_releases_every_unit_and_matches_reference():
 
 
 def test_build_zero_optimizer_dispatches_a_materialised_model_without_overlap():
-    """The engine entry point hands stage 3 to Stage3Optimizer; a model built on a real device is
+    """The engine entry point hands stage 3 to ParameterPartitioning; a model built on a real device is
     partitioned from its current values; synchronous communication gives the same numbers."""
-    from hybrid.zero.optimizer import build_zero_optimizer
+    from hybrid.zero.factory import build_zero_optimizer
     state = ParallelState.single_process()
     model = GPTModel(CONFIG, state)                    # materialised with seed 0
     zero = ZeroConfig(stage=3, overlap_communication=False, stage3_prefetch=False)
     opt = build_zero_optimizer(model, state, zero, AdamWConfig(**ADAMW))
-    assert isinstance(opt, Stage3Optimizer)
+    assert isinstance(opt, ParameterPartitioning)
     ref = ReferenceGPT(CONFIG)
     ref.init_weights(0)
     ref_opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.ndim >= 2]},

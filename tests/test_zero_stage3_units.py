@@ -62,9 +62,11 @@ def test_meta_gpt_is_materialised_one_parameter_at_a_time_into_its_chunks():
 
         modules = model.sharding_units()
         groups, small = build.assign_units(model, modules, threshold=0)
+        init = build.initial_values(model, init_fn, SEED)
         units, kept = build.make_units(model, groups, small, _group(rank), dtype=torch.float32,
-                                       device=torch.device("cpu"), alignment=4,
-                                       init=build.initial_values(model, init_fn, SEED))
+                                       device=torch.device("cpu"), alignment=4)
+        for unit in units:
+            unit.materialize(init)
         assert kept is None and all(r() is None for r in alive)
         for unit in units:
             for seg in unit.segments:

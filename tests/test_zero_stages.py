@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid import comm
+from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
 from hybrid.topology import Topology
-from hybrid.zero.config import AdamWConfig, ZeroConfig
-from hybrid.zero.optimizer import build_zero_optimizer
+from hybrid.zero.config import ZeroConfig
+from hybrid.zero.factory import build_zero_optimizer
 from hybrid.zero.results import Fragment
 from models.gpt import sharding
 from models.gpt.config import GPTConfig

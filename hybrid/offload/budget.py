@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.offload.cpu_adam import KERNELS, CPUAdamW
-from hybrid.zero.config import AdamWConfig
 
 log = logging.getLogger(__name__)
 MODES = ("none", "cpu", "nvme")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.zero.config import AdamWConfig
+from hybrid.adamw_config import AdamWConfig
 
 KERNELS = ("fused", "exact")
 

@@ -7,11 +7,12 @@ from hybrid.recompute.checkpoint import TorchRNG, checkpoint
 from hybrid.recompute.measure import ActivationMeter
 from hybrid.recompute.partitioned import CheckpointStore
 from hybrid.recompute.plan import FULL_MODES, MODES, RecomputePlan, Segment
-from hybrid.recompute.planner import CostModel, ModelDims, PlanEstimate, estimate
+from hybrid.recompute.planner import (CostModel, ModelDims, PlanEstimate, estimate, plan_for_budget,
+                                      plan_from_cli)
 from hybrid.recompute.runner import Recomputer
 
 __all__ = [
     "ActivationMeter", "Arena", "ArenaStats", "CheckpointStore", "CostModel", "FULL_MODES", "MODES",
     "ModelDims", "PlanEstimate", "RecomputePlan", "Recomputer", "Segment", "TorchRNG", "checkpoint",
-    "estimate",
+    "estimate", "plan_for_budget", "plan_from_cli",
 ]

@@ -17,6 +17,9 @@ recomputed at once (fewer checkpoints, a k-layer transient in backward).
 CB and MD sizes live here too: ``arena_chunk_bytes`` (0 = off) places device-resident checkpoints in
 a contiguous arena of constant-size chunks; ``host_chunk_bytes`` is the chunk size of Pa+cpu's host
 tier. Both are constants, independent of the model size (ZeRO §6.2).
+
+A plan is plain data: the automatic planner (:mod:`.planner`) builds plans from a memory budget and
+imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -66,38 +69,14 @@ class RecomputePlan:
 
     @classmethod
     def from_flag(cls, flag: str, num_layers: int, **kw) -> "RecomputePlan":
-        """``--recompute none|selective|full|full-pa|full-pa-cpu`` (``auto`` goes through
-        :meth:`from_budget`)."""
+        """``--recompute none|selective|full|full-pa|full-pa-cpu`` (``auto`` is the planner's:
+        :func:`hybrid.recompute.planner.plan_from_cli`)."""
         if flag == "auto":
-            raise ValueError("--recompute auto needs --memory-budget: use RecomputePlan.from_budget")
+            raise ValueError("--recompute auto needs --memory-budget: use "
+                             "hybrid.recompute.planner.plan_from_cli or plan_for_budget")
         if flag not in MODES:
             raise ValueError(f"--recompute {flag!r} is not one of {', '.join(MODES + ('auto',))}")
         return cls.uniform(flag, num_layers, **kw)
-
-    @classmethod
-    def from_cli(cls, flag: str, config, *, micro_batch: int, tp: int = 1,
-                 sequence_parallel: bool = False, memory_budget: float | None = None,
-                 bytes_per_element: int = 4, device: str = "cuda", **kw) -> "RecomputePlan":
-        """What the trainer's ``--recompute MODE|auto [--memory-budget BYTES]`` asks for, given a
-        :class:`models.gpt.config.GPTConfig` and the layout of one rank."""
-        if flag != "auto":
-            if memory_budget is not None:
-                raise ValueError(f"--memory-budget only applies to --recompute auto, not {flag!r}")
-            return cls.from_flag(flag, config.num_layers, **kw)
-        if memory_budget is None or memory_budget <= 0:
-            raise ValueError("--recompute auto needs --memory-budget <bytes per rank> (e.g. 8e9)")
-        from hybrid.recompute.planner import ModelDims
-        dims = ModelDims.from_config(config, micro_batch=micro_batch, tp=tp,
-                                     sequence_parallel=sequence_parallel,
-                                     bytes_per_element=bytes_per_element, device=device)
-        return cls.from_budget(dims, memory_budget, **kw)
-
-    @classmethod
-    def from_budget(cls, dims, budget_bytes: float, **kw) -> "RecomputePlan":
-        """The cheapest plan whose activations fit ``budget_bytes`` per rank; see
-        :func:`hybrid.recompute.planner.plan_for_budget` for ``dims`` and the cost model."""
-        from hybrid.recompute.planner import plan_for_budget
-        return plan_for_budget(dims, budget_bytes, **kw)
 
     # ---- queries ---------------------------------------------------------------------------------
     @property

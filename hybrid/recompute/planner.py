@@ -251,3 +251,20 @@ def plan_for_budget(d: ModelDims, budget_bytes: float, *, cost: CostModel = Cost
             f"recompute {est.recompute_flops:.3g} FLOP (full: {full.recompute_flops:.3g}), "
             f"TP {est.tp_bytes:,.0f} B, host transfers {est.host_transfer_bytes:,.0f} B")
     return RecomputePlan(plan.modes, **{**plan_kw, "note": note})
+
+
+def plan_from_cli(flag: str, config, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                  memory_budget: float | None = None, bytes_per_element: int = 4, device: str = "cuda",
+                  **plan_kw) -> RecomputePlan:
+    """What the trainer's ``--recompute MODE|auto [--memory-budget BYTES]`` asks for, given a
+    :class:`models.gpt.config.GPTConfig` and the layout of one rank."""
+    if flag != "auto":
+        if memory_budget is not None:
+            raise ValueError(f"--memory-budget only applies to --recompute auto, not {flag!r}")
+        return RecomputePlan.from_flag(flag, config.num_layers, **plan_kw)
+    if memory_budget is None or memory_budget <= 0:
+        raise ValueError("--recompute auto needs --memory-budget <bytes per rank> (e.g. 8e9)")
+    dims = ModelDims.from_config(config, micro_batch=micro_batch, tp=tp,
+                                 sequence_parallel=sequence_parallel,
+                                 bytes_per_element=bytes_per_element, device=device)
+    return plan_for_budget(dims, memory_budget, **plan_kw)

@@ -121,8 +121,8 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | N
     planner for the cheapest per-layer plan whose activations fit --memory-budget on one rank."""
     if cfg.training.recompute == "none":
         return None
-    from hybrid.recompute import RecomputePlan
-    plan = RecomputePlan.from_cli(
+    from hybrid.recompute import plan_from_cli
+    plan = plan_from_cli(
         cfg.training.recompute, gcfg, micro_batch=cfg.data.micro_batch_size, tp=state.tp_size,
         sequence_parallel=cfg.parallel.sequence_parallel and state.tp_size > 1,
         memory_budget=cfg.training.memory_budget_bytes,
@@ -181,7 +181,7 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
     optionally with the optimizer state offloaded to host memory or NVMe (hybrid.offload).
     ``init_fn(name)``: stage 3's source of initial values (default: the seeded init)."""
     from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
-    from hybrid.zero.optimizer import build_zero_optimizer
+    from hybrid.zero.factory import build_zero_optimizer
     o = cfg.optimizer
     zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,

@@ -20,7 +20,6 @@ and MFU derived from it, and their collectives are not in the per-step bytes of 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -65,7 +64,6 @@ class Trainer:
         self.accum = cfg.grad_accumulation_steps(state.world_size)
         self.global_batch = cfg.global_batch(state.world_size)
         self.train_iters = cfg.training.train_iters
-        self._step_takes_lr = "lr" in inspect.signature(optimizer.step).parameters
         self._guard_nonfinite = cfg.optimizer.precision != "fp16"   # fp16: the scaler skips
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
@@ -152,8 +150,6 @@ class Trainer:
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
     def _optimizer_step(self, lr: float):
-        if self._step_takes_lr:
-            return self.optimizer.step(lr=lr)
         self.optimizer.lr = lr
         return self.optimizer.step()
 

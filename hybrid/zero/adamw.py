@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from hybrid.zero.config import AdamWConfig
+from hybrid.adamw_config import AdamWConfig
 
 ADAMW_KERNELS = ("fused", "foreach")
 

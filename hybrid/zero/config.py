@@ -1,10 +1,11 @@
-"""Configuration of ZeRO-DP (ZeRO paper §5 stages, §6.3 constant-size buffers) and of AdamW.
+"""Configuration of ZeRO-DP (ZeRO paper §5 stages, §6.3 constant-size buffers).
 
 :class:`ZeroConfig` picks the stage (0 = plain data parallel, 1 = Pos, 2 = Pos+g, 3 = Pos+g+p), the
 precision of parameters and gradients (fp32, or bf16/fp16 with an fp32 master copy, mixed-precision
 training of Micikevicius et al. 2018 as used in ZeRO §3.1), the constant bucket size of gradient
 communication (CB of ZeRO-R: independent of the model size) and dynamic loss scaling for fp16.
-Both dataclasses validate themselves with messages that name the fix.
+Both dataclasses validate themselves with messages that name the fix. AdamW's hyper-parameters
+are :class:`hybrid.adamw_config.AdamWConfig` (a leaf module: the offload backends read it too).
 """
 
 from __future__ import annotations
@@ -99,35 +100,3 @@ class ZeroConfig:
     @property
     def alignment_elements(self) -> int:
         return max(1, self.alignment_bytes // torch.empty((), dtype=self.param_dtype).element_size())
-
-
-@dataclass
-class AdamWConfig:
-    """AdamW (Loshchilov & Hutter 2019) hyper-parameters, same meaning as torch.optim.AdamW.
-
-    Weight decay applies only to parameters with ``ndim >= 2`` (matrices, embeddings); biases and
-    norm weights are left undecayed (see :func:`uses_weight_decay`). ``kernel``: ``fused`` (torch's
-    single-pass kernel) or ``foreach`` (bitwise ``torch.optim.AdamW(foreach=True)``), see
-    :mod:`hybrid.zero.adamw`."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    kernel: str = "fused"
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        if not self.lr >= 0:
-            raise ValueError(f"learning rate must be >= 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if not self.eps > 0 or not self.weight_decay >= 0:
-            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
-        if self.kernel not in ("fused", "foreach"):
-            raise ValueError(f"AdamW kernel must be 'fused' or 'foreach', got {self.kernel!r}")
-
-
-def uses_weight_decay(param: torch.Tensor) -> bool:
-    """The param-group rule: decay matrices and embeddings, not biases or norm weights."""
-    return param.ndim >= 2

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.comm import Group
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import adamw_step, fused_adamw_step
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
-from hybrid.zero.config import AdamWConfig, ZeroConfig
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.report import CommReport, comm_report
 from hybrid.zero.results import Fragment, StepResult, copy_overlaps
 
@@ -79,13 +80,14 @@ def _views(chunks: list[torch.Tensor], spans) -> list[torch.Tensor]:
 class ZeroEngine:
     """Shared step, checkpoint fragments and reports; see the module docstring.
 
-    Subclasses set ``state``, ``config``, ``adamw``, ``lr``, ``scaler``, ``offload``, ``adam``
+    Subclasses name their ``stage`` (class attribute) and set ``state``, ``config``, ``adamw``, ``lr``, ``scaler``, ``offload``, ``adam``
     (a FlatAdamWState or an offload backend), ``masters`` (fp32 master per chunk; the parameter
     chunk itself in plain fp32), ``pieces`` (list of OwnedPiece), ``norm_group`` and
     ``grad_divisor`` (what the owned gradients must still be divided by: the DP size when the
     reduction summed them, 1 when they were divided before it), then call :meth:`_init_engine`.
     """
 
+    stage: int           # the ZeRO paper's stage number (reports, memory formula)
     state: ParallelState
     config: ZeroConfig
     adamw: AdamWConfig
@@ -266,6 +268,6 @@ class ZeroEngine:
 
     def comm_report(self) -> CommReport:
         """Bytes per rank of the last optimizer step (everything since the step before it)."""
-        return comm_report(self._last_step_records, 1, stage=self.config.stage,
+        return comm_report(self._last_step_records, 1, stage=self.stage,
                            dp=self.state.dp_size, psi=self.num_local_params,
                            param_bytes=self.param_bytes)

@@ -1,17 +1,23 @@
-"""The ZeRO-DP engine for stages 0, 1 and 2 (ZeRO paper §5.1 Pos, §5.2 Pos+g; stage 0 = plain DP).
+"""The ZeRO-DP engines of stages 0, 1 and 2: plain data parallelism, Pos and Pos+g (ZeRO paper §5.1-5.2).
 
-Every stage keeps this TP rank's parameters in one flat buffer of the training dtype (see
-:mod:`.partition` for the bucket/chunk layout); ``param.data`` are views into it.
+Every engine here keeps this TP rank's parameters in one flat buffer of the training dtype (see
+:mod:`.partition` for the bucket/chunk layout); ``param.data`` are views into it. One class per
+stage, each named after what it partitions across the data-parallel group (the factory
+:mod:`.factory` picks one from ``ZeroConfig.stage``):
 
-* stage 0: full fp32 master and moments on every rank; gradients all-reduced bucket by bucket.
-* stage 1: this DP rank owns chunk ``dp_rank`` of every bucket: its master (fp32, or the parameter
-  chunk itself in plain fp32) and moments cover only those chunks. Gradients (a full buffer, as
-  ``param.grad`` views) are reduce-scattered per bucket; after the update each bucket's parameters
-  are all-gathered. Volume: Ψ + Ψ, times (n-1)/n (§7.2.1).
-* stage 2: as stage 1, but each gradient is moved into a constant-size staging bucket as backward
-  produces it and reduce-scattered at once; the rank keeps only its gradient partition.
+* :class:`DataParallel` (stage 0): full fp32 master and moments on every rank; gradients (a full
+  buffer, as ``param.grad`` views) all-reduced bucket by bucket.
+* :class:`OptimizerStatePartitioning` (stage 1, Pos, §5.1): this DP rank owns chunk ``dp_rank``
+  of every bucket: its master (fp32, or the parameter chunk itself in plain fp32) and moments
+  cover only those chunks. The full gradients are reduce-scattered per bucket at the end of the
+  step's last backward; after the update each bucket's parameters are all-gathered. Volume:
+  Ψ + Ψ, times (n-1)/n (§7.2.1).
+* :class:`GradientPartitioning` (stage 2, Pos+g, §5.2): as Pos, but each gradient is moved into a
+  constant-size staging bucket as backward produces it and the bucket reduce-scattered at once,
+  every micro-batch; the rank keeps only its gradient partition.
 
-The step itself (norm, overflow, clipping, AdamW, skip) is :class:`hybrid.zero.engine.ZeroEngine`'s;
+Stage 3 (Pos+g+p, §5.3) is :class:`hybrid.zero.stage3.ParameterPartitioning`. The step itself
+(norm, overflow, clipping, AdamW, skip) is :class:`hybrid.zero.engine.ZeroEngine`'s, written once;
 this module provides where the gradients and parameters live. Gradients are summed by the
 reduction and divided by the DP size inside the AdamW pass (``grad_divisor``).
 
@@ -29,34 +35,43 @@ import torch
 from torch import nn
 
 from hybrid import comm
+from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import FlatAdamWState
-from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.partition import FlatLayout
-from hybrid.zero.reducer import GradReducer
+from hybrid.zero.reducer import (BucketAllReduce, BucketReduceScatter, GradReducer,
+                                 PartitionReduceScatter)
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 
 log = logging.getLogger(__name__)
-REDUCER_MODES = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter_partition"}
 
 
 class ZeroOptimizer(ZeroEngine):
-    """Stages 0-2. Use: ``opt.backward(loss)`` per micro-batch, ``opt.step()``, ``opt.zero_grad()``."""
+    """The flat-buffer engine the stages 0-2 share; a subclass says what it partitions.
+
+    Use: ``opt.backward(loss)`` per micro-batch, ``opt.step()``, ``opt.zero_grad()``. Gradients
+    here are a full buffer (``param.grad`` views into it), :class:`GradientPartitioning` replaces
+    it with this rank's partition. Subclasses set ``stage`` (the paper's number, for reports) and
+    ``reducer_class``, and define :meth:`_partitioning` and :meth:`_norm_group`.
+    """
+
+    reducer_class: type[GradReducer]
 
     def __init__(self, model: nn.Module, state: ParallelState, config: ZeroConfig,
                  adamw: AdamWConfig, offload=None):
-        if config.stage not in REDUCER_MODES:
-            raise ValueError(f"ZeroOptimizer implements stages 0-2, got {config.stage}; "
-                             f"build stage 3 with build_zero_optimizer")
+        if config.stage != self.stage:
+            raise ValueError(f"{type(self).__name__} is ZeRO stage {self.stage}, the config asks for "
+                             f"stage {config.stage}; build engines with "
+                             f"hybrid.zero.build_zero_optimizer")
         self.state, self.config, self.adamw = state, config, adamw
         self.lr = adamw.lr
         self.names, self.params = _trainable(model)
         self.dtype, self.device = config.param_dtype, state.device
-        self.partitions = state.dp_size if config.stage >= 1 else 1
-        self.part_rank = state.dp_rank if config.stage >= 1 else 0
+        self.partitions, self.part_rank = self._partitioning()
         self.layout = FlatLayout([p.numel() for p in self.params], config.bucket_size,
                                  self.partitions, config.alignment_elements)
         self.offload = offload if offload is not None and offload.enabled else None
@@ -67,22 +82,29 @@ class ZeroOptimizer(ZeroEngine):
         if config.shm_collectives and self.partitions > 1:   # reduce-scatters write a whole bucket
             comm.use_shared_memory(state.dp, max(b.numel for b in self.layout.buckets) *
                                    self.flat_param.element_size())
-        self.reducer = GradReducer(self.params, self.layout, state.dp, REDUCER_MODES[config.stage],
-                                   dtype=self.dtype, device=self.device,
-                                   overlap=config.overlap_communication, grad_flat=self.grad_flat,
-                                   grad_chunks=self.grad_chunks)
+        self.reducer = self.reducer_class(self.params, self.layout, state.dp, dtype=self.dtype,
+                                          device=self.device, overlap=config.overlap_communication,
+                                          grad_flat=self.grad_flat, grad_chunks=self.grad_chunks)
         if self.offload is not None:   # gradients stream to the host as buckets complete
             self.reducer.on_final = self._stream_grad
         self.pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,
                                   uses_weight_decay(self.params[p.index]),
                                   bool(getattr(self.params[p.index], "tensor_model_parallel", False)))
                        for b, p in self.layout.owned_pieces(self.part_rank)]
-        # stages >= 1: disjoint partitions, summed over the world; stage 0: DP ranks hold the same
-        self.norm_group = state.world if config.stage >= 1 else state.tp
+        self.norm_group = self._norm_group()
         self.grad_divisor = float(state.dp_size)
         self._init_engine()
         if state.rank == 0:
             log.info("%s", self.memory_report())
+
+    # ---- what the stage partitions ----------------------------------------------------------
+    def _partitioning(self) -> tuple[int, int]:
+        """(number of partitions of every bucket, the one this rank owns)."""
+        raise NotImplementedError
+
+    def _norm_group(self):
+        """The group whose ranks' owned gradients together make the whole model's gradient."""
+        raise NotImplementedError
 
     # ---- construction ----------------------------------------------------------------------
     def _chunk_of(self, flat: torch.Tensor, bucket) -> torch.Tensor:
@@ -90,7 +112,7 @@ class ZeroOptimizer(ZeroEngine):
         return flat[bucket.start + lo:bucket.start + hi]
 
     def _build_buffers(self) -> None:
-        """Flat 16-bit params (+ full grads for stages 0/1), master chunks, gradient chunks."""
+        """Flat 16-bit params, master chunks, then the gradient storage (:meth:`_build_grads`)."""
         layout = self.layout
         mixed = self.config.mixed_precision and self.offload is None   # offload: backend's master
         self.flat_param = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
@@ -114,14 +136,39 @@ class ZeroOptimizer(ZeroEngine):
         for p, slot in zip(self.params, layout.slots):
             p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
         self.grad_flat, self.grad_chunks, self.grad_part, self._grad_views = None, None, None, []
-        if self.config.stage < 2:   # param.grad are views: autograd accumulates into the buffer
-            self.grad_flat = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
-            self._grad_views = [self.grad_flat[s.start:s.start + s.numel].view(p.shape)
-                                for p, s in zip(self.params, layout.slots)]
-        else:
-            self.grad_part = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
-            self.grad_chunks = list(torch.split(self.grad_part, sizes))
+        self._build_grads()
         self._attach_grads()
+
+    # ---- gradient storage: a full buffer (GradientPartitioning overrides) -------------------
+    def _build_grads(self) -> None:
+        """The full gradient buffer; ``param.grad`` are views, so autograd accumulates into it."""
+        self.grad_flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+        self._grad_views = [self.grad_flat[s.start:s.start + s.numel].view(p.shape)
+                            for p, s in zip(self.params, self.layout.slots)]
+
+    def _grad_numel(self) -> int:
+        """Elements of gradient storage this rank holds."""
+        return self.layout.numel
+
+    def _grad_buffer(self) -> torch.Tensor:
+        return self.grad_flat
+
+    def _reduced_grad(self, bucket: int) -> torch.Tensor:
+        """This rank's reduced chunk of bucket ``bucket``, in the gradient dtype."""
+        return self._chunk_of(self.grad_flat, self.layout.buckets[bucket])
+
+    def _attach_grads(self) -> None:
+        """``param.grad`` = views of the full buffer."""
+        for p, view in zip(self.params, self._grad_views):
+            p.grad = view
+
+    def _communicates(self, last: bool) -> bool:
+        """Whether this micro-batch's backward reduces: full gradients accumulate locally and are
+        reduced once, in the step's last backward."""
+        return last
+
+    def _before_backward(self) -> None:
+        """Before a micro-batch's backward (full gradients: nothing is in flight between them)."""
 
     def _build_offload_state(self) -> None:
         """The offload backend (hybrid.offload) holding master + moments of the owned chunks; its
@@ -132,7 +179,7 @@ class ZeroOptimizer(ZeroEngine):
         for b, piece in self.layout.owned_pieces(self.part_rank):
             if uses_weight_decay(self.params[piece.index]):
                 decay[b].append((piece.chunk_offset, piece.numel))
-        grads = self.layout.numel if self.config.stage < 2 else sum(sizes)
+        grads = self._grad_numel()
         fp32_grads = 4 * sum(sizes) if self.config.mixed_precision else 0   # _owned_grads_fp32
         resident = item * (self.layout.numel + grads + 3 * max(self.layout.chunk_sizes()) *
                            self.partitions) + fp32_grads
@@ -148,22 +195,16 @@ class ZeroOptimizer(ZeroEngine):
         chunks = [self._chunk_of(self.flat_param, b) for b in self.layout.buckets]
         return contextlib.nullcontext(chunks)
 
-    def _attach_grads(self) -> None:
-        """Stages 0/1: ``param.grad`` = views of the flat buffer; stage 2: no full-size grads."""
-        for i, p in enumerate(self.params):
-            p.grad = self._grad_views[i] if self._grad_views else None
-
     # ---- training-loop API -----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (the caller divides the loss by the number of them)."""
-        if self.config.stage == 2 and self._micro_batches:
-            self.reducer.finish()   # previous micro-batch's reduce-scatters land before new ones
+        self._before_backward()
         if any(p.grad is not v for p, v in zip(self.params, self._grad_views)):
             raise RuntimeError("param.grad no longer points into the ZeRO gradient buffer (was "
                                "model.zero_grad() called?); call opt.zero_grad() instead")
         self._micro_batches += 1
         last = self._micro_batches % self.config.gradient_accumulation_steps == 0
-        self.reducer.enabled = self.config.stage == 2 or last
+        self.reducer.enabled = self._communicates(last)
         self.reducer.final = last
         scale = self.scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
@@ -175,15 +216,13 @@ class ZeroOptimizer(ZeroEngine):
         self.zero_grad()
 
     def _zero_grads(self) -> None:
-        """Zero the gradient buffer (stages 0/1) or partition (stage 2); re-attach grad views."""
-        (self.grad_flat if self.grad_flat is not None else self.grad_part).zero_()
+        """Zero the gradient storage; re-attach grad views."""
+        self._grad_buffer().zero_()
         self._attach_grads()
 
     def _stream_grad(self, bucket: int) -> None:
         """Offload: bucket's reduced chunk is final for this step; the backend takes it now."""
-        b = self.layout.buckets[bucket]
-        grad = self.grad_chunks[bucket] if self.grad_flat is None else self._chunk_of(self.grad_flat, b)
-        self.adam.accept_grad(bucket, grad)
+        self.adam.accept_grad(bucket, self._reduced_grad(bucket))
 
     # ---- the engine's hooks (the step is ZeroEngine.step) -----------------------------------
     def _land_gradients(self) -> None:
@@ -192,10 +231,7 @@ class ZeroOptimizer(ZeroEngine):
 
     def _owned_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient chunks (summed over DP, still loss-scaled) in fp32."""
-        if self.grad_flat is not None:
-            chunks = [self._chunk_of(self.grad_flat, b) for b in self.layout.buckets]
-        else:
-            chunks = self.grad_chunks
+        chunks = [self._reduced_grad(b) for b in range(len(self.layout.buckets))]
         return [c.float() for c in chunks] if self.config.mixed_precision else chunks
 
     def _publish(self) -> None:
@@ -220,7 +256,7 @@ class ZeroOptimizer(ZeroEngine):
 
     def memory_report(self) -> MemoryReport:
         categories = {"param16": [self.flat_param] + [p.data for p in self.params],
-                      "grad16": [self.grad_flat if self.grad_flat is not None else self.grad_part],
+                      "grad16": [self._grad_buffer()],
                       "master32": [self.master_flat] if self.master_flat is not None else self.masters,
                       "adam_moments": self.adam.tensors(),
                       "buffers": self.reducer.buffers() + comm.transport_buffers(self.state.dp)}
@@ -229,9 +265,9 @@ class ZeroOptimizer(ZeroEngine):
             categories.update(master32=host["master32"], adam_moments=host["adam_moments"],
                               buffers=categories["buffers"] + host["buffers"])
         itemsize = self.flat_param.element_size()
-        formula = formula_bytes(self.num_local_params, self.config.stage, self.state.dp_size,
+        formula = formula_bytes(self.num_local_params, self.stage, self.state.dp_size,
                                 param_bytes=itemsize, mixed_precision=self.config.mixed_precision)
-        return MemoryReport(self.config.stage, self.state.dp_size, self.state.tp_size,
+        return MemoryReport(self.stage, self.state.dp_size, self.state.tp_size,
                             self.config.precision, self.num_local_params,
                             measure_storages(categories), formula)
 
@@ -242,6 +278,75 @@ class ZeroOptimizer(ZeroEngine):
 
     def _parameter_fragments(self) -> list[Fragment]:
         return [Fragment(name, "model", 0, p.data.view(-1)) for name, p in zip(self.names, self.params)]
+
+
+class DataParallel(ZeroOptimizer):
+    """Stage 0, plain data parallelism: nothing partitioned. Every rank keeps the full gradient
+    (all-reduced bucket by bucket), the full fp32 master and both Adam moments, and updates all
+    parameters itself; no all-gather follows the update."""
+
+    stage = 0
+    reducer_class = BucketAllReduce
+
+    def _partitioning(self) -> tuple[int, int]:
+        return 1, 0
+
+    def _norm_group(self):
+        return self.state.tp   # DP ranks hold the same all-reduced gradients: count them once
+
+
+class OptimizerStatePartitioning(ZeroOptimizer):
+    """Pos, optimizer state partitioning (ZeRO §5.1, stage 1): rank ``dp_rank`` owns chunk
+    ``dp_rank`` of every bucket and keeps the fp32 master and Adam moments of that chunk only
+    (12Ψ/Nd instead of 12Ψ). Gradients stay a full buffer, accumulated locally over the
+    micro-batches and reduce-scattered bucket by bucket in the last backward; after the update
+    every bucket's parameters are all-gathered from their owners."""
+
+    stage = 1
+    reducer_class = BucketReduceScatter
+
+    def _partitioning(self) -> tuple[int, int]:
+        return self.state.dp_size, self.state.dp_rank
+
+    def _norm_group(self):
+        return self.state.world   # disjoint partitions: the sum over every rank is the model's
+
+
+class GradientPartitioning(OptimizerStatePartitioning):
+    """Pos+g, gradient partitioning (ZeRO §5.2, stage 2): Pos, and the rank keeps only the
+    gradient chunks it owns (2Ψ/Nd instead of 2Ψ). Each gradient is moved into a constant-size
+    staging bucket as backward produces it and the full-size ``param.grad`` freed; a complete
+    bucket is reduce-scattered at once, on every micro-batch, and this rank's chunk added to its
+    gradient partition."""
+
+    stage = 2
+    reducer_class = PartitionReduceScatter
+
+    def _build_grads(self) -> None:
+        sizes = self.layout.chunk_sizes()
+        self.grad_part = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
+        self.grad_chunks = list(torch.split(self.grad_part, sizes))
+
+    def _grad_numel(self) -> int:
+        return sum(self.layout.chunk_sizes())
+
+    def _grad_buffer(self) -> torch.Tensor:
+        return self.grad_part
+
+    def _reduced_grad(self, bucket: int) -> torch.Tensor:
+        return self.grad_chunks[bucket]
+
+    def _attach_grads(self) -> None:
+        """No full-size gradients: ``param.grad`` exists only until the hook stages it."""
+        for p in self.params:
+            p.grad = None
+
+    def _communicates(self, last: bool) -> bool:
+        return True   # no full gradient to accumulate into: reduce every micro-batch
+
+    def _before_backward(self) -> None:
+        if self._micro_batches:
+            self.reducer.finish()   # previous micro-batch's reduce-scatters land before new ones
 
 
 def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
@@ -255,18 +360,3 @@ def _trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
     if not params:
         raise ValueError("the model has no trainable parameters to optimize")
     return names, params
-
-
-def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                         adamw_config: AdamWConfig, offload=None, **stage3_options):
-    """The engine for ``zero_config.stage``: stages 0-2 here, stage 3 in :mod:`.stage3`
-    (``stage3_options``, e.g. ``init_fn``/``seed`` for a meta-built model, go to stage 3 only).
-    ``offload``: a :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
-    if zero_config.stage == 3:
-        from hybrid.zero.stage3 import build_stage3_optimizer  # engineer E2's engine
-        if offload is not None:
-            stage3_options["offload"] = offload
-        return build_stage3_optimizer(model, state, zero_config, adamw_config, **stage3_options)
-    if stage3_options:
-        raise TypeError(f"options {sorted(stage3_options)} apply to ZeRO stage 3 only")
-    return ZeroOptimizer(model, state, zero_config, adamw_config, offload)

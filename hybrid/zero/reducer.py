@@ -7,12 +7,18 @@ parameters that got no gradient carry zeros) and waits for every handle. ``on_fi
 called as each bucket of the step's last micro-batch lands (optimizer offload streams that chunk
 to the host while backward goes on).
 
-* ``all_reduce`` (stage 0): the bucket slice of the full gradient buffer is all-reduced in place.
-* ``reduce_scatter`` (stage 1): the bucket slice is reduce-scattered in place: this rank's reduced
-  chunk lands on its own chunk of the full gradient buffer (the rest is left stale, never read).
-* ``reduce_scatter_partition`` (stage 2): there is no full gradient buffer. The hook copies the
+One class per way the engines of :mod:`.optimizer` reduce (the shared counting, ordering and
+buffer pool are :class:`GradReducer`'s):
+
+* :class:`BucketAllReduce` (plain data parallel): the bucket slice of the full gradient buffer is
+  all-reduced in place.
+* :class:`BucketReduceScatter` (Pos): the bucket slice is reduce-scattered in place: this rank's
+  reduced chunk lands on its own chunk of the full gradient buffer (the rest is left stale, never
+  read).
+* :class:`PartitionReduceScatter` (Pos+g): there is no full gradient buffer. The hook copies the
   fresh ``param.grad`` into a constant-size staging buffer and frees it; the staged bucket is
   reduce-scattered and this rank's chunk ADDED to its gradient partition (accumulation).
+
 Staging buffers come from a small pool (two in steady state): when none is free the oldest
 in-flight bucket is completed to release one. Where the backend reduce-scatters through a
 full-size receive buffer (gloo, :func:`hybrid.comm.needs_reduce_scratch`) each pool entry holds
@@ -33,12 +39,11 @@ from hybrid.comm import Group
 from hybrid.zero.partition import Bucket, FlatLayout
 
 log = logging.getLogger(__name__)
-MODES = ("all_reduce", "reduce_scatter", "reduce_scatter_partition")
 
 
 @dataclass
 class _Staging:
-    """One pool entry: the staged bucket (stage 2), the reduced chunk (stage 2) and the receive
+    """One pool entry: the staged bucket (Pos+g), the reduced chunk (Pos+g) and the receive
     buffer of gloo's reduce-scatter; each sized for the largest bucket, empty when not needed."""
 
     full: torch.Tensor
@@ -47,16 +52,19 @@ class _Staging:
 
 
 class GradReducer:
-    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group, mode: str,
-                 *, dtype: torch.dtype, device: torch.device, overlap: bool = True,
+    """Counts gradients into buckets and reduces complete buckets in order; a subclass says how
+    (``_launch``) and what happens to a fresh gradient (``_take``) or a landed bucket (``_landed``)."""
+
+    stages_gradients = False   # True: gradients are copied into staging buckets (no full buffer)
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group, *,
+                 dtype: torch.dtype, device: torch.device, overlap: bool = True,
                  grad_flat: torch.Tensor | None = None,
                  grad_chunks: list[torch.Tensor] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"reducer mode must be one of {MODES}, got {mode!r}")
-        self.params, self.layout, self.group, self.mode = params, layout, group, mode
+        self.params, self.layout, self.group = params, layout, group
         self.dtype, self.device, self.overlap = dtype, device, overlap
-        self.grad_flat = grad_flat          # stages 0/1: [layout.numel] full gradient buffer
-        self.grad_chunks = grad_chunks      # stage 2: this rank's chunk of every bucket
+        self.grad_flat = grad_flat          # full gradients: [layout.numel] buffer
+        self.grad_chunks = grad_chunks      # Pos+g: this rank's chunk of every bucket
         self.enabled = True                 # False on micro-batches that must not communicate
         self.final = True                   # this backward is the step's last micro-batch
         self.on_final: Callable[[int], None] | None = None   # bucket whose chunk is now final
@@ -65,8 +73,8 @@ class GradReducer:
         self._staged: dict[int, _Staging] = {}
         self._inflight: deque = deque()     # (bucket, handle, staging entry or None)
         self._reset_counters()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(params)]
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     # ---- hooks -----------------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -79,14 +87,13 @@ class GradReducer:
             return
         slot = self.layout.slots[index]
         bucket = self.layout.buckets[slot.bucket]
-        if self.mode == "reduce_scatter_partition":
-            staged_in = self._staging_for(bucket).full
-            begin = slot.start - bucket.start
-            staged_in[begin:begin + slot.numel].copy_(param.grad.reshape(-1))
-            param.grad = None       # the full-size gradient must not persist (Pos+g)
+        self._take(slot, bucket, param)
         self._missing[bucket.index] -= 1
         if self.overlap:
             self._launch_ready()
+
+    def _take(self, slot, bucket: Bucket, param: torch.Tensor) -> None:
+        """A fresh gradient of ``param`` (slot ``slot`` of ``bucket``) is complete for this backward."""
 
     def _launch_ready(self) -> None:
         buckets = self.layout.buckets
@@ -96,29 +103,16 @@ class GradReducer:
 
     # ---- collectives -----------------------------------------------------------------------
     def _launch(self, bucket: Bucket) -> None:
-        if self.mode == "all_reduce":
-            view = self.grad_flat[bucket.start:bucket.start + bucket.numel]
-            self._inflight.append((bucket, comm.all_reduce(view, self.group, async_op=True), None))
-            return
-        if self.mode == "reduce_scatter":   # in place: own chunk of the bucket's gradients
-            entry = self._acquire(bucket)
-            full = self.grad_flat[bucket.start:bucket.start + bucket.numel]
-            lo, hi = bucket.chunk_range(self.group.rank)
-            out = full[lo:hi]
-        else:
-            entry = self._staging_for(bucket)
-            full, out = entry.full[:bucket.numel], entry.chunk[:bucket.chunk]
-        handle = comm.reduce_scatter_into(out, full, self.group, async_op=True,
-                                          scratch=entry.scratch)
-        self._inflight.append((bucket, handle, entry))
+        raise NotImplementedError
+
+    def _landed(self, bucket: Bucket, entry: _Staging) -> None:
+        """The reduction of ``bucket`` (staging entry ``entry``) has completed."""
 
     def _complete_oldest(self) -> None:
         bucket, handle, entry = self._inflight.popleft()
         handle.wait()
         if entry is not None:
-            if self.mode == "reduce_scatter_partition":
-                self.grad_chunks[bucket.index].add_(entry.chunk[:bucket.chunk])
-                self._staged.pop(bucket.index, None)
+            self._landed(bucket, entry)
             self._free.append(entry)
         if self.final and self.on_final is not None:
             self.on_final(bucket.index)     # e.g. stream this rank's chunk to the host now
@@ -154,7 +148,7 @@ class GradReducer:
         numel = max(b.numel for b in self.layout.buckets)
         chunk = max(b.chunk for b in self.layout.buckets)
         new = lambda n: torch.empty(n, dtype=self.dtype, device=self.device)  # noqa: E731
-        staged = self.mode == "reduce_scatter_partition"
+        staged = self.stages_gradients
         entry = _Staging(new(numel if staged else 0), new(chunk if staged else 0),
                          new(numel) if comm.needs_reduce_scratch(self.group) else None)
         self._pool.append(entry)
@@ -166,7 +160,47 @@ class GradReducer:
         """Every staging buffer allocated so far (memory report category 'buffers')."""
         return [t for e in self._pool for t in (e.full, e.chunk, e.scratch) if t is not None]
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+
+class BucketAllReduce(GradReducer):
+    """Plain data parallelism: every rank keeps the full gradient, all-reduced bucket by bucket."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        view = self.grad_flat[bucket.start:bucket.start + bucket.numel]
+        self._inflight.append((bucket, comm.all_reduce(view, self.group, async_op=True), None))
+
+
+class BucketReduceScatter(GradReducer):
+    """Pos (ZeRO §5.1): the full gradient buffer's bucket is reduce-scattered in place, so this
+    rank's reduced chunk lands on its own chunk of the buffer."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        entry = self._acquire(bucket)
+        full = self.grad_flat[bucket.start:bucket.start + bucket.numel]
+        lo, hi = bucket.chunk_range(self.group.rank)
+        handle = comm.reduce_scatter_into(full[lo:hi], full, self.group, async_op=True,
+                                          scratch=entry.scratch)
+        self._inflight.append((bucket, handle, entry))
+
+
+class PartitionReduceScatter(GradReducer):
+    """Pos+g (ZeRO §5.2): gradients are moved into a staging bucket as backward produces them and
+    the full-size ``param.grad`` is freed; the staged bucket is reduce-scattered and this rank's
+    chunk added to its gradient partition."""
+
+    stages_gradients = True
+
+    def _take(self, slot, bucket: Bucket, param: torch.Tensor) -> None:
+        staged_in = self._staging_for(bucket).full
+        begin = slot.start - bucket.start
+        staged_in[begin:begin + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None       # the full-size gradient must not persist (Pos+g)
+
+    def _launch(self, bucket: Bucket) -> None:
+        entry = self._staging_for(bucket)
+        handle = comm.reduce_scatter_into(entry.chunk[:bucket.chunk], entry.full[:bucket.numel],
+                                          self.group, async_op=True, scratch=entry.scratch)
+        self._inflight.append((bucket, handle, entry))
+
+    def _landed(self, bucket: Bucket, entry: _Staging) -> None:
+        self.grad_chunks[bucket.index].add_(entry.chunk[:bucket.chunk])
+        self._staged.pop(bucket.index, None)

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import torch
 
 from hybrid.comm import CommRecord
-from hybrid.perf.model_states import model_state_bytes
+from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
 
 CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "buffers")
 MODEL_STATE_CATEGORIES = CATEGORIES[:4]
@@ -90,7 +90,7 @@ class MemoryReport:
 
 def expected_dp_bytes(psi: int, stage: int, dp: int, param_bytes: int) -> float:
     """ZeRO §7: 2Ψ (stages 0-2) or 3Ψ (stage 3) elements, ring factor (n-1)/n, in bytes."""
-    return (3.0 if stage == 3 else 2.0) * psi * param_bytes * (dp - 1) / dp
+    return dp_communication_elements(psi, stage) * param_bytes * (dp - 1) / dp
 
 
 @dataclass
@@ -118,7 +118,8 @@ class CommReport:
         for (g, op), v in sorted(self.by_group_op.items()):
             rows.append(f"  {g:<6}{op:<16}{v / 2**20:12.3f} MB")
         rows.append(f"  DP total {self.dp_bytes / 2**20:.3f} MB, paper "
-                    f"{'3' if self.stage == 3 else '2'}psi(n-1)/n = {self.expected_dp_bytes / 2**20:.3f} MB")
+                    f"{dp_communication_elements(1, self.stage):g}psi(n-1)/n = "
+                    f"{self.expected_dp_bytes / 2**20:.3f} MB")
         return "\n".join(rows)
 
 

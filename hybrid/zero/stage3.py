@@ -8,11 +8,15 @@ gradients have been accumulated (a post-accumulate-grad hook counts them; a tied
 once, after both of its uses), so a step moves 3Ψ(n-1)/n per rank: two parameter all-gathers and one
 gradient reduce-scatter (§7.2.2).
 
+Each rank initialises only its chunks, one parameter at a time, in fp32: the fp32 master keeps those
+values and the 16-bit chunk is their rounding, so the master starts where the fp32 model of stages
+0-2 starts (one seed, one curve at every stage; ``--init-from-hf`` keeps the checkpoint's fp32).
+
 Usage (the same engine interface as stages 0-2)::
 
     model = GPTModel(config, state, device="meta")
-    opt = Stage3Optimizer(model, state, ZeroConfig(stage=3, precision="bf16"), AdamWConfig(),
-                          init_fn=lambda name: value_of(name))     # full TP-local value
+    opt = ParameterPartitioning(model, state, ZeroConfig(stage=3, precision="bf16"), AdamWConfig(),
+                                init_fn=lambda name: value_of(name))     # full TP-local value
     for micro in batches:  opt.backward(model(tokens, labels).mean() / len(batches))
     result = opt.step()
 
@@ -37,10 +41,11 @@ import torch
 from torch import nn
 
 from hybrid import comm
+from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
 from hybrid.zero import stage3_build as build
 from hybrid.zero.adamw import FlatAdamWState
-from hybrid.zero.config import AdamWConfig, ZeroConfig, uses_weight_decay
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
@@ -52,17 +57,21 @@ log = logging.getLogger(__name__)
 MAX_REDUCES_IN_FLIGHT = 2   # overlap one unit's reduce-scatter with the next unit's backward
 
 
-class Stage3Optimizer(ZeroEngine):
-    """Pos+g+p engine: ``backward(loss)`` per micro-batch, ``step()`` once, see module docstring.
-    The step itself is :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive summed over DP
-    and are divided inside the AdamW pass (``grad_divisor``)."""
+class ParameterPartitioning(ZeroEngine):
+    """Pos+g+p, parameter partitioning (ZeRO §5.3, stage 3): Pos+g, and each rank keeps only its
+    1/Nd of the 16-bit parameters, gathered unit by unit around their use. ``backward(loss)`` per
+    micro-batch, ``step()`` once, see the module docstring. The step itself is
+    :class:`hybrid.zero.engine.ZeroEngine`'s; gradients arrive summed over DP and are divided
+    inside the AdamW pass (``grad_divisor``)."""
+
+    stage = 3
 
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                  adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
                  offload=None):
-        if zero_config.stage != 3:
-            raise ValueError(f"Stage3Optimizer implements ZeRO stage 3, got stage {zero_config.stage}; "
-                             f"use build_zero_optimizer for stages 0-2")
+        if zero_config.stage != self.stage:
+            raise ValueError(f"ParameterPartitioning is ZeRO stage 3, the config asks for stage "
+                             f"{zero_config.stage}; build engines with hybrid.zero.build_zero_optimizer")
         if not hasattr(model, "sharding_units"):
             raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
                             f"ordered submodules it gathers one at a time")
@@ -75,19 +84,21 @@ class Stage3Optimizer(ZeroEngine):
                                            zero_config.stage3_param_persistence_threshold)
         self.psi = sum(p.numel() for p in model.parameters())
         self.persistent_numel = sum(p.numel() for _, p in small)
+        init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
         self.units, self.persistent = build.make_units(
             model, groups, small, state.dp, dtype=self.dtype, device=self.device,
-            alignment=zero_config.alignment_elements, init=build.initial_values(model, init_fn, seed))
+            alignment=zero_config.alignment_elements)
         self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
         self.offload = offload if offload is not None and offload.enabled else None
         if self.offload is None:
-            self.masters = [u.shard if not zero_config.mixed_precision else u.shard.float()
-                            for u in self.all_units]
+            self.masters = self._materialize(init)
             self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
         else:
-            self.masters, self.adam = [], self._build_offload_state()   # it writes the shards
+            self.masters, self.adam = [], self._build_offload_state(init)   # it fills the shards
+        if self.persistent is not None:
+            self.persistent.gather(async_op=False)   # the small parameters stay whole
         self.param_store = self._build_param_store()
         self.scaler = build_loss_scaler(zero_config)
         self.scheduler = Stage3Scheduler(model, modules, self.units,
@@ -115,6 +126,17 @@ class Stage3Optimizer(ZeroEngine):
         self._init_engine()
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
+
+    def _materialize(self, init) -> list[torch.Tensor]:
+        """Fill every unit's 16-bit chunk from the initial values; returns the masters: the fp32
+        values themselves in mixed precision (never the rounded 16-bit chunk), else the chunk."""
+        masters = []
+        for unit in self.all_units:
+            master = (torch.zeros(unit.chunk, dtype=torch.float32, device=self.device)
+                      if self.config.mixed_precision else None)
+            unit.materialize(init, master)
+            masters.append(unit.shard if master is None else master)
+        return masters
 
     # ---- gradients -------------------------------------------------------------------------
     def _grad_hook(self, k: int):
@@ -222,8 +244,9 @@ class Stage3Optimizer(ZeroEngine):
             unit.attach_store(store, k)
         return store
 
-    def _build_offload_state(self):
-        """hybrid.offload backend holding the masters (from the shards) and moments on host/NVMe."""
+    def _build_offload_state(self, init):
+        """hybrid.offload backend holding the masters and moments on host/NVMe; each unit's chunk
+        is filled with its fp32 initial values passing through one transient fp32 host chunk."""
         from hybrid.offload import param_store
         from hybrid.offload.budget import build_offload_state
         decay = [[(s.chunk_offset, s.length) for s in u.segments if uses_weight_decay(s.slot.param)]
@@ -239,7 +262,9 @@ class Stage3Optimizer(ZeroEngine):
                                       self.adamw, device=self.device, param_dtype=self.dtype,
                                       rank=self.state.rank, resident_bytes=resident)
         for k, unit in enumerate(self.all_units):
-            backend.write_master(k, 0, unit.shard)
+            values = torch.zeros(unit.chunk, dtype=torch.float32)   # on the host, as the backend
+            unit.materialize(init, values)
+            backend.write_master(k, 0, values)
         return backend
 
     # ---- reports ---------------------------------------------------------------------------
@@ -260,9 +285,9 @@ class Stage3Optimizer(ZeroEngine):
                        comm.transport_buffers(self.state.dp) +
                        ([] if self.offload is None else self.adam.resident()["buffers"])})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
-        formula = formula_bytes(self.psi, 3, self.state.dp_size, param_bytes=param_bytes,
+        formula = formula_bytes(self.psi, self.stage, self.state.dp_size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)
-        return MemoryReport(3, self.state.dp_size, self.state.tp_size, self.config.precision,
+        return MemoryReport(self.stage, self.state.dp_size, self.state.tp_size, self.config.precision,
                             self.psi, measured, formula)
 
     def expected_overhead_bytes(self) -> dict[str, float]:
@@ -328,11 +353,3 @@ class _ReduceBuffers:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for pair in self._all for t in pair if t is not None]
-
-
-def build_stage3_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                           adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None,
-                           seed: int = 0, offload=None) -> Stage3Optimizer:
-    """What :func:`hybrid.zero.optimizer.build_zero_optimizer` returns for stage 3."""
-    return Stage3Optimizer(model, state, zero_config, adamw_config, init_fn=init_fn, seed=seed,
-                           offload=offload)

@@ -5,10 +5,12 @@ its 1/Nd chunk of every unit's flat parameter buffer. Values come from a per-par
 keyed by canonical name (independent of TP and DP degree), computed one parameter at a time: the
 largest transient tensor is one TP-local parameter, never the whole model.
 
-Steps, each a small function used by :class:`~hybrid.zero.stage3.Stage3Optimizer`:
+Steps, each a small function used by :class:`~hybrid.zero.stage3.ParameterPartitioning`:
 ``assign_units`` (which unit owns which parameter, persistent small ones apart), ``initial_values``
 (where values come from), ``make_units`` (flat buffers, meta parameters replaced by views),
-``tied_units`` / ``backward_reads`` (hints for the gather schedule).
+``tied_units`` / ``backward_reads`` (hints for the gather schedule). The engine then fills each
+unit's chunk (:meth:`~hybrid.zero.stage3_unit.ShardedUnit.materialize`) together with its fp32
+master, and gathers the persistent unit.
 """
 
 from __future__ import annotations
@@ -70,27 +72,26 @@ def initial_values(model: nn.Module, init_fn: InitFn | None, seed: int
 
 def make_units(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
                persistent: list[tuple[str, nn.Parameter]], group: Group, *, dtype: torch.dtype,
-               device: torch.device, alignment: int, init: Callable[[str, nn.Parameter], torch.Tensor]
+               device: torch.device, alignment: int
                ) -> tuple[list[ShardedUnit | None], ShardedUnit | None]:
     """One :class:`ShardedUnit` per unit with partitioned parameters (None otherwise) and one for the
-    persistent parameters; every model parameter is replaced by a view of its unit's buffer."""
+    persistent parameters; every model parameter is replaced by a view of its unit's buffer. The
+    chunks hold zeros until materialised (the initial values of :func:`initial_values` read a
+    materialised model through its old parameters, taken before this call)."""
     owners = _parameter_owners(model)
     units: list[ShardedUnit | None] = []
     for index, pairs in enumerate(groups):
         units.append(_build_unit(f"unit{index}", pairs, group, owners, dtype=dtype, device=device,
-                                 alignment=alignment, init=init) if pairs else None)
+                                 alignment=alignment) if pairs else None)
     kept = _build_unit("persistent", persistent, group, owners, dtype=dtype, device=device,
-                       alignment=alignment, init=init, persistent=True) if persistent else None
+                       alignment=alignment, persistent=True) if persistent else None
     return units, kept
 
 
-def _build_unit(name, pairs, group, owners, *, dtype, device, alignment, init, persistent=False):
+def _build_unit(name, pairs, group, owners, *, dtype, device, alignment, persistent=False):
     unit = ShardedUnit(name, pairs, group, dtype=dtype, device=device, alignment=alignment,
                        persistent=persistent)
-    unit.materialize(init)   # reads values through the old (possibly real) parameters first
     unit.bind(lambda old, view: _replace(old, view, owners, dtype, device))
-    if persistent:
-        unit.gather(async_op=False)
     return unit
 
 

@@ -21,7 +21,7 @@ layer's forward and backward with one gather. Units whose backward reads no para
 embedding lookup's gradient is a scatter-add of the output gradient) are not gathered in backward.
 Together: every partitioned element is all-gathered exactly twice per step.
 
-Releases in backward are driven by gradients: :class:`~hybrid.zero.stage3.Stage3Optimizer` releases
+Releases in backward are driven by gradients: :class:`~hybrid.zero.stage3.ParameterPartitioning` releases
 a unit when all of its parameters' gradients have been accumulated. Forward hooks that run during
 backward (activation recompute) gather without prefetching and never release.
 """

@@ -119,15 +119,21 @@ class ShardedUnit:
         self.segments = self._owned_segments(self.group.rank)
 
     @torch.no_grad()
-    def materialize(self, init_value: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
+    def materialize(self, init_value: Callable[[str, nn.Parameter], torch.Tensor],
+                    master: torch.Tensor | None = None) -> None:
         """Fill this rank's chunk from ``init_value(name, param)``, the full TP-local value of ONE
-        parameter (transient); parameters this rank owns no part of are never computed."""
+        parameter (transient); parameters this rank owns no part of are never computed.
+        ``master`` ([chunk], fp32) receives the values unrounded: in mixed precision the 16-bit
+        chunk is their rounding, the master keeps what the initialiser computed (as stages 0-2,
+        whose masters copy the fp32 model, so one seed gives one curve at every stage)."""
         for seg in self.segments:
             value = init_value(seg.slot.name, seg.slot.param)
             if tuple(value.shape) != seg.slot.shape:
                 raise ValueError(f"initial value of {seg.slot.name!r} has shape {tuple(value.shape)}, "
                                  f"expected the TP-local shape {seg.slot.shape}")
             flat = value.reshape(-1).narrow(0, seg.param_offset, seg.length)
+            if master is not None:
+                seg.of(master).copy_(flat)
             seg.of(self.shard).copy_(flat)
             del value, flat   # free it before the next parameter's value is computed
 

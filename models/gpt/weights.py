@@ -158,7 +158,7 @@ def _check_same_dims(path, source: GPTConfig, target: GPTConfig) -> None:
 
 def pretrained_init_fn(path: str | Path, model: GPTModel, *, kind: str = "master"):
     """``init_fn(name) -> this TP rank's full local tensor`` for ZeRO stage 3, whose meta-built model
-    is materialised partition by partition (``Stage3Optimizer(..., init_fn=...)``): the stage-3
+    is materialised partition by partition (``ParameterPartitioning(..., init_fn=...)``): the stage-3
     counterpart of :func:`init_from_pretrained`. The canonical tensors are loaded once."""
     state_dict, source = load_canonical(path, kind)
     _check_same_dims(path, source, model.config)

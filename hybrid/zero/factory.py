@@ -1,0 +1,41 @@
+"""The one place that reads the ZeRO stage number: ``ZeroConfig.stage`` -> the engine class.
+
+Each stage is a class named after what the ZeRO paper (§5) partitions across the data-parallel
+group; the engines never branch on the stage number themselves:
+
+=====  ============================  ==========================================================
+stage  engine                        partitioned across DP
+=====  ============================  ==========================================================
+0      DataParallel                  nothing (plain data parallelism)
+1      OptimizerStatePartitioning    Pos: fp32 master and Adam moments (§5.1)
+2      GradientPartitioning          Pos+g: and the gradients (§5.2)
+3      ParameterPartitioning         Pos+g+p: and the 16-bit parameters (§5.3)
+=====  ============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybrid.adamw_config import AdamWConfig
+from hybrid.parallel_state import ParallelState
+from hybrid.zero.config import ZeroConfig
+from hybrid.zero.engine import ZeroEngine
+from hybrid.zero.optimizer import DataParallel, GradientPartitioning, OptimizerStatePartitioning
+from hybrid.zero.stage3 import ParameterPartitioning
+
+ENGINES: dict[int, type[ZeroEngine]] = {0: DataParallel, 1: OptimizerStatePartitioning,
+                                        2: GradientPartitioning, 3: ParameterPartitioning}
+
+
+def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
+                         adamw_config: AdamWConfig, offload=None, **stage3_options) -> ZeroEngine:
+    """The engine for ``zero_config.stage``. ``stage3_options`` (``init_fn``/``seed`` for a
+    meta-built model) apply to stage 3 only; ``offload``: a :class:`hybrid.offload.OffloadConfig`
+    (optimizer state on host or NVMe)."""
+    engine = ENGINES[zero_config.stage]
+    if engine is ParameterPartitioning:
+        return engine(model, state, zero_config, adamw_config, offload=offload, **stage3_options)
+    if stage3_options:
+        raise TypeError(f"options {sorted(stage3_options)} apply to ZeRO stage 3 only")
+    return engine(model, state, zero_config, adamw_config, offload)

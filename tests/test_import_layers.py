@@ -42,12 +42,6 @@ KNOWN_PENDING: set[tuple[str, str]] = {
     # comm <-> shm_collectives: comm builds the shared-memory transport itself (an upward import in
     # layer 1 closing a cycle); the transport becomes a parallel-state set-up decision.
     ("hybrid.comm", "hybrid.shm_collectives"),
-    # hybrid.checkpoint <-> models: the HF export reads the GPT model's config, names and shapes
-    # (models.gpt.weights imports hybrid.checkpoint, which is allowed: layer 4 over layer 3).
-    ("hybrid.checkpoint.export", "models.gpt.config"),
-    ("hybrid.checkpoint.export", "models.gpt.sharding"),
-    # models -> hybrid.training: the weights loader reads checkpoints through the trainer's code.
-    ("models.gpt.weights", "hybrid.training.checkpointing"),
 }
 
 

@@ -223,7 +223,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
         work = group.shm.all_gather(output, shard.contiguous())
         if work is not None:
             return _finish(work, async_op)
-    if not (_is_gloo(group) and output.is_contiguous()):
+    if not (_is_gloo(group) and output.is_contiguous() and output.device.type == "cpu"):
+        # gloo's send/recv hand the raw pointer to its TCP transport (host memory only); its
+        # all-gather stages CUDA tensors through pinned host buffers itself
         return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
     slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
     source = shard.contiguous().view(-1)

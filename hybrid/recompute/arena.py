@@ -117,6 +117,10 @@ class Arena:
         ptr = t.untyped_storage().data_ptr()
         return any(ptr == c.untyped_storage().data_ptr() for c in self._chunks)
 
+    def chunk_pointers(self) -> list[int]:
+        """Addresses of the chunks' storages: after the first step they never change (CB)."""
+        return [c.untyped_storage().data_ptr() for c in self._chunks]
+
     @property
     def live(self) -> int:
         return self._live

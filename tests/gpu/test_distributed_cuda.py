@@ -2,8 +2,8 @@
 
 * one GPU, one rank: stages 0-3 (the engines' CUDA buffers, fused AdamW on the GPU);
 * two ranks sharing one GPU on **gloo** (NCCL refuses two ranks on one device; gloo carries the
-  CUDA tensors through pinned host buffers, and hybrid.comm's shared-memory transport, on for CPU
-  and CUDA DP groups alike, copies them through /dev/shm): TP 1 x DP 2 and TP 2 x DP 1, stages 0-3,
+  CUDA tensors through pinned host buffers; hybrid.comm's shared-memory transport, which the
+  engines turn on for gloo DP groups, is for host tensors): TP 1 x DP 2 and TP 2 x DP 1, stages 0-3,
   and TP 2 recompute (Pa all-gathers across the TP pair) bit-equal to no recompute;
 * optimizer offload on CUDA (pinned host state, side-stream copies, stage 3's parameter partitions
   in an NVMe file staged into the gather's own slot) against the same run without offload;
@@ -63,8 +63,7 @@ def _zero_ranks(rank, world_size, backend):
         for tp in (1, 2):
             state = rank_state(rank, world_size, tp, backend)
             for stage in STAGES:
-                checked.append(_train_and_compare(task, state, stage, ref) +
-                               f" ({backend}, shm {state.dp.shm is not None})")
+                checked.append(f"{_train_and_compare(task, state, stage, ref)} ({backend})")
     return checked
 
 
@@ -124,7 +123,8 @@ OFFLOADS = ((1, "cpu", "none"), (2, "nvme", "none"), (3, "cpu", "none"), (3, "nv
 
 def _offload_cases(state, tmpdir: str) -> list[str]:
     """Each (stage, optimizer offload, parameter offload) against the same stage in device memory:
-    losses and parameters within rtol 1e-6 (host CPU Adam vs the GPU's kernel, same math)."""
+    losses and parameters within rtol 1e-5 (the host's CPU Adam against the GPU's kernel: the same
+    operations, rounded alike except where the GPU contracts a multiply-add)."""
     task = GPTTask()
     checked = []
     for stage, mode, params in OFFLOADS:
@@ -141,10 +141,10 @@ def _offload_cases(state, tmpdir: str) -> list[str]:
                 opt.adam.close()
         (base_losses, base), (losses, got) = runs
         what = f"stage {stage} offload {mode} params {params} dp {state.dp_size}"
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-6,
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-5,
                                    atol=0, msg=lambda m: f"{what} losses: {m}")
         for name, value in base.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7,
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{what} param {name}: {m}")
         checked.append(what)
     return checked

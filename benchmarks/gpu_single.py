@@ -17,7 +17,8 @@ the device's dense bf16 peak (table below, ``--peak-tflops`` overrides) and the 
 allocator handed out. The target is ours >= 0.95x the plain-torch step rate.
 
 ``--size auto`` takes the largest size of ``SIZES`` whose estimated memory (hybrid.perf.memory,
-stage 0, the chosen recompute) fits ``--memory-gib`` (default: 90% of the device's memory).
+stage 0, the chosen recompute) fits ``--memory-gib`` (default: 90% of the device's memory), and
+falls back to the next smaller size if that still runs out of memory.
 ``--device cpu --size tiny`` is a smoke mode that runs the same code on CPU (fp32 autocast off) so
 CI exercises it; without CUDA any other invocation exits with an ``error:`` line.
 
@@ -244,6 +245,21 @@ def markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
+def run_size(size: str, args, device: torch.device, device_name: str, memory: float) -> dict:
+    """Every variant on ``size`` (a key of SIZES): the result without the comparison."""
+    base = SIZES[size]
+    seq = args.seq_length or base.seq_length
+    config = GPTConfig(**{**base.to_dict(), "seq_length": seq, "max_position_embeddings": None})
+    log.info("%s on %s: %d layers, hidden %d, micro-batch %d, seq %d, recompute %s, peak %s TFLOP/s",
+             size, device_name, config.num_layers, config.hidden_size, args.micro_batch_size, seq,
+             args.recompute, args.peak_tflops)
+    variants = ["torch", *([] if args.no_compile else ["torch.compile"]), "ours"]
+    return {"device": device_name, "size": size, "memory_stated_gib": memory / 2**30,
+            "config": config.to_dict(), "micro_batch": args.micro_batch_size,
+            "recompute": args.recompute, "peak_tflops": args.peak_tflops, "torch": torch.__version__,
+            "variants": [run_variant(v, args, config, device) for v in variants]}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,42 +279,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the device for MFU (default: from the device name)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/gpu_single-<size>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: benchmarks/results/gpu_single-<size>.json)")
     return p.parse_args(argv)
+
+
+def argument_error(args) -> str | None:
+    if args.steps < 1 or args.warmup < 0 or args.micro_batch_size < 1:
+        return "--steps and --micro-batch-size must be >= 1 and --warmup >= 0"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return ("this benchmark needs CUDA (torch.cuda.is_available() is False); on a CPU machine "
+                "run the smoke mode: --device cpu --size tiny")
+    if args.device == "cpu" and args.size != "tiny":
+        return "--device cpu is a smoke mode for --size tiny only"
+    return None
+
+
+def run_fitting(args, device: torch.device, name: str, memory: float) -> dict | None:
+    """The chosen size; with ``--size auto`` the next smaller one after an out-of-memory error
+    (the memory estimate is a model, not a measurement). None: nothing fitted."""
+    seq = args.seq_length or SIZES["gpt2-small"].seq_length
+    size = pick_size(args.size, memory, args.micro_batch_size, seq, args.recompute)
+    while True:
+        try:
+            return run_size(size, args, device, name, memory)
+        except torch.cuda.OutOfMemoryError:
+            smaller = list(SIZES)[list(SIZES).index(size) - 1]
+            if args.size != "auto" or smaller == "tiny":
+                return None
+            log.warning("%s ran out of GPU memory; falling back to %s", size, smaller)
+            size = smaller
+            _reset_memory(device)
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.micro_batch_size < 1:
-        print("error: --steps and --micro-batch-size must be >= 1 and --warmup >= 0", file=sys.stderr)
+    problem = argument_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: this benchmark needs CUDA (torch.cuda.is_available() is False); on a CPU "
-              "machine run the smoke mode: --device cpu --size tiny", file=sys.stderr)
-        return 2
-    if args.device == "cpu" and args.size != "tiny":
-        print("error: --device cpu is a smoke mode for --size tiny only", file=sys.stderr)
-        return 2
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     memory = args.memory_gib * 2**30 if args.memory_gib else 0.9 * total
-    if args.peak_tflops is None and device.type == "cuda":
+    if args.peak_tflops is None and cuda:
         args.peak_tflops = peak_tflops(name)
-    seq = args.seq_length or SIZES["gpt2-small"].seq_length
-    size = pick_size(args.size, memory, args.micro_batch_size, seq, args.recompute)
-    base = SIZES[size]
-    seq = args.seq_length or base.seq_length
-    config = GPTConfig(**{**base.to_dict(), "seq_length": seq, "max_position_embeddings": None})
-    log.info("%s on %s: %d layers, hidden %d, micro-batch %d, seq %d, recompute %s, peak %s TFLOP/s",
-             size, name, config.num_layers, config.hidden_size, args.micro_batch_size, seq,
-             args.recompute, args.peak_tflops)
-    variants = ["torch", *([] if args.no_compile else ["torch.compile"]), "ours"]
-    result = {"device": name, "size": size, "memory_stated_gib": memory / 2**30,
-              "config": config.to_dict(), "micro_batch": args.micro_batch_size,
-              "recompute": args.recompute, "peak_tflops": args.peak_tflops, "torch": torch.__version__,
-              "variants": [run_variant(v, args, config, device) for v in variants]}
+    result = run_fitting(args, device, name, memory)
+    if result is None:
+        print(f"error: out of GPU memory at micro-batch {args.micro_batch_size}; lower "
+              f"--micro-batch-size or choose a smaller --size", file=sys.stderr)
+        return 1
+    size = result["size"]
     ours = next(r for r in result["variants"] if r["variant"] == "ours")
     torch_run = next(r for r in result["variants"] if r["variant"] == "torch")
     result["ours_vs_torch"] = torch_run["ms_per_step"] / ours["ms_per_step"]

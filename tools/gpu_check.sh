@@ -7,7 +7,8 @@
 #
 # OUTPUT_DIR defaults to $OUT when set, else ./gpu-check. Interpreter: $PYTHON, else python3 on PATH.
 # $BENCH_ARGS adds flags to the benchmark (e.g. "--size gpt-1.3B --no-compile"); $SUITE_ARGS to
-# pytest (e.g. "-k overlap"). $SUITE_TIMEOUT / $BENCH_TIMEOUT bound each phase (seconds).
+# pytest (e.g. "-k overlap"). $SUITE_TIMEOUT / $BENCH_TIMEOUT bound each phase (seconds, default
+# 540 each, so that one phase fits a 10-minute slot).
 # Writes: summary.md (environment, suite results, measured figures, benchmark table), gpu-suite.log,
 # gpu-suite.xml, figures.jsonl, benchmark.log, gpu_single.json. Exit status: 0 when every phase run
 # passed, 1 when one failed, 2 when there is no CUDA device.
@@ -19,7 +20,7 @@ case "${1:-}" in
     --suite) PHASES="suite"; shift ;;
     --benchmark) PHASES="benchmark"; shift ;;
     --all) shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "error: unknown option $1 (use --suite, --benchmark or --all)" >&2; exit 2 ;;
 esac
 DEST="${1:-${OUT:-gpu-check}}"
@@ -56,7 +57,7 @@ if [[ " $PHASES " == *" suite "* ]]; then
     rm -f "$GPU_FIGURES"
     echo "== CUDA suite (tests/gpu) -> $DEST/gpu-suite.log"
     # shellcheck disable=SC2086  # SUITE_ARGS is a list of pytest words
-    timeout "${SUITE_TIMEOUT:-1500}" "$PY" -m pytest tests/gpu -m cuda -p no:cacheprovider -rA \
+    timeout "${SUITE_TIMEOUT:-540}" "$PY" -m pytest tests/gpu -m cuda -p no:cacheprovider -rA \
         --durations=15 --junitxml="$DEST/gpu-suite.xml" ${SUITE_ARGS:-} > "$DEST/gpu-suite.log" 2>&1
     suite_rc=$?
     tail -n 5 "$DEST/gpu-suite.log"
@@ -65,7 +66,7 @@ fi
 if [[ " $PHASES " == *" benchmark "* ]]; then
     echo "== benchmark (benchmarks/gpu_single.py) -> $DEST/benchmark.log"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-    timeout "${BENCH_TIMEOUT:-900}" "$PY" benchmarks/gpu_single.py --out "$DEST/gpu_single.json" \
+    timeout "${BENCH_TIMEOUT:-540}" "$PY" benchmarks/gpu_single.py --out "$DEST/gpu_single.json" \
         ${BENCH_ARGS:-} > "$DEST/benchmark.log" 2>&1
     bench_rc=$?
     tail -n 12 "$DEST/benchmark.log"

@@ -17,12 +17,14 @@ import torch
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
+from hybrid.zero.optimizer import build_zero_optimizer
 from tests.test_zero_stages import micro_batches
 
 # CUDA against the CPU oracle, fp32 with TF32 off: the same math in another summation order (cuBLAS,
 # SDPA's fused kernels). One forward/backward agrees to ~1e-6 relative; five AdamW steps (eps 1e-4,
 # lr 1e-2) move parameters by ~5e-2, so 1e-4 relative / 1e-5 absolute leaves room for rounding only.
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-5
+INIT_SEED = 11   # tests.test_zero_stages.GPTTask initialises model and reference with it
 
 
 @contextlib.contextmanager
@@ -72,6 +74,14 @@ def rank_state(rank: int, world_size: int, tp: int, backend: str) -> ParallelSta
     torch.cuda.set_device(device)
     return ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size),
                                     backend=backend, device=device)
+
+
+def build_engine(task, state, zero_config, adamw, offload=None):
+    """``task.model(state)`` under ``zero_config``. Stage 3 materialises each shard again from the
+    model's ``init_parameter(name, seed)``, so it is given the task's seed."""
+    model = task.model(state)
+    seed = {"seed": INIT_SEED} if zero_config.stage == 3 else {}
+    return model, build_zero_optimizer(model, state, zero_config, adamw, offload=offload, **seed)
 
 
 def train_on_device(task, state, opt, model, data, accum: int = 1):

@@ -21,10 +21,10 @@ from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import RNGTracker
 from hybrid.zero.config import ZeroConfig
-from hybrid.zero.optimizer import build_zero_optimizer
 from models.gpt.model import GPTModel
-from tests.gpu.cuda_helpers import (bitwise_reproducible, compare_with_reference, ieee_fp32,
-                                    nccl_reason, rank_state, train_on_device, trained_params)
+from tests.gpu.cuda_helpers import (bitwise_reproducible, build_engine, compare_with_reference,
+                                    ieee_fp32, nccl_reason, rank_state, train_on_device,
+                                    trained_params)
 from tests.gpu.test_model_cuda import DROPOUT_CONFIG, tokens_and_labels
 from tests.multirank import run_on_ranks
 from tests.test_recompute_gpt import MODES, _plan
@@ -34,10 +34,8 @@ STAGES = (0, 1, 2, 3)
 
 
 def _train_and_compare(task, state, stage, ref, accum=1) -> str:
-    model = task.model(state)
-    opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=300,
-                                                        gradient_accumulation_steps=accum),
-                               task.adamw)
+    model, opt = build_engine(task, state, ZeroConfig(stage=stage, bucket_size=300,
+                                                      gradient_accumulation_steps=accum), task.adamw)
     losses, results = train_on_device(task, state, opt, model, task.data(), accum)
     what = f"stage {stage} tp {state.tp_size} dp {state.dp_size} accum {accum} on {state.device}"
     compare_with_reference(task, state, losses, trained_params(opt, model), ref, what)
@@ -131,10 +129,8 @@ def _offload_cases(state, tmpdir: str) -> list[str]:
         runs = []
         for offload in (None, OffloadConfig(mode, f"{tmpdir}/s{stage}{mode}{params}", block_elems=96,
                                             kernel="exact", params=params)):
-            model = task.model(state)
-            opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=700),
-                                       dataclasses.replace(task.adamw, kernel="foreach"),
-                                       offload=offload)
+            model, opt = build_engine(task, state, ZeroConfig(stage=stage, bucket_size=700),
+                                      dataclasses.replace(task.adamw, kernel="foreach"), offload)
             losses, _ = train_on_device(task, state, opt, model, task.data())
             runs.append((losses, trained_params(opt, model)))
             if offload is not None:

@@ -25,7 +25,7 @@ from hybrid.zero.config import AdamWConfig, ZeroConfig
 from hybrid.zero.optimizer import build_zero_optimizer
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
-from tests.gpu.cuda_helpers import train_on_device
+from tests.gpu.cuda_helpers import INIT_SEED, build_engine, train_on_device
 from tests.test_zero_stages import GPTTask
 
 STEPS = 50
@@ -90,10 +90,9 @@ def _engine(stage: int, state: ParallelState, task: GPTTask):
     """bf16 engine of ``stage``; stage 3 from a meta-built model, never whole on the GPU."""
     cfg, adamw = ZeroConfig(stage=stage, precision="bf16", bucket_size=4096), task.adamw
     if stage < 3:
-        model = task.model(state)
-        return model, build_zero_optimizer(model, state, cfg, adamw)
+        return build_engine(task, state, cfg, adamw)
     model = GPTModel(task.config, state, device="meta", dtype=torch.bfloat16)
-    return model, build_zero_optimizer(model, state, cfg, adamw, seed=11)   # init_parameter(seed)
+    return model, build_zero_optimizer(model, state, cfg, adamw, seed=INIT_SEED)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

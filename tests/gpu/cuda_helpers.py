@@ -27,19 +27,29 @@ LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-5
 INIT_SEED = 11   # tests.test_zero_stages.GPTTask initialises model and reference with it
 
 
+def _tf32_switches() -> list[tuple[object, str, object]]:
+    """(object, attribute, full-precision value) of each TF32 switch, in the API this torch has:
+    the per-backend ``fp32_precision`` (torch >= 2.9, where touching the legacy ``allow_tf32`` flags
+    as well raises "mix of the legacy and new APIs"), else ``allow_tf32``."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        return [(matmul, "fp32_precision", "ieee"), (cudnn.conv, "fp32_precision", "ieee"),
+                (cudnn.rnn, "fp32_precision", "ieee")]
+    return [(matmul, "allow_tf32", False), (cudnn, "allow_tf32", False)]
+
+
 @contextlib.contextmanager
 def ieee_fp32():
     """fp32 matmuls and convolutions in full precision (TF32 off), restored afterwards."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    switches = _tf32_switches()
+    saved = [getattr(obj, name) for obj, name, _ in switches]
+    for obj, name, value in switches:
+        setattr(obj, name, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
+        for (obj, name, _), value in zip(switches, saved):
+            setattr(obj, name, value)
 
 
 @contextlib.contextmanager

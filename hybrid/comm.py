@@ -219,11 +219,13 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
         output.copy_(shard.view_as(output))
         return _Done() if async_op else None
     group.require_process_group()
-    if group.shm is not None and output.is_contiguous():
+    if group.shm is not None and output.is_contiguous() and output.device.type == "cpu":
         work = group.shm.all_gather(output, shard.contiguous())
         if work is not None:
             return _finish(work, async_op)
-    if not (_is_gloo(group) and output.is_contiguous()):
+    if not (_is_gloo(group) and output.is_contiguous() and output.device.type == "cpu"):
+        # gloo's send/recv hand the raw pointer to its TCP transport (host memory only); its
+        # all-gather stages CUDA tensors through pinned host buffers itself
         return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
     slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
     source = shard.contiguous().view(-1)
@@ -253,8 +255,8 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
         output.copy_(full.view_as(output))
         return _Done() if async_op else None
     group.require_process_group()
-    if group.shm is not None and output.is_contiguous():
-        work = group.shm.reduce_scatter(output, full.contiguous())
+    if group.shm is not None and output.is_contiguous() and output.device.type == "cpu":
+        work = group.shm.reduce_scatter(output, full.contiguous())   # host regions: host tensors
         if work is not None:
             return _finish(work, async_op)
     if not (_is_gloo(group) and output.is_contiguous()):

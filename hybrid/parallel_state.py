@@ -41,7 +41,7 @@ class ParallelState:
     def single_process(cls, device: str | torch.device = "cpu") -> "ParallelState":
         ledger = CommLedger()
         groups = [Group(kind, [0], 0, ledger) for kind in ("world", "tp", "dp")]
-        return cls(Topology(1, 1, 1), 0, *groups, torch.device(device), ledger)
+        return cls(Topology(1, 1, 1), 0, *groups, concrete_device(device), ledger)
 
     @classmethod
     def dry_run(cls, topology: Topology, rank: int = 0) -> "ParallelState":
@@ -60,9 +60,12 @@ class ParallelState:
                    device: str | torch.device | None = None) -> "ParallelState":
         """Join (or reuse) the default process group and create every TP and DP group.
 
-        Under torchrun, rank and world size come from the environment. ``backend`` defaults to NCCL
-        when CUDA is available and gloo otherwise; every group gets ``timeout``.
+        Under torchrun, rank and world size come from the environment. ``backend`` defaults to the
+        backend of an already joined default group, else NCCL when CUDA is available and gloo
+        otherwise; every group gets ``timeout``.
         """
+        if backend is None and dist.is_initialized():   # subgroups like the default group: CPU
+            backend = dist.get_backend()                  # gloo jobs stay on CPU on a GPU machine
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
@@ -76,7 +79,7 @@ class ParallelState:
             raise ValueError(f"the job has {dist.get_world_size()} ranks but the topology describes "
                              f"{topology.world_size}; launch with --nproc-per-node x --nnodes = "
                              f"{topology.world_size}")
-        device = torch.device(device) if device is not None else _default_device(backend)
+        device = concrete_device(device) if device is not None else _default_device(backend)
         ledger = CommLedger()
         world = Group("world", list(range(topology.world_size)), rank, ledger, dist.group.WORLD)
         tp = _make_groups("tp", topology.tp_groups(), rank, ledger, backend, timeout)
@@ -143,3 +146,12 @@ def _default_device(backend: str) -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def concrete_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` becomes ``cuda:<current device>``, since tensors report
+    ``cuda:N`` and ``torch.device("cuda") != torch.device("cuda", 0)`` (arenas and meters compare)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

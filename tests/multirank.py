@@ -8,8 +8,9 @@
     results = run_on_ranks(check, world_size=4, args=(2,))   # one result per rank, rank order
 
 Each rank is a fresh spawned process with one intra-op thread, joined to a gloo default process group
-on a free localhost port with ``timeout`` on its collectives. The parent enforces a wall-clock timeout
-too, so a deadlock fails the test with the ranks that did not finish instead of hanging CI.
+(``backend="nccl"``: NCCL, rank r on GPU r; tests/gpu) on a free localhost port with ``timeout`` on
+its collectives. The parent enforces a wall-clock timeout too, so a deadlock fails the test with the
+ranks that did not finish instead of hanging CI.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(fn, rank, world_size, port, results, args, kwargs, timeout_s):
+def _rank_entry(fn, rank, world_size, port, results, args, kwargs, timeout_s, backend):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)   # one GPU per rank: NCCL refuses two ranks on one device
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", value))
@@ -53,13 +56,16 @@ def _rank_entry(fn, rank, world_size, port, results, args, kwargs, timeout_s):
 
 
 def run_on_ranks(fn, world_size: int, args: tuple = (), kwargs: dict | None = None,
-                 timeout: float = 180.0) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return their results."""
+                 timeout: float = 180.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return their results.
+    ``backend``: of the default process group (``gloo`` also carries CUDA tensors; ``nccl`` needs
+    one GPU per rank)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_entry, daemon=True,
-                         args=(fn, r, world_size, port, results, args, kwargs or {}, timeout))
+                         args=(fn, r, world_size, port, results, args, kwargs or {}, timeout,
+                               backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -92,6 +92,8 @@ class DeviceLink:
             if host_block.data_ptr() != param_block.data_ptr():
                 param_block.copy_(host_block)
             return
+        # the current stream may still read the parameters (the end of backward, a gather)
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d):
             param_block.copy_(host_block, non_blocking=True)
             self.out_free[slot].record(self.h2d)

@@ -77,8 +77,10 @@ class NVMeOptimizerState:
                                  "another NVMe-offloaded optimizer; give each one its own "
                                  "--offload-nvme-path")
         n = adam.block_elems
-        self.slots = [{k: torch.zeros(n, dtype=torch.float32) for k in (*STATE_KINDS, "grad")}
-                      for _ in range(2)]
+        # on CUDA accept_grad copies into "grad" on a side stream: pinned, or the copy blocks the host
+        pin = torch.device(device).type == "cuda"
+        self.slots = [{k: torch.zeros(n, dtype=torch.float32, pin_memory=pin and k == "grad")
+                       for k in (*STATE_KINDS, "grad")} for _ in range(2)]
         self.link = DeviceLink(device, n, param_dtype)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvme-offload")
         self.grad_path = os.path.join(directory, f"offload_grads_rank{rank:05d}.bin")

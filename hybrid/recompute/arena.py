@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.parallel_state import concrete_device
+
 log = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64  # every allocation starts on a 64-byte boundary (safe for any dtype view, vector loads)
@@ -54,7 +56,7 @@ class Arena:
             raise ValueError(f"arena {name!r}: chunk size {chunk_bytes} bytes is too small; use at "
                              f"least {ALIGN_BYTES} bytes (e.g. 64 MiB on a GPU)")
         self.name, self.tier, self.chunk_bytes = name, tier, int(chunk_bytes)
-        self.device = torch.device(device)
+        self.device = concrete_device(device)   # ``contains`` compares it with tensors' cuda:N
         self.pin_memory = pin_memory and torch.cuda.is_available() and self.device.type == "cpu"
         self.max_chunks = max_chunks
         self._chunks: list[torch.Tensor] = []   # uint8 [chunk_bytes] each
@@ -114,6 +116,10 @@ class Arena:
             return False
         ptr = t.untyped_storage().data_ptr()
         return any(ptr == c.untyped_storage().data_ptr() for c in self._chunks)
+
+    def chunk_pointers(self) -> list[int]:
+        """Addresses of the chunks' storages: after the first step they never change (CB)."""
+        return [c.untyped_storage().data_ptr() for c in self._chunks]
 
     @property
     def live(self) -> int:

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from hybrid.parallel_state import concrete_device
 from hybrid.recompute.arena import Arena
 
 
@@ -38,7 +39,7 @@ class _Packed:
 class ActivationMeter:
     def __init__(self, *, exclude: Iterable[torch.Tensor] = (), arenas: Iterable[Arena] = (),
                  device: str | torch.device = "cpu"):
-        self.device = torch.device(device)
+        self.device = concrete_device(device)   # compared with tensors' cuda:N below
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self._arenas = list(arenas)
         self._refs: dict[tuple, int] = defaultdict(int)    # storage key -> live saved variables

@@ -102,11 +102,11 @@ class CheckpointStore:
     def _to_host(self, part: torch.Tensor) -> torch.Tensor:
         kept = self.host_arena.allocate(part.shape, part.dtype)
         if part.is_cuda:   # asynchronous device-to-pinned-host copy on a side stream
-            stream = self._stream()
-            stream.wait_stream(torch.cuda.current_stream(part.device))
+            stream = self._stream(part.device)
+            stream.wait_stream(torch.cuda.current_stream(part.device))   # part is computed
             with torch.cuda.stream(stream):
                 kept.copy_(part, non_blocking=True)
-            part.record_stream(stream)
+            part.record_stream(stream)   # its memory is not reused before the copy has read it
         else:
             kept.copy_(part)
         self.counters.offloaded_bytes += kept.numel() * kept.element_size()
@@ -136,21 +136,31 @@ class CheckpointStore:
             return handle.kept   # CPU-only host tier: the same memory, read in place
         if handle.prefetched is None:
             self._prefetch(handle, device)
-        torch.cuda.current_stream(device).wait_event(handle.event)
+        consumer = torch.cuda.current_stream(device)
+        consumer.wait_event(handle.event)
+        # allocated on the side stream, read by the recompute on this one: without the record the
+        # allocator could hand its memory to the next prefetch while the recompute still reads it
+        handle.prefetched.record_stream(consumer)
         return handle.prefetched
 
     def _prefetch(self, handle: Handle, device: torch.device) -> None:
         if handle.prefetched is not None or handle.kept.device == device:
             return
-        stream = self._stream()
+        stream = self._stream(device)   # after the device-to-host copy of ``kept`` (same stream)
         with torch.cuda.stream(stream):
             handle.prefetched = handle.kept.to(device, non_blocking=True)
             handle.event = torch.cuda.Event()
             handle.event.record(stream)
 
-    def _stream(self):
+    def _stream(self, device: torch.device):
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()
+            self._side_stream = torch.cuda.Stream(device)
+        return self._side_stream
+
+    @property
+    def side_stream(self):
+        """The CUDA stream of Pa+cpu's copies (None until the first one): what a caller waits for
+        to time them (tests/gpu measure the overlap with compute)."""
         return self._side_stream
 
 

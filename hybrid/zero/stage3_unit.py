@@ -147,6 +147,9 @@ class ShardedUnit:
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
         shard = self.shard if self.store is None else self.store.fetch(self.store_index)
+        if shard.device != self.full.device:   # the NVMe store's host buffer: into our own slot
+            own = self.full.narrow(0, self.group.rank * shard.numel(), shard.numel())
+            shard = own.copy_(shard)   # a blocking copy: the buffer may be released after it
         self._gather_handle = comm.all_gather_into(self.full, shard, self.group, async_op=True)
         if not async_op:
             self.wait_gather()

@@ -50,8 +50,9 @@ from hybrid.perf.flops import model_flops_per_iteration   # noqa: E402
 from hybrid.perf.memory import device_memory   # noqa: E402
 from hybrid.recompute import RecomputePlan   # noqa: E402
 from hybrid.tensor_parallel import RNGTracker   # noqa: E402
-from hybrid.zero.config import AdamWConfig, ZeroConfig   # noqa: E402
-from hybrid.zero.optimizer import build_zero_optimizer   # noqa: E402
+from hybrid.adamw_config import AdamWConfig   # noqa: E402
+from hybrid.zero.config import ZeroConfig   # noqa: E402
+from hybrid.zero.factory import build_zero_optimizer   # noqa: E402
 from models.gpt import reference   # noqa: E402
 from models.gpt.config import GPTConfig   # noqa: E402
 from models.gpt.model import GPTModel   # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
-from hybrid.zero.optimizer import build_zero_optimizer
+from hybrid.zero.factory import build_zero_optimizer
 from tests.test_zero_stages import micro_batches
 
 # CUDA against the CPU oracle, fp32 with TF32 off: the same math in another summation order (cuBLAS,

@@ -21,8 +21,9 @@ import torch
 
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan
-from hybrid.zero.config import AdamWConfig, ZeroConfig
-from hybrid.zero.optimizer import build_zero_optimizer
+from hybrid.adamw_config import AdamWConfig
+from hybrid.zero.config import ZeroConfig
+from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from tests.gpu.cuda_helpers import INIT_SEED, build_engine, train_on_device

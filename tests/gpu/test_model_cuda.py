@@ -15,7 +15,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan
 from hybrid.tensor_parallel import RNGTracker
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
-from hybrid.zero.optimizer import build_zero_optimizer
+from hybrid.zero.factory import build_zero_optimizer
 from models.gpt import sharding
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel

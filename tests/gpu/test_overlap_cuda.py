@@ -26,7 +26,7 @@ from hybrid.offload.cpu_adam import CPUAdamW
 from hybrid.offload.host_state import HostOptimizerState
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan
-from hybrid.zero.config import AdamWConfig
+from hybrid.adamw_config import AdamWConfig
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 

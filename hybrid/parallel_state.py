@@ -64,8 +64,8 @@ class ParallelState:
         backend of an already joined default group, else NCCL when CUDA is available and gloo
         otherwise; every group gets ``timeout``.
         """
-        if backend is None and dist.is_initialized():   # subgroups like the default group: CPU
-            backend = dist.get_backend()                  # gloo jobs stay on CPU on a GPU machine
+        if backend is None and dist.is_initialized():   # a gloo job on a GPU machine keeps gloo
+            backend = dist.get_backend()                  # (and CPU tensors) for its subgroups
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():

@@ -38,6 +38,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hybrid.launch_env import LaunchEnv
 from hybrid.processes import process_gone
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def name_ranks(peers: list[Peer]) -> str:
 
 
 class Liveness:
-    """``with Liveness.start(rank, world_size, timeout) as live:`` beats until the block ends, then
+    """``with Liveness.start(env, timeout) as live:`` beats until the block ends, then
     leaves an exit record; ``live.check(err, hint)`` raises :class:`PeersLostError` from a
     collective's ``err`` when peers are gone. Disabled (every method a no-op) for a single process."""
 
@@ -128,19 +129,18 @@ class Liveness:
         self._sigterm = None               # the handler check() replaced, until close()
 
     @classmethod
-    def start(cls, rank: int, world_size: int, timeout: timedelta) -> "Liveness":
-        """Publish this rank and start beating into the store at MASTER_ADDR:MASTER_PORT."""
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        me = Peer(rank, socket.gethostname(), local_address(host or "127.0.0.1"), os.getpid())
+    def start(cls, env: LaunchEnv, timeout: timedelta) -> "Liveness":
+        """Publish this rank and start beating into the launcher's store (``env``'s master)."""
+        host, port = env.master_addr, env.master_port
+        me = Peer(env.rank, socket.gethostname(), local_address(host or "127.0.0.1"), os.getpid())
         interval = heartbeat_interval(timeout)
-        if world_size == 1 or not host or not port:
-            return cls(None, me, world_size, interval, ("", 0), False)
-        client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+        if env.world_size == 1 or not host or not port:
+            return cls(None, me, env.world_size, interval, ("", 0), False)
+        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                timeout=timedelta(seconds=BEATS_PER_WINDOW * interval))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")   # torchrun's store outlives one
-        store = dist.PrefixStore(f"hybrid-liveness/{attempt}", client)
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        return cls(store, me, world_size, interval, (host, int(port)), agent).begin()
+        # torchrun's store outlives one attempt: each restart beats under its own prefix
+        store = dist.PrefixStore(f"hybrid-liveness/{env.restart_count}", client)
+        return cls(store, me, env.world_size, interval, (host, port), env.agent_store).begin()
 
     def begin(self) -> "Liveness":
         """Publish this rank's host, address and pid, beat once and start the heartbeat thread."""

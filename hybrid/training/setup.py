@@ -283,13 +283,14 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     state = build_parallel_state(cfg, env)
     log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    with Liveness.start(env, timeout) as liveness:
+    with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
         try:
             trainer = build_trainer(cfg, state)
             try:
                 trainer.train()
             finally:
                 trainer.metrics.close()
+            liveness.close()   # done: a store that goes with the first rank to leave is no loss
             leave_job(state)
         except Exception as err:
             liveness.check(err, restart_hint(cfg))

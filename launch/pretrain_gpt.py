@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 from hybrid.checkpoint.format import CheckpointError  # noqa: E402
 from hybrid.launch_env import LaunchEnv, LaunchEnvError  # noqa: E402
 from hybrid.training.arguments import parse_args  # noqa: E402
+from hybrid.training.exit import Interrupted  # noqa: E402
 from hybrid.training.liveness import PeersLostError  # noqa: E402
 from hybrid.training.metrics import install_rank_logging  # noqa: E402
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's teardown: leaving anyway, as 4
         report_error(err)
         return 4
+    except Interrupted as stop:   # a signal before training, or a second Ctrl-C: one line
+        print(("error: " if stop.code else "") + str(stop), file=sys.stderr, flush=True)
+        return stop.code
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
     if cfg.logging.tensorboard_dir:
@@ -74,4 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C before the rank's own signal handling was installed
+        print("stopped by SIGINT before training started: nothing to save", file=sys.stderr)
+        sys.exit(0)

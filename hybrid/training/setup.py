@@ -24,6 +24,7 @@ from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
 from hybrid.training import checkpointing
 from hybrid.training.config import TrainConfig
+from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
 from hybrid.training.lr_schedule import build_lr_schedule
 from hybrid.training.metrics import MetricsWriter, ThroughputModel, gpt_flops_per_iteration
@@ -279,22 +280,24 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     gone raises :class:`~hybrid.training.liveness.PeersLostError` naming them (and their host)
     instead of gloo's address and port."""
     env = env if env is not None else LaunchEnv.from_environ()
-    check_save_dir(cfg)
-    state = build_parallel_state(cfg, env)
-    log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
-    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
-        try:
-            trainer = build_trainer(cfg, state)
+    with SetupSignals() as signals:   # a stop signal before training: nothing to save, stop now
+        check_save_dir(cfg)
+        state = build_parallel_state(cfg, env)
+        log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
+        timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+        with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
             try:
-                trainer.train()
-            finally:
-                trainer.metrics.close()
-            liveness.close()   # done: a store that goes with the first rank to leave is no loss
-            leave_job(state)
-        except Exception as err:
-            liveness.check(err, restart_hint(cfg))
-            raise
+                trainer = build_trainer(cfg, state)
+                signals.training_started()
+                try:
+                    trainer.train()
+                finally:
+                    trainer.metrics.close()
+                liveness.close()   # done: a store that goes with the first rank to leave is no loss
+                leave_job(state)
+            except Exception as err:
+                liveness.check(err, restart_hint(cfg))
+                raise
     return trainer
 
 

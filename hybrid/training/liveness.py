@@ -184,8 +184,10 @@ class Liveness:
         tick = min(LAUNCHER_CHECK, self.interval)
         next_beat = time.monotonic() + tick
         while not self._stop.wait(tick):
-            if self._launcher_lost():
-                return self._abandon(self._launcher_lost())
+            lost = self._launcher_lost()
+            if lost:
+                self._abandon(lost)
+                return
             if time.monotonic() < next_beat:
                 continue
             try:

@@ -5,6 +5,7 @@ ranks' code, without torchrun's ChildFailedError traceback."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -116,3 +117,24 @@ def test_bad_input_exits_2_without_a_traceback(corpus, tmp_path):
     assert code == 2, text[-3000:]
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-3000:]
     assert "error: hidden size 16 is not divisible by 3 attention heads" in text, text[-3000:]
+
+
+def _wrapper():
+    spec = importlib.util.spec_from_file_location("launch_torchrun", ROOT / "launch" / "torchrun.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ranks_code_is_the_commands():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    wrapper = _wrapper()
+
+    def failed(*codes):
+        return ChildFailedError("pretrain_gpt.py", {rank: ProcessFailure(rank, 100 + rank, code, "")
+                                                    for rank, code in enumerate(codes)})
+    assert wrapper.ranks_exit_code(failed(-15, 4)) == (4, None)     # the code a rank chose wins
+    assert wrapper.ranks_exit_code(failed(2, 2)) == (2, None)
+    code, line = wrapper.ranks_exit_code(failed(-9))
+    assert code == 128 + signal.SIGKILL
+    assert line == "error: rank 0 (pid 100) was killed by signal SIGKILL; the job stopped"

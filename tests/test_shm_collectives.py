@@ -157,3 +157,29 @@ def test_engines_train_bitwise_as_over_gloo(stage):
         assert losses == losses_gloo
         assert params == params_gloo
         assert buffers > 0
+
+
+TRANSPORT_FLAGS = {None: True, "auto": True, "shm": True, "gloo": False}   # flag -> shm on
+
+
+def _from_flags(rank, world_size):
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.setup import build_parallel_state
+    from tests.training_helpers import tiny_args
+    on = {}
+    for transport in TRANSPORT_FLAGS:
+        cfg, _ = parse_args(tiny_args(extra=["--gpus-per-node", str(world_size)])
+                            + ([] if transport is None else ["--dp-transport", transport]))
+        on[transport] = build_parallel_state(cfg).dp.shm is not None
+    return on
+
+
+def test_the_trainer_flag_chooses_the_transport():
+    assert run_on_ranks(_from_flags, 2) == [TRANSPORT_FLAGS] * 2
+
+
+def test_an_unknown_transport_is_a_config_error():
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.sections import TrainConfigError
+    with pytest.raises(TrainConfigError, match="--dp-transport must be auto, shm or gloo, got 'nccl'"):
+        parse_args(["--dp-transport", "nccl"])

@@ -44,9 +44,6 @@ class LaunchEnv:
                                  f"{self.local_world_size}; launch with torchrun, which sets both")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise LaunchEnvError(f"MASTER_PORT={self.master_port} is not a TCP port (1-65535)")
-        if self.world_size > 1 and (self.master_addr is None or self.master_port is None):
-            raise LaunchEnvError(f"WORLD_SIZE={self.world_size} without MASTER_ADDR and MASTER_PORT: "
-                                 f"the ranks have nowhere to meet; launch with torchrun, or set both")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "LaunchEnv":

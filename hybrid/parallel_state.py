@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommLedger, Group
-from hybrid.launch_env import LaunchEnv
+from hybrid.launch_env import LaunchEnv, LaunchEnvError
 from hybrid.shm_collectives import ShmTransport
 from hybrid.topology import Topology
 
@@ -96,6 +96,9 @@ class ParallelState:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             env = env if env is not None else LaunchEnv.from_environ()
+            if init_method is None and (env.master_addr is None or env.master_port is None):
+                raise LaunchEnvError(f"{env.world_size} ranks without MASTER_ADDR and MASTER_PORT: "
+                                     f"they have nowhere to meet; launch with torchrun, or set both")
             store = _restart_store(init_method, env, topology.world_size, timeout)
             dist.init_process_group(backend, init_method=None if store else init_method,
                                     store=store, rank=env.rank, world_size=topology.world_size,

@@ -41,12 +41,17 @@ def test_no_launcher_is_one_process():
     ({"RANK": "8"}, "RANK=8 is outside the job's WORLD_SIZE=8"),
     ({"LOCAL_RANK": "4"}, "LOCAL_RANK=4 is outside LOCAL_WORLD_SIZE=4"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
-    ({"MASTER_ADDR": ""}, "without MASTER_ADDR and MASTER_PORT"),
     ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE=0 must be at least 1"),
 ])
 def test_malformed_values_name_the_variable(change, names):
     with pytest.raises(LaunchEnvError, match=re.escape(names)):
         LaunchEnv.from_environ({**TORCHRUN, **change})
+
+
+def test_ranks_with_nowhere_to_meet_are_refused_before_joining():
+    env = LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4"})
+    with pytest.raises(LaunchEnvError, match="4 ranks without MASTER_ADDR and MASTER_PORT"):
+        ParallelState.from_launch_env(env, tensor_parallel_size=2)
 
 
 def _from_env(rank, world_size):

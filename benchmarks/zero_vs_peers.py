@@ -4,7 +4,7 @@ GPT: 4 layers, hidden 256, 4 heads, seq 128, vocab 8192, micro-batch 4 per rank,
 (DP 2, TP 1), one thread each, fp32 and bf16. A step is forward + backward + AdamW update:
 
     ours stage 0/1/2/3   models.gpt.GPTModel + hybrid.zero (bf16: bf16 params/grads, fp32 master;
-                         DP collectives through shared memory, HYBRID_SHM_COLLECTIVES=0: gloo)
+                         DP collectives through shared memory; --dp-transport gloo: over gloo)
     DDP                  torch DistributedDataParallel + torch.optim.AdamW
     ZeRO-1 (torch)       DDP + torch.distributed.optim.ZeroRedundancyOptimizer
     FSDP2 reshard=T/F    torch.distributed.fsdp.fully_shard(reshard_after_forward=True/False)
@@ -55,6 +55,7 @@ DS_VENV = ROOT / "benchmarks" / ".venv-deepspeed"
 RESULTS = ROOT / "benchmarks" / "results"
 WARMUP = 2
 PEER_MODEL = {"name": "ours"}   # set from --peer-model before the ranks start (passed to them)
+DP_TRANSPORT = {"name": "auto"}   # set from --dp-transport in the ranks (ours only)
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO, SEED = 4, 256, 4, 128, 8192, 4, 0
 
@@ -79,7 +80,8 @@ def _ours(rank, world, stage, precision):
     from hybrid.topology import Topology
     from hybrid.zero import AdamWConfig, ZeroConfig, build_zero_optimizer
     from models.gpt.model import GPTModel
-    state = ParallelState.initialize(Topology(world, 1, gpus_per_node=world))
+    state = ParallelState.initialize(Topology(world, 1, gpus_per_node=world),
+                                     dp_transport=DP_TRANSPORT["name"])
     config = _config()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model = GPTModel(config, state, device="meta", dtype=dtype)
@@ -210,12 +212,12 @@ def _build(rank, world, names, deepspeed):
     return built
 
 
-def _interleaved(rank, world, names, rounds, deepspeed, peer_model):
+def _interleaved(rank, world, names, rounds, deepspeed, peer_model, dp_transport):
     """Every variant built here, then stepped round-robin: per variant the (wall, CPU) seconds of
     each timed round, the last loss and the model-state bytes."""
     import warnings
     warnings.filterwarnings("ignore")
-    PEER_MODEL["name"] = peer_model
+    PEER_MODEL["name"], DP_TRANSPORT["name"] = peer_model, dp_transport
     built = _build(rank, world, names, deepspeed)
     batches = _batches(rank, rounds + WARMUP)
     times = {name: [] for name in names}
@@ -230,11 +232,11 @@ def _interleaved(rank, world, names, rounds, deepspeed, peer_model):
                    "bytes": built[name][1]()} for name in names}
 
 
-def _alone(rank, world, name, steps, deepspeed, peer_model):
+def _alone(rank, world, name, steps, deepspeed, peer_model, dp_transport):
     """One variant in fresh processes: peak RSS of this rank after ``steps`` steps."""
     import warnings
     warnings.filterwarnings("ignore")
-    PEER_MODEL["name"] = peer_model
+    PEER_MODEL["name"], DP_TRANSPORT["name"] = peer_model, dp_transport
     step, _ = _build(rank, world, [name], deepspeed)[name]
     for tokens, labels in _batches(rank, steps):
         step(tokens, labels)
@@ -262,6 +264,8 @@ def main() -> None:
                         help="steps of the per-variant peak-RSS pass (0 skips it)")
     parser.add_argument("--peer-model", choices=("ours", "reference"), default="ours",
                         help="module code the peers train (see the module docstring)")
+    parser.add_argument("--dp-transport", choices=("auto", "shm", "gloo"), default="auto",
+                        help="our engines' DP collectives (the trainer's --dp-transport)")
     args = parser.parse_args()
     wants_ds = not args.no_deepspeed and (not args.only or any("DeepSpeed" in n for n in args.only))
     why_not = _ensure_deepspeed_venv() if wants_ds else "--no-deepspeed"
@@ -270,7 +274,8 @@ def main() -> None:
         print(f"DeepSpeed rows skipped: {why_not}", flush=True)
     names = [n for n in (args.only or _variants(deepspeed)) if deepspeed or "DeepSpeed" not in n]
     from tests.multirank import run_on_ranks
-    per_rank = run_on_ranks(_interleaved, 2, args=(names, args.steps, deepspeed, args.peer_model),
+    per_rank = run_on_ranks(_interleaved, 2, args=(names, args.steps, deepspeed, args.peer_model,
+                                                   args.dp_transport),
                             timeout=3600)
     rows, walls = {}, {}
     for name in names:
@@ -283,7 +288,8 @@ def main() -> None:
                       "loss_after_steps": sum(r[name]["loss"] for r in per_rank) / len(per_rank)}
     targets = _targets(walls)
     for name in names if args.rss_steps else []:
-        rss = run_on_ranks(_alone, 2, args=(name, args.rss_steps, deepspeed, args.peer_model),
+        rss = run_on_ranks(_alone, 2, args=(name, args.rss_steps, deepspeed, args.peer_model,
+                                            args.dp_transport),
                            timeout=1200)
         rows[name]["peak_rss_mib_rank0"] = rss[0] / 2**20
     print(_markdown(rows, args.steps + WARMUP))

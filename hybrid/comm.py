@@ -16,8 +16,9 @@ its input to rank j: (n-1)/n of the tensor, a real reduce-scatter's volume) foll
 of the n chunks received, and an all-gather sends this rank's shard straight into the output slot
 of every peer (point-to-point, all posted at once: again (n-1)/n). NCCL's native collectives are
 used as they are. A CPU group whose ranks share a host can instead take both through shared
-memory (:func:`use_shared_memory`, :mod:`hybrid.shm_collectives`): the ZeRO engines turn it on for
-their DP group; the ledger records the same volumes either way.
+memory: :mod:`hybrid.parallel_state` gives the DP group a transport (:mod:`hybrid.shm_collectives`,
+which builds on this module, never the other way round) and the ZeRO engines size it
+(:func:`reserve_transport`); the ledger records the same volumes either way.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class Group:
     ledger: CommLedger
     pg: object | None = None
     timeout: timedelta | None = None
-    shm: object | None = None    # a hybrid.shm_collectives.ShmTransport, see use_shared_memory
+    shm: object | None = None    # hybrid.shm_collectives.ShmTransport, set by hybrid.parallel_state
 
     @property
     def size(self) -> int:
@@ -183,24 +184,17 @@ def _is_gloo(group: Group) -> bool:
 def needs_reduce_scratch(group: Group) -> bool:
     """Whether :func:`reduce_scatter_into` on ``group`` receives into a full-size scratch buffer
     (gloo's all-to-all path): callers that reduce often keep one and pass it as ``scratch``.
-    Not with shared memory (:func:`use_shared_memory`): the peers' regions are read directly."""
-    return group.size > 1 and group.pg is not None and group.shm is None and _is_gloo(group)
+    Not with a sized shared-memory transport: the peers' regions are read directly."""
+    shared = group.shm is not None and group.shm.capacity > 0
+    return group.size > 1 and group.pg is not None and not shared and _is_gloo(group)
 
 
-def use_shared_memory(group: Group, nbytes: int) -> bool:
-    """Route ``group``'s all-gathers and reduce-scatters of up to ``nbytes`` per call through
-    shared memory when its ranks share a host (CPU gloo groups; :mod:`hybrid.shm_collectives`).
-    Collective over ``group``: every rank calls it, with the same ``nbytes``, while none of the
-    group's collectives is in flight. The regions only grow; returns whether the transport is on.
-    """
-    if group.size < 2 or group.pg is None or not _is_gloo(group):
-        return False
-    capacity = 2 * nbytes     # room for one collective while the one before it is still read
-    if group.shm is not None and group.shm.capacity >= capacity:
-        return True
-    from hybrid.shm_collectives import ShmTransport
-    group.shm = ShmTransport.create(group, capacity, group.timeout)
-    return group.shm is not None
+def reserve_transport(group: Group, nbytes: int) -> bool:
+    """Make ``group``'s shared-memory transport, where set-up gave it one, hold collectives of
+    ``nbytes``: an engine calls it with its largest reduce-scatter or all-gather. Collective over
+    ``group`` (every rank, the same ``nbytes``, nothing in flight); returns whether such
+    collectives go through shared memory (False: the backend's own path)."""
+    return group.shm is not None and group.shm.reserve(nbytes)
 
 
 def transport_buffers(group: Group) -> list[torch.Tensor]:

@@ -2,7 +2,13 @@
 
 Built from a pure :class:`~hybrid.topology.Topology` inside a torchrun or ``torch.multiprocessing``
 job and passed to every layer, optimizer and checkpoint that communicates. There are no module-level
-groups: two states can coexist in one process (tests do this).
+groups: two states can coexist in one process (tests do this). Entry points build it with
+:meth:`ParallelState.from_launch_env` from the launcher's environment (:mod:`hybrid.launch_env`).
+
+The DP group's transport is chosen here, once, by ``dp_transport``: ``auto`` (shared memory where
+the group's ranks are CPU processes of one host that can all map it, gloo otherwise), ``shm``
+(shared memory or an error saying why not) or ``gloo`` (:mod:`hybrid.shm_collectives`). The ZeRO
+engines only size it (:func:`hybrid.comm.reserve_transport`).
 
 ``ParallelState.single_process()`` needs no process group at all; its groups have size 1 and every
 collective degenerates to a local copy.
@@ -11,18 +17,20 @@ collective degenerates to a local copy.
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from hybrid.comm import CommLedger, Group
+from hybrid.launch_env import LaunchEnv, LaunchEnvError
+from hybrid.shm_collectives import ShmTransport
 from hybrid.topology import Topology
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+DP_TRANSPORTS = ("auto", "shm", "gloo")
 
 
 class ParallelState:
@@ -55,41 +63,62 @@ class ParallelState:
         return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger)
 
     @classmethod
-    def initialize(cls, topology: Topology, *, rank: int | None = None, backend: str | None = None,
-                   init_method: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
+    def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
+                        gpus_per_node: int | None = None, allow_tp_across_nodes: bool = False,
+                        timeout: timedelta = DEFAULT_TIMEOUT, dp_transport: str = "auto",
+                        device: str | torch.device | None = None) -> "ParallelState":
+        """The one constructor of entry points: one process when the launcher started none
+        (``env`` not distributed), else join the job and create its TP and DP groups. A node holds
+        the launcher's ``LOCAL_WORLD_SIZE`` ranks, else ``gpus_per_node``, else the whole world."""
+        if not env.distributed:
+            return cls.single_process(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        per_node = env.local_world_size or gpus_per_node or env.world_size
+        topology = Topology(env.world_size, tensor_parallel_size, gpus_per_node=per_node,
+                            allow_tp_across_nodes=allow_tp_across_nodes)
+        return cls.initialize(topology, env=env, timeout=timeout, dp_transport=dp_transport,
+                              device=device)
+
+    @classmethod
+    def initialize(cls, topology: Topology, *, env: LaunchEnv | None = None,
+                   backend: str | None = None, init_method: str | None = None,
+                   timeout: timedelta = DEFAULT_TIMEOUT, dp_transport: str = "auto",
                    device: str | torch.device | None = None) -> "ParallelState":
         """Join (or reuse) the default process group and create every TP and DP group.
 
-        Under torchrun, rank and world size come from the environment. ``backend`` defaults to the
-        backend of an already joined default group, else NCCL when CUDA is available and gloo
-        otherwise; every group gets ``timeout``.
+        Joining needs ``env`` (this rank, the store; default: parsed from the environment).
+        ``backend`` defaults to the backend of an already joined default group, else NCCL when CUDA
+        is available and gloo otherwise; every group gets ``timeout``; ``dp_transport`` picks the DP
+        group's transport (module docstring).
         """
         if backend is None and dist.is_initialized():   # a gloo job on a GPU machine keeps gloo
             backend = dist.get_backend()                  # (and CPU tensors) for its subgroups
+        if dp_transport not in DP_TRANSPORTS:
+            raise ValueError(f"dp_transport must be one of {', '.join(DP_TRANSPORTS)}, got "
+                             f"{dp_transport!r}")
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
-            rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-            store = _restart_store(init_method, rank, topology.world_size, timeout)
+            env = env if env is not None else LaunchEnv.from_environ()
+            if init_method is None and (env.master_addr is None or env.master_port is None):
+                raise LaunchEnvError(f"{env.world_size} ranks without MASTER_ADDR and MASTER_PORT: "
+                                     f"they have nowhere to meet; launch with torchrun, or set both")
+            store = _restart_store(init_method, env, topology.world_size, timeout)
             dist.init_process_group(backend, init_method=None if store else init_method,
-                                    store=store, rank=rank, world_size=topology.world_size,
+                                    store=store, rank=env.rank, world_size=topology.world_size,
                                     timeout=timeout)
         rank = dist.get_rank()
         if dist.get_world_size() != topology.world_size:
             raise ValueError(f"the job has {dist.get_world_size()} ranks but the topology describes "
                              f"{topology.world_size}; launch with --nproc-per-node x --nnodes = "
                              f"{topology.world_size}")
-        device = concrete_device(device) if device is not None else _default_device(backend)
+        device = concrete_device(device) if device is not None else _default_device(backend, env)
         ledger = CommLedger()
         world = Group("world", list(range(topology.world_size)), rank, ledger, dist.group.WORLD)
         tp = _make_groups("tp", topology.tp_groups(), rank, ledger, backend, timeout)
         dp = _make_groups("dp", topology.dp_groups(), rank, ledger, backend, timeout)
+        dp.shm = _dp_shared_memory(dp, dp_transport, device, timeout)
         log.debug("rank %d: %s", rank, topology.describe())
         return cls(topology, rank, world, tp, dp, device, ledger)
-
-    def destroy(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # ---- coordinates -----------------------------------------------------------------------
     @property
@@ -117,15 +146,26 @@ class ParallelState:
                 f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
 
 
-def _restart_store(init_method: str | None, rank: int, world_size: int, timeout: timedelta):
+def _restart_store(init_method: str | None, env: LaunchEnv, world_size: int, timeout: timedelta):
     """Under ``torchrun --max-restarts``, a restarted job meets in the same rendezvous store as the
     attempt before it, and gloo could read a dead peer's address left there (connectFullMesh:
     connection refused). Each attempt gets its own key prefix; None outside a restart."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if init_method is not None or attempt in (None, "0") or "MASTER_ADDR" not in os.environ:
+    if init_method is not None or env.restart_count == 0 or env.master_addr is None:
         return None
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-    return dist.PrefixStore(f"hybrid-attempt-{attempt}", store)
+    store, _, _ = next(dist.rendezvous("env://", env.rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"hybrid-attempt-{env.restart_count}", store)
+
+
+def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
+                      timeout: timedelta) -> ShmTransport | None:
+    """The DP group's shared-memory transport, or None for the backend's own collectives.
+    Collective over ``dp`` (every rank decides the same)."""
+    if transport == "gloo" or dp.size < 2 or device.type != "cpu" or dist.get_backend(dp.pg) != "gloo":
+        if transport == "shm" and dp.size > 1:
+            raise ValueError("--dp-transport shm needs CPU ranks on gloo (it is the CPU path; "
+                             "NCCL has its own); use --dp-transport auto")
+        return None
+    return ShmTransport.create(dp, timeout, required=transport == "shm")
 
 
 def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: CommLedger,
@@ -140,9 +180,9 @@ def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: Comm
     return mine
 
 
-def _default_device(backend: str) -> torch.device:
+def _default_device(backend: str, env: LaunchEnv | None) -> torch.device:
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
+        local = env.local_rank if env is not None else dist.get_rank() % max(torch.cuda.device_count(), 1)
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")

@@ -19,11 +19,15 @@ same launch and makes the same completions. Waiting spins with ``sched_yield``, 
 peer whose process is gone, or the group's timeout, ends the wait with an error naming the ranks
 (``hybrid.training.liveness`` then names their host).
 
-Used only when it can be: gloo groups of CPU processes that see the same files in ``/dev/shm``
-(checked by opening them, not by host names), on x86-64 (whose total store order makes a counter
-written after a copy visible only after the copy), with room in ``/dev/shm`` (space is allocated
-up front, so a full tmpfs is a fallback at start-up and not a SIGBUS later). A collective larger
-than ``capacity`` goes through gloo, decided by size alone so every rank decides the same.
+Chosen once, when the parallel state is built (``--dp-transport``: :mod:`hybrid.parallel_state`
+calls :meth:`ShmTransport.create`), and sized by the ZeRO engines, which know their largest
+collective (:meth:`ShmTransport.reserve`, through :func:`hybrid.comm.reserve_transport`). Used only
+when it can be: gloo groups of CPU processes that see the same files in ``/dev/shm`` (checked by
+opening them, not by host names), on x86-64 (whose total store order makes a counter written after
+a copy visible only after the copy), with room in ``/dev/shm`` (space is allocated up front, so a
+full tmpfs is a fallback at start-up and not a SIGBUS later). A collective larger than ``capacity``
+goes through gloo, decided by size alone so every rank decides the same. With ``required`` (``shm``
+rather than ``auto``) a rank that cannot use it is an error naming the reason instead of a fallback.
 The files are unlinked as soon as every rank has mapped them: nothing is left behind on a crash.
 On GPUs NCCL does this itself (its shared-memory and P2P transports); this module is CPU-only.
 """
@@ -50,16 +54,20 @@ ALIGN = 64                       # every collective's piece starts on a cache li
 PUBLISHED, CONSUMED, PID = 0, 1, 2
 SPIN_SECONDS = 0.002             # sched_yield this long before sleeping between checks
 CHECK_PEERS_EVERY = 0.05         # seconds between checks that the peers' processes exist
-DISABLE_ENV = "HYBRID_SHM_COLLECTIVES"   # "0" turns the transport off (gloo for everything)
 
 
 class ShmTransport:
-    """Shared-memory regions of one group; see the module docstring. Build with :meth:`create`."""
+    """Shared-memory regions of one group; see the module docstring. Build with :meth:`create`,
+    then :meth:`reserve` room: until then (capacity 0) every collective goes through gloo."""
 
-    def __init__(self, group, capacity: int, regions: list[torch.Tensor], header: torch.Tensor,
-                 timeout: timedelta):
-        self.group, self.capacity, self.regions, self.header = group, capacity, regions, header
-        self.timeout = timeout.total_seconds()
+    def __init__(self, group, timeout: timedelta, required: bool = False):
+        self.group, self.timeout, self.required = group, timeout.total_seconds(), required
+        self.capacity = 0
+        self.regions: list[torch.Tensor] = []
+        self.header: torch.Tensor | None = None
+        self._reset()
+
+    def _reset(self) -> None:
         self._seq = 0
         self._cursor = 0
         self._live: collections.deque = collections.deque()   # (seq, start, end) in seq order
@@ -69,17 +77,46 @@ class ShmTransport:
 
     # ---- set-up ----------------------------------------------------------------------------
     @classmethod
-    def create(cls, group, capacity: int, timeout: timedelta | None = None) -> "ShmTransport | None":
-        """Collective over ``group``, a gloo group of several ranks (every rank calls it with the
-        same ``capacity``): the transport, or None where it cannot be used (then each rank says
-        why in the debug log). Its control messages are not recorded in the ledger."""
-        capacity = _align(capacity)
-        timeout = timeout or timedelta(minutes=30)
-        why = _local_reason_not(group, capacity)
+    def create(cls, group, timeout: timedelta | None = None,
+               required: bool = False) -> "ShmTransport | None":
+        """Collective over ``group``, a gloo group of several ranks: the transport (no regions yet),
+        or None where some rank cannot use it (each rank says why in the debug log; with
+        ``required``, a ValueError naming the reason). Its control messages are not recorded."""
+        why = _local_reason_not(group, 0)
         if comm.max_over(group, why is not None):
-            log.debug("shared-memory collectives off for the %s group: %s", group.kind,
-                      why or "another rank cannot use them")
+            why = why or "another rank of the group cannot use it"
+            if required:
+                raise ValueError(f"--dp-transport shm: shared-memory collectives are not possible "
+                                 f"for the {group.kind} group ({why}); use --dp-transport auto or gloo")
+            log.debug("shared-memory collectives off for the %s group: %s", group.kind, why)
             return None
+        return cls(group, timeout or timedelta(minutes=30), required)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room for collectives of up to ``nbytes`` (twice that, so one can be written while the
+        one before it is still read). Collective over the group: every rank calls it, with the
+        same ``nbytes``, while none of the group's collectives is in flight. Regions only grow;
+        returns whether collectives of that size now go through shared memory."""
+        capacity = _align(2 * nbytes)
+        if capacity <= self.capacity:
+            return True
+        mapped = self._map_regions(capacity)
+        if mapped is None:
+            return False
+        self.regions, self.header = mapped
+        self.capacity = capacity
+        self._reset()
+        log.debug("shared-memory collectives on for the %s group: %d bytes per rank",
+                  self.group.kind, capacity)
+        return True
+
+    def _map_regions(self, capacity: int) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """New regions of ``capacity`` bytes mapped by every rank (their files already unlinked),
+        or None (with a warning; an error if required) where some rank could not."""
+        group = self.group
+        problem = _local_reason_not(group, capacity)
+        if comm.max_over(group, problem is not None):
+            return self._give_up(problem or "another rank has no room in /dev/shm")
         token = torch.tensor([secrets.randbits(62) if group.rank == 0 else 0])
         with comm.unrecorded(group):
             comm.broadcast(token, group)
@@ -88,12 +125,10 @@ class ShmTransport:
             _create_file(names[group.rank], capacity)
             if group.rank == 0:
                 _create_file(names[-1], 3 * 8 * group.size)
-            failed = False
         except OSError as err:
-            log.warning("shared-memory collectives off for the %s group: %s", group.kind, err)
-            failed = True
+            problem = str(err)
         opened = None
-        if not comm.max_over(group, failed):
+        if not comm.max_over(group, problem is not None):
             try:
                 regions = [torch.from_file(n, shared=True, size=capacity, dtype=torch.uint8)
                            for n in names[:-1]]
@@ -101,8 +136,7 @@ class ShmTransport:
                                          dtype=torch.int64).view(3, group.size)
                 opened = regions, header
             except (OSError, RuntimeError) as err:   # a different /dev/shm (another container)
-                log.warning("shared-memory collectives off for the %s group: cannot map a peer's "
-                            "region (%s)", group.kind, err)
+                problem = f"cannot map a peer's region ({err})"
         failed = comm.max_over(group, opened is None)   # every rank mapped (or gave up): unlink
         for name in ((names[group.rank], names[-1]) if group.rank == 0 else (names[group.rank],)):
             try:
@@ -110,17 +144,22 @@ class ShmTransport:
             except FileNotFoundError:
                 pass
         if failed:
-            return None
+            return self._give_up(problem or "another rank could not map the regions")
         regions, header = opened
         header[PID, group.rank] = os.getpid()
         comm.barrier(group)                          # every pid is written before anyone waits
-        log.debug("shared-memory collectives on for the %s group: %d bytes per rank", group.kind,
-                  capacity)
-        return cls(group, capacity, regions, header, timeout)
+        return regions, header
+
+    def _give_up(self, why: str) -> None:
+        if self.required:
+            raise ValueError(f"--dp-transport shm: cannot set up shared memory for the "
+                             f"{self.group.kind} group ({why}); use --dp-transport auto or gloo")
+        log.warning("shared-memory collectives off for the %s group: %s", self.group.kind, why)
+        return None
 
     def buffers(self) -> list[torch.Tensor]:
         """This rank's region (the memory report's communication buffers; each rank has one)."""
-        return [self.regions[self.group.rank]]
+        return [self.regions[self.group.rank]] if self.regions else []
 
     # ---- collectives -----------------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> "_ShmWork | None":
@@ -262,9 +301,7 @@ def _align(n: int) -> int:
 
 
 def _local_reason_not(group, capacity: int) -> str | None:
-    """Why this rank cannot take part (None: it can)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"{DISABLE_ENV}=0"
+    """Why this rank cannot take part with regions of ``capacity`` bytes (None: it can)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} (the ordering of the counters is written for x86-64)"
     if not os.path.isdir(SHM_DIR):

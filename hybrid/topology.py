@@ -18,6 +18,9 @@ its all-reduces then run over InfiniBand instead of NVSwitch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import torch
 
 
 class TopologyError(ValueError):
@@ -87,33 +90,37 @@ class Topology:
         """True when a TP group spans more than one node (its traffic leaves NVSwitch)."""
         return any(len(self.nodes_of(group)) > 1 for group in self.tp_groups())
 
+    # ---- the rank grid ---------------------------------------------------------------------
+    @cached_property
+    def grid(self) -> torch.Tensor:
+        """``grid[dp_rank, tp_rank]`` is the global rank: ``arange(world).view(dp, tp)``."""
+        return torch.arange(self.world_size).view(self.dp_size, self.tensor_parallel_size)
+
     # ---- coordinates -----------------------------------------------------------------------
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        dp_rank, tp_rank = divmod(rank, self.tensor_parallel_size)  # grid[dp, tp]
+        dp_rank, tp_rank = (self.grid == rank).nonzero()[0].tolist()   # where it sits in the grid
         node, local_rank = divmod(rank, self.gpus_per_node)
         return RankCoords(rank, node, local_rank, tp_rank, dp_rank)
 
     def rank_of(self, tp_rank: int, dp_rank: int) -> int:
-        return dp_rank * self.tensor_parallel_size + tp_rank
+        return int(self.grid[dp_rank, tp_rank])
 
     # ---- groups ----------------------------------------------------------------------------
     def tp_groups(self) -> list[list[int]]:
         """Rows of the grid: one group per DP replica, adjacent ranks."""
-        tp = self.tensor_parallel_size
-        return [list(range(d * tp, (d + 1) * tp)) for d in range(self.dp_size)]
+        return self.grid.tolist()
 
     def dp_groups(self) -> list[list[int]]:
         """Columns of the grid: one group per TP rank, ranks strided by the TP degree."""
-        tp = self.tensor_parallel_size
-        return [list(range(t, self.world_size, tp)) for t in range(tp)]
+        return self.grid.t().tolist()
 
     def tp_group_of(self, rank: int) -> list[int]:
-        return self.tp_groups()[self.coords(rank).dp_rank]
+        return self.grid[self.coords(rank).dp_rank].tolist()
 
     def dp_group_of(self, rank: int) -> list[int]:
-        return self.dp_groups()[self.coords(rank).tp_rank]
+        return self.grid[:, self.coords(rank).tp_rank].tolist()
 
     def nodes_of(self, ranks: list[int]) -> list[int]:
         return sorted({r // self.gpus_per_node for r in ranks})

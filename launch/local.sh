@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# SIGTERM to torchrun reaches every rank, which saves a checkpoint; allow it time before SIGKILL.
+# SIGTERM or Ctrl-C: every rank saves a checkpoint and the command exits 0 (a second Ctrl-C stops at
+# once); a failed job exits with the ranks' code (docs/launching.md). launch/torchrun.py is torchrun.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
-exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "${NPROC:-4}" \
+exec "$PYTHON" launch/torchrun.py --standalone --nnodes 1 --nproc-per-node "${NPROC:-4}" \
     launch/pretrain_gpt.py "$@"

@@ -12,7 +12,8 @@ fi
 .venv/bin/python -m pip install -q -r requirements.txt
 .venv/bin/python -m pip install -q --no-deps -e .
 export OMP_NUM_THREADS=1
-# SIGTERM to torchrun reaches every rank, which saves a checkpoint; allow it time before SIGKILL.
+# SIGTERM or Ctrl-C: every rank saves a checkpoint and the command exits 0 (a second Ctrl-C stops at
+# once); a failed job exits with the ranks' code (docs/launching.md). launch/torchrun.py is torchrun.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 # Run again, the main job starts a new run over the previous one's checkpoints (--overwrite: they
 # are deleted when the new run saves its first), unless the arguments say --load / --save / --overwrite.
@@ -27,7 +28,8 @@ if [ -z "$CHOSEN" ] && [ -f checkpoints/tiny-cpu/latest ]; then
          "bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400"
     ARGS+=(--overwrite)
 fi
-.venv/bin/python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 4 \
+source launch/signals.sh
+run_forwarding_signals .venv/bin/python launch/torchrun.py --standalone --nnodes 1 --nproc-per-node 4 \
     launch/pretrain_gpt.py --config tiny-cpu ${ARGS[@]+"${ARGS[@]}"}
 cat <<MSG
 

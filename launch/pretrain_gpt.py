@@ -10,7 +10,6 @@ launch/presets/) gives the base values, flags override. Everything else lives in
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
 
 from hybrid.checkpoint.format import CheckpointError  # noqa: E402
+from hybrid.launch_env import LaunchEnv, LaunchEnvError  # noqa: E402
 from hybrid.training.arguments import parse_args  # noqa: E402
+from hybrid.training.exit import Interrupted  # noqa: E402
 from hybrid.training.liveness import PeersLostError  # noqa: E402
 from hybrid.training.metrics import install_rank_logging  # noqa: E402
 
@@ -37,8 +38,11 @@ def report_error(err: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    install_rank_logging(rank)
+    try:
+        env = LaunchEnv.from_environ()
+    except LaunchEnvError as err:
+        return report_error(err)
+    install_rank_logging(env.rank)
     try:
         cfg, options = parse_args(argv)
     except USER_ERRORS as err:
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.training.setup import run
     log = logging.getLogger("pretrain_gpt")
     try:
-        trainer = run(cfg)
+        trainer = run(cfg, env)
     except USER_ERRORS as err:   # found at launch: world size, data, --load, --save
         return report_error(err)
     except FloatingPointError as err:   # NaN/Inf loss with --on-nonfinite stop: every rank stops
@@ -60,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's teardown: leaving anyway, as 4
         report_error(err)
         return 4
+    except Interrupted as stop:   # a signal before training, or a second Ctrl-C: one line
+        print(("error: " if stop.code else "") + str(stop), file=sys.stderr, flush=True)
+        return stop.code
     log.info("done: %d iterations, final lm loss %.4f", trainer.ts.iteration,
              trainer.losses[-1] if trainer.losses else float("nan"))
     if trainer.metrics.run_dir is not None:
@@ -71,4 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:   # Ctrl-C before the rank's own signal handling was installed
+        print("stopped by SIGINT before training started: nothing to save", file=sys.stderr)
+        sys.exit(0)

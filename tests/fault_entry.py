@@ -8,6 +8,8 @@ in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT 0), so a rest
     FAULT_SAVE_CRASH=rank-file|before-latest FAULT_AT_ITER=k
                                          os._exit(9) inside the save of iteration k: after the rank
                                          file is written / after the rename, before ``latest``
+    FAULT_SLOW_SAVE=seconds              every rank sleeps this long after writing its rank file
+                                         (a save that is still running when a test signals)
     LOSS_LOG=path                        rank 0 appends {"iteration", "loss"} (repr-exact) per step,
                                          and its resident set size ("rss", bytes) every 10 steps
 """
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -91,8 +94,20 @@ def _patch_save(where: str) -> None:
         raise ValueError(f"FAULT_SAVE_CRASH must be rank-file or before-latest, got {where!r}")
 
 
+def _patch_slow_save(seconds: float) -> None:
+    write = writer.write_rank_file
+
+    def slow_write(directory, rank, pieces, extra):
+        path = write(directory, rank, pieces, extra)
+        time.sleep(seconds)
+        return path
+    writer.write_rank_file = slow_write
+
+
 def main() -> int:
     _patch_step()
+    if os.environ.get("FAULT_SLOW_SAVE"):
+        _patch_slow_save(float(os.environ["FAULT_SLOW_SAVE"]))
     if os.environ.get("LOSS_LOG"):
         _patch_loss_log(os.environ["LOSS_LOG"])
     if os.environ.get("FAULT_SAVE_CRASH") and FIRST_ATTEMPT:

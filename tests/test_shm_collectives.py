@@ -7,7 +7,6 @@ file behind, and end a wait on a dead peer with an error naming it.
 """
 
 import glob
-import os
 import random
 import time
 
@@ -19,7 +18,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from tests.multirank import run_on_ranks
 
-RING_BYTES = 4096   # use_shared_memory makes a region of twice this: many collectives wrap it
+RING_BYTES = 4096   # reserve makes a region of twice this: many collectives wrap it
 
 
 def _inputs(op: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -37,9 +36,10 @@ def _plan(seed=5, count=60):
 
 
 def _against_expected(rank, world_size):
-    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size),
+                                     dp_transport="shm")
     group = state.dp
-    assert comm.use_shared_memory(group, RING_BYTES)
+    assert comm.reserve_transport(group, RING_BYTES)
     assert not glob.glob("/dev/shm/hybrid-*"), "the shared files must be unlinked after set-up"
     waits = random.Random(rank)      # each rank waits in its own order
     inflight, results, over_capacity = [], [], 0
@@ -83,8 +83,9 @@ def test_results_equal_gloo_with_out_of_order_waits_ring_reuse_and_fallback():
 
 
 def _peer_exits(rank, world_size):
-    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
-    assert comm.use_shared_memory(state.dp, RING_BYTES)
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size),
+                                     dp_transport="shm")
+    assert comm.reserve_transport(state.dp, RING_BYTES)
     if rank == 1:
         return None                    # this process ends; rank 0 then waits for its shard
     time.sleep(0.5)
@@ -102,27 +103,36 @@ def test_dead_peer_ends_the_wait_with_its_rank_named():
 
 
 def _disabled(rank, world_size):
-    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
-    os.environ["HYBRID_SHM_COLLECTIVES"] = "0"
-    return comm.use_shared_memory(state.dp, RING_BYTES), state.dp.shm
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size),
+                                     dp_transport="gloo")
+    return comm.reserve_transport(state.dp, RING_BYTES), state.dp.shm
 
 
-def test_switched_off_by_the_environment():
+def test_switched_off_by_the_config():
     assert run_on_ranks(_disabled, 2) == [(False, None)] * 2
+
+
+def _default_is_shared_memory(rank, world_size):
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    return state.dp.shm is not None, comm.needs_reduce_scratch(state.dp)
+
+
+def test_auto_is_on_for_cpu_ranks_of_one_host_and_unsized_until_an_engine_reserves():
+    assert run_on_ranks(_default_is_shared_memory, 2) == [(True, True)] * 2
 
 
 def _train(rank, world_size, stage, shm):
     from hybrid.zero import AdamWConfig, ZeroConfig, build_zero_optimizer
     from models.gpt.config import GPTConfig
     from models.gpt.model import GPTModel
-    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size),
+                                     dp_transport="shm" if shm else "gloo")
     config = GPTConfig(2, 32, 4, vocab_size=128, seq_length=16, hidden_dropout=0.0,
                        attention_dropout=0.0)
     model = GPTModel(config, state, device="meta")   # stage 3 partitions it from init_parameter
     if stage < 3:
         model.init_weights(0)
-    opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=3000,
-                                                        shm_collectives=shm),
+    opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=3000),
                                AdamWConfig(lr=1e-2), **({"seed": 0} if stage == 3 else {}))
     assert (state.dp.shm is not None) == shm
     g = torch.Generator().manual_seed(rank)
@@ -147,3 +157,29 @@ def test_engines_train_bitwise_as_over_gloo(stage):
         assert losses == losses_gloo
         assert params == params_gloo
         assert buffers > 0
+
+
+TRANSPORT_FLAGS = {None: True, "auto": True, "shm": True, "gloo": False}   # flag -> shm on
+
+
+def _from_flags(rank, world_size):
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.setup import build_parallel_state
+    from tests.training_helpers import tiny_args
+    on = {}
+    for transport in TRANSPORT_FLAGS:
+        cfg, _ = parse_args(tiny_args(extra=["--gpus-per-node", str(world_size)])
+                            + ([] if transport is None else ["--dp-transport", transport]))
+        on[transport] = build_parallel_state(cfg).dp.shm is not None
+    return on
+
+
+def test_the_trainer_flag_chooses_the_transport():
+    assert run_on_ranks(_from_flags, 2) == [TRANSPORT_FLAGS] * 2
+
+
+def test_an_unknown_transport_is_a_config_error():
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.sections import TrainConfigError
+    with pytest.raises(TrainConfigError, match="--dp-transport must be auto, shm or gloo, got 'nccl'"):
+        parse_args(["--dp-transport", "nccl"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,23 +24,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import torch  # noqa: E402
 
 from hybrid.generation import SamplingParams, generate  # noqa: E402
+from hybrid.launch_env import LaunchEnv, LaunchEnvError  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
-from hybrid.topology import Topology  # noqa: E402
 from models.gpt.weights import load_model  # noqa: E402
 
 
 def parallel_state_from_env(tp: int | None) -> ParallelState:
     """One process (no torchrun) or the torchrun job's TP x DP groups; ``tp`` defaults to the
     world size (all ranks in one TP group)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        env = LaunchEnv.from_environ()
+    except LaunchEnvError as err:
+        raise SystemExit(f"error: {err}") from None
+    world = env.world_size
     tp = tp or world
     if world % tp:
         raise SystemExit(f"--tensor-model-parallel-size {tp} does not divide the {world} ranks of "
                          f"this job; launch tp x dp ranks")
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        return ParallelState.single_process("cuda" if torch.cuda.is_available() else "cpu")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return ParallelState.initialize(Topology(world, tp, gpus_per_node=max(per_node, tp)))
+    # generation accepts a TP group across nodes (slower, still right)
+    return ParallelState.from_launch_env(env, tensor_parallel_size=tp, allow_tp_across_nodes=True)
 
 
 def training_run_config(load: str) -> dict | None:

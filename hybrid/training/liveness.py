@@ -22,6 +22,17 @@ If the store itself does not answer, the ranks of the host that held it are the 
 
 The interval is 1/20 of the process-group timeout (1 to 5 s) and the window three intervals, so the
 diagnosis ends well within ``--distributed-timeout-minutes``.
+
+No orphan ranks. A rank whose launcher is gone (torchrun's agent killed: this process's parent
+changes) or whose store stops answering is not supervised any more: nobody would restart it, stop
+it or collect its exit code, and it would go on training and writing checkpoints. The heartbeat
+thread checks the parent every :data:`LAUNCHER_CHECK` seconds and the store at every beat; on a loss
+it prints one ``error:`` line saying which and ends the process at once (``os._exit``, exit code 4),
+from wherever the training thread is: nothing is written after that point (a save cut short leaves
+only its ``iter_N.tmp`` directory, which no load reads). Bounds: a lost launcher within
+:data:`LAUNCHER_CHECK` (0.2 s); a lost store within one interval plus the store client's timeout of
+one window (at most 5 + 15 s). A collective failing at the same time is diagnosed by
+:meth:`Liveness.check` instead; the process reports once either way.
 """
 
 from __future__ import annotations
@@ -38,11 +49,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hybrid.launch_env import LaunchEnv
 from hybrid.processes import process_gone
 
 log = logging.getLogger(__name__)
 
 BEATS_PER_WINDOW = 3
+LAUNCHER_CHECK = 0.2   # seconds between checks that this rank's launcher (its parent) is alive
+EXIT_LOST = 4          # the entry point's exit code for lost peers, launcher or store
 SILENT_BEATS = 20   # a beat this many intervals old is lost without watching it (clock skew allowed)
 EXIT = "exit "      # prefix of an exit record in beat/<rank>; a beat is a bare timestamp
 NEVER = "never"     # what beat/<rank> reads as for a rank that never started beating
@@ -107,13 +121,20 @@ def name_ranks(peers: list[Peer]) -> str:
 
 
 class Liveness:
-    """``with Liveness.start(rank, world_size, timeout) as live:`` beats until the block ends, then
+    """``with Liveness.start(env, timeout, hint) as live:`` beats until the block ends, then
     leaves an exit record; ``live.check(err, hint)`` raises :class:`PeersLostError` from a
-    collective's ``err`` when peers are gone. Disabled (every method a no-op) for a single process."""
+    collective's ``err`` when peers are gone. Disabled (every method a no-op) for a single process.
+
+    ``stop_on_loss`` (set by :meth:`start`): end the process when the launcher ``launcher_pid``
+    (None: not watched) or the store is lost, with ``hint()`` (what a relaunch does) in the line."""
 
     def __init__(self, store, me: Peer, world_size: int, interval: float,
-                 store_addr: tuple[str, int], agent_store: bool):
+                 store_addr: tuple[str, int], agent_store: bool, *, stop_on_loss: bool = False,
+                 launcher_pid: int | None = None, hint=None):
         self.me, self.world_size, self.interval = me, world_size, interval
+        self.stop_on_loss, self.launcher_pid = stop_on_loss, launcher_pid
+        self.hint = hint if hint is not None else (lambda: "restart the job")
+        self._verdict = threading.Lock()   # one report per process: the thread's or check()'s
         self.window = BEATS_PER_WINDOW * interval
         self.store_addr, self.agent_store = store_addr, agent_store
         self.store_ip = resolve(store_addr[0])   # now: a dead host's name may not resolve later
@@ -128,19 +149,21 @@ class Liveness:
         self._sigterm = None               # the handler check() replaced, until close()
 
     @classmethod
-    def start(cls, rank: int, world_size: int, timeout: timedelta) -> "Liveness":
-        """Publish this rank and start beating into the store at MASTER_ADDR:MASTER_PORT."""
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        me = Peer(rank, socket.gethostname(), local_address(host or "127.0.0.1"), os.getpid())
+    def start(cls, env: LaunchEnv, timeout: timedelta, hint=None) -> "Liveness":
+        """Publish this rank and start beating into the launcher's store (``env``'s master); under
+        torchrun, watch the agent (this process's parent). ``hint()``: what a relaunch does."""
+        host, port = env.master_addr, env.master_port
+        me = Peer(env.rank, socket.gethostname(), local_address(host or "127.0.0.1"), os.getpid())
         interval = heartbeat_interval(timeout)
-        if world_size == 1 or not host or not port:
-            return cls(None, me, world_size, interval, ("", 0), False)
-        client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+        if env.world_size == 1 or not host or not port:
+            return cls(None, me, env.world_size, interval, ("", 0), False)
+        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                timeout=timedelta(seconds=BEATS_PER_WINDOW * interval))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")   # torchrun's store outlives one
-        store = dist.PrefixStore(f"hybrid-liveness/{attempt}", client)
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        return cls(store, me, world_size, interval, (host, int(port)), agent).begin()
+        # torchrun's store outlives one attempt: each restart beats under its own prefix
+        store = dist.PrefixStore(f"hybrid-liveness/{env.restart_count}", client)
+        launcher = os.getppid() if env.under_torchrun else None
+        return cls(store, me, env.world_size, interval, (host, port), env.agent_store,
+                   stop_on_loss=True, launcher_pid=launcher, hint=hint).begin()
 
     def begin(self) -> "Liveness":
         """Publish this rank's host, address and pid, beat once and start the heartbeat thread."""
@@ -158,16 +181,44 @@ class Liveness:
 
     # ---- the heartbeat thread --------------------------------------------------------------
     def _run(self) -> None:
-        pause = 0.0
-        while not self._stop.wait(pause):
+        tick = min(LAUNCHER_CHECK, self.interval)
+        next_beat = time.monotonic() + tick
+        while not self._stop.wait(tick):
+            lost = self._launcher_lost()
+            if lost:
+                self._abandon(lost)
+                return
+            if time.monotonic() < next_beat:
+                continue
             try:
                 self._beat()
                 if len(self.peers) < self.world_size:   # the directory, soon after start-up
                     self._read_peers()
-            except Exception as err:   # the store is gone: check() will say so
+            except Exception as err:   # the store is gone: check() says so, or this thread
                 self.store_error = err
+                if self.stop_on_loss and not self._stop.is_set():
+                    self._abandon(self._store_lost())
                 return
-            pause = self.interval if len(self.peers) == self.world_size else min(self.interval, 0.2)
+            full = len(self.peers) == self.world_size
+            next_beat = time.monotonic() + (self.interval if full else min(self.interval, 0.2))
+
+    def _launcher_lost(self) -> str | None:
+        """What happened, when the launcher watched is gone (this process has another parent)."""
+        if self.launcher_pid is None or os.getppid() == self.launcher_pid:
+            return None
+        return (f"lost the launcher: torchrun's agent (pid {self.launcher_pid}) is gone, so nobody "
+                f"supervises this rank; it stops without saving")
+
+    def _abandon(self, what: str) -> None:
+        """End this process now with one line, unless check() is already reporting a loss."""
+        if not self._verdict.acquire(blocking=False):
+            return
+        try:
+            hint = self.hint()
+        except Exception:   # reading the latest checkpoint failed: the line matters more
+            hint = "restart the job"
+        os.write(2, f"error: {what}; exiting ({hint})\n".encode())   # not sys.stderr: its lock
+        os._exit(EXIT_LOST)                                           # may be the training thread's
 
     def _beat(self) -> None:
         with self._lock:
@@ -212,9 +263,11 @@ class Liveness:
         log.debug("rank %d: checking peers after %r", self.me.rank, err)
         if threading.current_thread() is threading.main_thread():   # signals: main thread only
             self._sigterm = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        message = self.diagnose()
+        self._verdict.acquire()   # held from here to the exit: the heartbeat thread stays quiet
+        message = self._launcher_lost() or self.diagnose()   # the peers went with the launcher
         if message:
             raise PeersLostError(f"{message}; exiting ({hint})") from err
+        self._verdict.release()
         self._restore_sigterm()
 
     def _restore_sigterm(self) -> None:

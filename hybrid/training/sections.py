@@ -96,6 +96,9 @@ class ParallelSection:
     host_memory_budget: str | None = _help("host memory for offloaded state, e.g. 8GiB", default=None)
     distributed_timeout_minutes: float = _help("a collective waiting longer than this for a lost rank "
                                                "fails (process-group timeout)", default=10.0)
+    dp_transport: str = _help("DP collectives of CPU ranks on one host: auto (shared memory where "
+                              "every rank can map it, else gloo) | shm (shared memory or an error) | "
+                              "gloo", default="auto")
 
     def __post_init__(self) -> None:
         try:
@@ -107,6 +110,8 @@ class ParallelSection:
         if not self.distributed_timeout_minutes > 0:
             raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
                                    f"{self.distributed_timeout_minutes}")
+        if self.dp_transport not in ("auto", "shm", "gloo"):
+            raise TrainConfigError(f"--dp-transport must be auto, shm or gloo, got {self.dp_transport!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise TrainConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.offload_optimizer != "none" and self.zero_stage == 0:

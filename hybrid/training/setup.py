@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from hybrid import comm
+from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
-from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig
+from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
 from hybrid.training.lr_schedule import build_lr_schedule
 from hybrid.training.metrics import MetricsWriter, ThroughputModel, gpt_flops_per_iteration
@@ -34,17 +35,16 @@ from hybrid.training.trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-def build_parallel_state(cfg: TrainConfig) -> ParallelState:
-    """Join the torchrun job (or run as one process) and create the TP and DP groups."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate_for_world(world)
-    if world == 1 and "MASTER_ADDR" not in os.environ:
-        return ParallelState.single_process("cuda" if torch.cuda.is_available() else "cpu")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.gpus_per_node))
-    topology = Topology(world, cfg.parallel.tensor_model_parallel_size, gpus_per_node=per_node,
-                        allow_tp_across_nodes=cfg.parallel.allow_tp_across_nodes)
-    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    return ParallelState.initialize(topology, timeout=timeout)
+def build_parallel_state(cfg: TrainConfig, env: LaunchEnv | None = None) -> ParallelState:
+    """Join the launcher's job (``env``, default: this process's environment) or run as one
+    process, and create the TP and DP groups the config asks for."""
+    env = env if env is not None else LaunchEnv.from_environ()
+    cfg.validate_for_world(env.world_size)
+    p = cfg.parallel
+    return ParallelState.from_launch_env(
+        env, tensor_parallel_size=p.tensor_model_parallel_size, gpus_per_node=p.gpus_per_node,
+        allow_tp_across_nodes=p.allow_tp_across_nodes, dp_transport=p.dp_transport,
+        timeout=timedelta(minutes=p.distributed_timeout_minutes))
 
 
 @dataclass
@@ -288,26 +288,31 @@ def claim_save(cfg: TrainConfig, state: ParallelState):
     return lock if lock is not None else contextlib.nullcontext()
 
 
-def run(cfg: TrainConfig) -> Trainer:
-    """The whole pretraining program; returns the finished trainer. A collective that fails
-    because other ranks are gone raises :class:`~hybrid.training.liveness.PeersLostError` naming
-    them (and their host) instead of gloo's address and port."""
-    check_save_dir(cfg)
-    state = build_parallel_state(cfg)
-    log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
-    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    with Liveness.start(state.rank, state.world_size, timeout) as liveness:
-        try:
-            with claim_save(cfg, state):
-                trainer = build_trainer(cfg, state)
-                try:
-                    trainer.train()
-                finally:
-                    trainer.metrics.close()
+def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
+    """The whole pretraining program in the launcher's job ``env`` (default: this process's
+    environment); returns the finished trainer. A collective that fails because other ranks are
+    gone raises :class:`~hybrid.training.liveness.PeersLostError` naming them (and their host)
+    instead of gloo's address and port."""
+    env = env if env is not None else LaunchEnv.from_environ()
+    with SetupSignals() as signals:   # a stop signal before training: nothing to save, stop now
+        check_save_dir(cfg)
+        state = build_parallel_state(cfg, env)
+        log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
+        timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+        with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
+            try:
+                with claim_save(cfg, state):
+                    trainer = build_trainer(cfg, state)
+                    signals.training_started()
+                    try:
+                        trainer.train()
+                    finally:
+                        trainer.metrics.close()
+                liveness.close()   # done: a store that goes with the first rank to leave is no loss
                 leave_job(state)
-        except Exception as err:
-            liveness.check(err, restart_hint(cfg))
-            raise
+            except Exception as err:
+                liveness.check(err, restart_hint(cfg))
+                raise
     return trainer
 
 

@@ -51,9 +51,8 @@ class ZeroConfig:
     ``bucket_size`` is in elements (constant, ZeRO-R CB): gradients are reduced, and stage 1/2
     parameters all-gathered, one bucket at a time. ``gradient_accumulation_steps`` tells stages 0
     and 1 which ``backward`` is the last micro-batch (they communicate only then); stage 2 reduces
-    every micro-batch, as it keeps no full gradient. ``shm_collectives``: where the DP group's
-    ranks are CPU processes of one host, stages 1-3 reduce-scatter and all-gather through shared
-    memory instead of gloo's sockets (:mod:`hybrid.shm_collectives`; same volumes, fewer copies).
+    every micro-batch, as it keeps no full gradient. How the DP collectives travel is the parallel
+    state's choice (``--dp-transport``, :mod:`hybrid.parallel_state`), not the engine's.
     """
 
     stage: int = 0
@@ -66,7 +65,6 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 0
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     alignment_bytes: int = 16  # every partition chunk starts on this boundary (GPU vector loads)
-    shm_collectives: bool = True   # CPU ranks of one host: DP collectives via shared memory
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):

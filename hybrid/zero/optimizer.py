@@ -79,8 +79,8 @@ class ZeroOptimizer(ZeroEngine):
         if self.offload is None:   # otherwise _build_buffers made the offload backend
             self.adam = FlatAdamWState(self.layout.chunk_sizes(), self.device)
         self.scaler = build_loss_scaler(config)
-        if config.shm_collectives and self.partitions > 1:   # reduce-scatters write a whole bucket
-            comm.use_shared_memory(state.dp, max(b.numel for b in self.layout.buckets) *
+        if self.partitions > 1:   # reduce-scatters write a whole bucket
+            comm.reserve_transport(state.dp, max(b.numel for b in self.layout.buckets) *
                                    self.flat_param.element_size())
         self.reducer = self.reducer_class(self.params, self.layout, state.dp, dtype=self.dtype,
                                           device=self.device, overlap=config.overlap_communication,

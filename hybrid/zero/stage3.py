@@ -109,8 +109,7 @@ class ParameterPartitioning(ZeroEngine):
         self._backward_open = False
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         largest = max(u.padded for u in self.all_units)
-        if zero_config.shm_collectives:   # a reduce-scatter writes a whole unit into the region
-            comm.use_shared_memory(state.dp, largest * self.dtype.itemsize)
+        comm.reserve_transport(state.dp, largest * self.dtype.itemsize)   # a whole unit per collective
         self._reduce_buffers = _ReduceBuffers(largest, self.dtype,
                                               self.device, comm.needs_reduce_scratch(state.dp))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index

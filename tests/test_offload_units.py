@@ -5,17 +5,15 @@ including what a ZeRO-3 engine tells the planner it keeps resident with its para
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from hybrid.offload import (CPUAdamW, HostOptimizerState, NVMeOptimizerState, OffloadConfig,
-                            add_offload_args, offload_config_from_args, parse_bytes,
-                            plan_block_elems)
 from hybrid.adamw_config import AdamWConfig
+from hybrid.offload import (CPUAdamW, HostOptimizerState, NVMeOptimizerState, OffloadConfig,
+                            parse_bytes, plan_block_elems)
 from hybrid.offload.cpu_adam import Span, split_spans
 from hybrid.zero.adamw import adamw_step
 
@@ -131,17 +129,18 @@ def test_nvme_file_is_owned_by_one_optimizer(tmp_path):
 
 
 def test_cli_flags_build_the_config(tmp_path):
-    parser = argparse.ArgumentParser()
-    add_offload_args(parser)
-    args = parser.parse_args(["--offload-optimizer", "nvme", "--offload-nvme-path", str(tmp_path),
-                              "--host-memory-budget", "4GiB", "--offload-params", "nvme"])
-    cfg = offload_config_from_args(args)
+    from hybrid.training.arguments import parse_args
+
+    def offload_config(*flags):   # the trainer's own flags and config section
+        return parse_args(["--zero-stage", "3", *flags])[0].parallel.offload_config()
+
+    cfg = offload_config("--offload-optimizer", "nvme", "--offload-nvme-path", str(tmp_path),
+                         "--host-memory-budget", "4GiB", "--offload-params", "nvme")
     assert (cfg.mode, cfg.host_memory_budget, cfg.enabled, cfg.params) == ("nvme", 4 * 2**30, True,
                                                                            "nvme")
-    assert not offload_config_from_args(parser.parse_args([])).enabled
+    assert offload_config() is None
     with pytest.raises(ValueError, match="--offload-optimizer nvme"):
-        offload_config_from_args(parser.parse_args(["--offload-optimizer", "cpu",
-                                                    "--offload-params", "nvme"]))
+        offload_config("--offload-optimizer", "cpu", "--offload-params", "nvme")
 
 
 def test_parse_bytes_and_config_errors():

@@ -4,16 +4,14 @@ state in files on NVMe, streamed through fixed-size buffers), under a host-memor
 
 :mod:`.cpu_adam` the host AdamW kernel, :mod:`.host_state` host-memory backend and device transfers,
 :mod:`.nvme` file-backed backend, :mod:`.param_store` stage-3 parameter partitions on NVMe
-(ZeRO-Infinity parameter offload), :mod:`.budget` configuration, CLI flags and buffer sizing.
+(ZeRO-Infinity parameter offload), :mod:`.budget` configuration and buffer sizing.
 """
 
-from hybrid.offload.budget import (OffloadConfig, add_offload_args, build_offload_state,
-                                   offload_config_from_args, parse_bytes, plan_block_elems)
+from hybrid.offload.budget import OffloadConfig, build_offload_state, parse_bytes, plan_block_elems
 from hybrid.offload.cpu_adam import CPUAdamW
 from hybrid.offload.host_state import HostOptimizerState
 from hybrid.offload.nvme import NVMeOptimizerState
 from hybrid.offload.param_store import NVMeParamStore
 
 __all__ = ["CPUAdamW", "HostOptimizerState", "NVMeOptimizerState", "NVMeParamStore",
-           "OffloadConfig", "add_offload_args", "build_offload_state", "offload_config_from_args", "parse_bytes",
-           "plan_block_elems"]
+           "OffloadConfig", "build_offload_state", "parse_bytes", "plan_block_elems"]

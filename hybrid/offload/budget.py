@@ -20,7 +20,6 @@ parameters on NVMe: a peak of 2.6-3.1 GB instead of 1.25 GB).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import re
@@ -87,20 +86,6 @@ class OffloadConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
-
-
-def add_offload_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("optimizer offload (ZeRO-Offload / ZeRO-Infinity)")
-    group.add_argument("--offload-optimizer", choices=MODES, default="none")
-    group.add_argument("--offload-params", choices=("none", "nvme"), default="none",
-                       help="ZeRO-3 parameter partitions on NVMe (needs --offload-optimizer nvme)")
-    group.add_argument("--offload-nvme-path", default=None)
-    group.add_argument("--host-memory-budget", default=None, help="per rank, e.g. 4GiB")
-
-
-def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig:
-    return OffloadConfig(args.offload_optimizer, args.offload_nvme_path, args.host_memory_budget,
-                         params=args.offload_params)
 
 
 def plan_block_elems(config: OffloadConfig, owned_numel: int, resident_bytes: int) -> int:

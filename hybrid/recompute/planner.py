@@ -103,11 +103,6 @@ class CostModel:
     tp_bandwidth: float = 150e9
     host_bandwidth: float = 12e9
 
-    @classmethod
-    def from_cluster(cls, cluster, host_bandwidth: float = 12e9) -> "CostModel":
-        """From a :class:`hybrid.perf.hardware.Cluster` (TP stays inside a node)."""
-        return cls(cluster.peak_flops, cluster.intra_node_ring_bandwidth, host_bandwidth)
-
 
 @dataclass(frozen=True)
 class ModeCost:

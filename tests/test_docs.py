@@ -7,6 +7,8 @@ in the order of ``ORDER`` because later ones use the tiny dataset (docs/data.md)
 machines, a web server, minutes of work) is only checked: every script it names exists, launch scripts
 pass ``bash -n``, and -- for every block -- each ``--flag`` given to a script appears in that script's
 ``--help`` (flags of launch/*.sh and the sbatch script are pretrain_gpt.py's, which they forward).
+A block preceded by ``<!-- slow: reason -->`` runs only in the slow suite (``pytest -m slow
+tests/test_docs.py``, which runs every block); no fast block may depend on what a slow one makes.
 The scalar names documented in docs/tensorboard.md are compared with the tags a real run wrote.
 """
 
@@ -30,6 +32,7 @@ DOCS = REPO / "docs"
 ORDER = ["README.md", "data.md", "quickstart.md", "launching.md", "choosing-parallelism.md",
          "tensorboard.md", "checkpoints.md", "paper.md", "gpu.md", "design.md"]
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
+SLOW = re.compile(r"<!--\s*slow:\s*(.+?)\s*-->")
 FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 # Scripts whose flags pass through to launch/pretrain_gpt.py.
 FORWARDERS = ("launch/local.sh", "launch/multinode.sh", "launch/main_job.sh", "launch/slurm_dgx2.sbatch")
@@ -45,6 +48,7 @@ class Block:
     line: int            # 1-based line of the opening fence
     text: str
     not_run: str | None  # reason from <!-- not-run: ... -->, or None when the block runs
+    slow: bool = False   # <!-- slow: ... -->: runs in the slow suite only
 
     def __str__(self) -> str:
         return f"docs/{self.doc}:{self.line}"
@@ -60,7 +64,7 @@ def bash_blocks(doc: str) -> list[Block]:
             mark = NOT_RUN.search(prev)
             end = lines.index("```", i + 1)
             blocks.append(Block(doc, i + 1, "\n".join(lines[i + 1:end]) + "\n",
-                                mark.group(1) if mark else None))
+                                mark.group(1) if mark else None, bool(SLOW.search(prev))))
             i = end
         i += 1
     return blocks
@@ -166,15 +170,18 @@ def run_block(block: Block, work: Path) -> str:
     return res.stdout
 
 
-def test_guides_run(tmp_path):
-    """Run every runnable block in guide order; check the TensorBoard guide against the real tags."""
-    work = tmp_path / "work"
+def run_guides(work: Path, include_slow: bool) -> dict[Block, str]:
+    """Run the runnable blocks in guide order (the slow ones too when asked); their outputs."""
     work.mkdir()
-    outputs = {}
-    runnable = [b for b in all_blocks() if b.not_run is None]
-    assert len(runnable) >= 15
-    for block in runnable:
-        outputs[block] = run_block(block, work)
+    blocks = [b for b in all_blocks() if b.not_run is None and (include_slow or not b.slow)]
+    return {block: run_block(block, work) for block in blocks}
+
+
+def test_guides_run(tmp_path):
+    """Run every fast block in guide order; check the TensorBoard guide against the real tags."""
+    work = tmp_path / "work"
+    outputs = run_guides(work, include_slow=False)
+    assert len(outputs) >= 15
     logged = set(next(out for b, out in outputs.items() if "EventAccumulator" in b.text).splitlines())
     assert "lm loss" in logged
     doc = documented_scalars()
@@ -184,6 +191,12 @@ def test_guides_run(tmp_path):
     assert (work / "hf" / "model.safetensors").exists() and (work / "paper" / "tables.md").exists()
 
 
+@pytest.mark.slow
+def test_all_guide_blocks_run_slow_ones_included(tmp_path):
+    outputs = run_guides(tmp_path / "work", include_slow=True)
+    assert sum(b.slow for b in outputs) >= 3   # the marks are found
+
+
 if __name__ == "__main__":   # list the blocks and whether they run
     for b in all_blocks():
-        print(b, "not-run: " + b.not_run if b.not_run else "runs")
+        print(b, "not-run: " + b.not_run if b.not_run else "runs (slow suite)" if b.slow else "runs")

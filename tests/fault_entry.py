@@ -97,8 +97,8 @@ def _patch_save(where: str) -> None:
 def _patch_slow_save(seconds: float) -> None:
     write = writer.write_rank_file
 
-    def slow_write(directory, rank, pieces, extra):
-        path = write(directory, rank, pieces, extra)
+    def slow_write(*args, **kwargs):
+        path = write(*args, **kwargs)
         time.sleep(seconds)
         return path
     writer.write_rank_file = slow_write

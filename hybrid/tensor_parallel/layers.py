@@ -12,7 +12,8 @@ slices of dim 0.
 * :class:`VocabParallelEmbedding` - rows of the (padded) vocabulary split across ranks; ids owned by
   another rank look up zeros, and the partial embeddings are summed across TP.
 * :class:`LayerNorm` - replicated; under SP each rank sees a sequence shard, so its weight and bias go
-  through ``f`` and autograd sums their gradients across the TP group.
+  through ``f`` and autograd sums their gradients across the TP group. :class:`RMSNorm` (gain only)
+  likewise.
 
 Every parameter carries ``tensor_model_parallel`` (sharded across TP, whatever the degree),
 ``partition_dim`` (-1 when replicated) and ``sequence_parallel`` (replicated but applied to a
@@ -301,6 +302,36 @@ class LayerNorm(_TPModule):
         if fused is not None:
             return fused(x, weight, bias, (self.hidden,), self.eps)
         return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class RMSNorm(_TPModule):
+    """Root-mean-square norm over the last dim (Zhang & Sennrich 2019, used by Llama): ``x / rms(x)
+    * weight`` with a replicated gain (ones) and no bias, computed in fp32 for 16-bit inputs.
+
+    With ``sequence_parallel`` the gain passes through ``f`` (copy_to_tp) so autograd sums its
+    gradient over the TP group, as for :class:`LayerNorm`.
+    """
+
+    def __init__(self, hidden: int, group: Group, *, eps: float = 1e-5,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(group, sequence_parallel)
+        self.hidden, self.eps = hidden, eps
+        self._new_param("weight", (hidden,), -1, device, dtype, sequence_parallel)
+        if not self.weight.is_meta:
+            self.init_weights(0)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, *, std: float = 0.0, prefix: str = "") -> None:
+        """weight 1 (arguments accepted for a uniform interface; they do not matter)."""
+        self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
+        normed = F.rms_norm(x.float(), (self.hidden,), eps=self.eps).to(x.dtype)   # [..., h]
+        return normed * weight
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

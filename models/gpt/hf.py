@@ -109,7 +109,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None = None,
         "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
         "n_embd": config.hidden_size, "n_layer": config.num_layers,
         "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": config.layernorm_epsilon,
+        "activation_function": "gelu_new", "layer_norm_epsilon": config.norm_epsilon,
         "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout, "initializer_range": config.init_method_std,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
@@ -142,7 +142,7 @@ def gpt_config_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128) ->
                          hidden_dropout=float(cfg.get("resid_pdrop", 0.1)),
                          attention_dropout=float(cfg.get("attn_pdrop", 0.1)),
                          init_method_std=float(cfg.get("initializer_range", 0.02)),
-                         layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)))
+                         norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)))
     except KeyError as missing:
         raise HFConversionError(f"config.json lacks {missing}; it is not a GPT-2 config") from None
     except ConfigError as err:

@@ -27,12 +27,12 @@ DEFAULT_CASES = [(1, True, 1), (1, True, 3), (2, True, 2), (2, False, 3)]
 
 
 class LlamaTask(GPTTask):
-    """GPTTask's data, loss and optimizer on the Llama options (4 heads in 2 query groups)."""
+    """GPTTask's data, loss and optimizer on the Llama options (``heads`` in ``groups`` query groups)."""
 
-    def __init__(self, untied: bool, sequence_parallel: bool = False):
+    def __init__(self, untied: bool, sequence_parallel: bool = False, heads: int = 4, groups: int = 2):
         super().__init__(sequence_parallel)
-        options = {**LLAMA, "num_query_groups": 2, "untie_embeddings_and_output_weights": untied}
-        self.config = GPTConfig(2, 32, 4, vocab_size=101, seq_length=8, ffn_hidden_size=48,
+        options = {**LLAMA, "num_query_groups": groups, "untie_embeddings_and_output_weights": untied}
+        self.config = GPTConfig(2, 32, heads, vocab_size=101, seq_length=8, ffn_hidden_size=48,
                                 **{**NO_DROPOUT, "make_vocab_size_divisible_by": 4}, **options)
 
     def model(self, state, materialize=True):

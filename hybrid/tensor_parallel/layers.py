@@ -309,7 +309,8 @@ class LayerNorm(_TPModule):
 
 class RMSNorm(_TPModule):
     """Root-mean-square norm over the last dim (Zhang & Sennrich 2019, used by Llama): ``x / rms(x)
-    * weight`` with a replicated gain (ones) and no bias, computed in fp32 for 16-bit inputs.
+    * weight`` with a replicated gain (ones) and no bias (torch's kernel accumulates 16-bit inputs
+    in fp32).
 
     With ``sequence_parallel`` the gain passes through ``f`` (copy_to_tp) so autograd sums its
     gradient over the TP group, as for :class:`LayerNorm`.
@@ -330,8 +331,7 @@ class RMSNorm(_TPModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
-        normed = F.rms_norm(x.float(), (self.hidden,), eps=self.eps).to(x.dtype)   # [..., h]
-        return normed * weight
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

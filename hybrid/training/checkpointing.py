@@ -49,13 +49,14 @@ def _layout(state: ParallelState, zero_stage: int) -> dict:
 
 
 def _valid_rows(model: nn.Module) -> dict[str, int]:
-    """Parameters padded along dim 0 and their real rows: the GPT word embedding (vocab padded to a
-    multiple of 128 x TP), so a checkpoint loads at another TP degree."""
+    """Parameters padded along dim 0 and their real rows: the GPT word embedding and an untied
+    output layer (vocab padded to a multiple of 128 x TP), so a checkpoint loads at another TP
+    degree."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "vocab_size"):
         return {}
-    from models.gpt.sharding import WORD_EMBEDDING
-    return {WORD_EMBEDDING: config.vocab_size}
+    from models.gpt.sharding import VOCAB_TABLES
+    return {name: config.vocab_size for name in VOCAB_TABLES}
 
 
 def model_pieces(model: nn.Module, optimizer, state: ParallelState, *, for_save: bool) -> list[Piece]:
@@ -140,14 +141,18 @@ def _check_finite(pieces: list[Piece], iteration: int) -> None:
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-         "max_position_embeddings", "vocab_size")
+         "max_position_embeddings", "vocab_size", "position_embedding_type", "normalization",
+         "swiglu", "num_query_groups", "add_bias_linear", "untie_embeddings_and_output_weights")
 
 
 def check_model_compatible(saved: dict, mine: dict) -> None:
     """The model dims (resolved GPTConfig dicts) must match; parallel layout, batch sizes, precision,
     dropout and recompute may change."""
-    diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k)!r} vs this run {mine.get(k)!r}"
-             for k in _DIMS if saved.get(k) != mine.get(k)]
+    from models.gpt.config import GPTConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}   # older checkpoints
+    diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k, defaults[k])!r} vs this run "
+             f"{mine.get(k, defaults[k])!r}"
+             for k in _DIMS if saved.get(k, defaults[k]) != mine.get(k, defaults[k])]
     if diffs:
         raise CheckpointError("the checkpoint was written by a model with other dims (" +
                               "; ".join(diffs) + "); use the checkpoint's dims (its metadata.json "

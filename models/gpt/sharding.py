@@ -33,7 +33,7 @@ _COLUMN_PARALLEL = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.f
 _ROW_PARALLEL = ("attn.proj.weight", "mlp.fc2.weight")
 WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_LAYER = "output_layer.weight"   # only with untie_embeddings_and_output_weights
-_VOCAB_TABLES = (WORD_EMBEDDING, OUTPUT_LAYER)
+VOCAB_TABLES = (WORD_EMBEDDING, OUTPUT_LAYER)   # rows padded to the TP degree's vocab
 
 
 def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -85,7 +85,7 @@ def canonical_init(config: GPTConfig, name: str, seed: int) -> torch.Tensor:
 
 def partition_dim(name: str) -> int:
     """Dimension along which the TP model splits parameter ``name`` (-1: replicated)."""
-    if name in _VOCAB_TABLES or name.endswith(_COLUMN_PARALLEL):
+    if name in VOCAB_TABLES or name.endswith(_COLUMN_PARALLEL):
         return 0
     if name.endswith(_ROW_PARALLEL):
         return 1
@@ -94,7 +94,7 @@ def partition_dim(name: str) -> int:
 
 def to_tp_layout(config: GPTConfig, name: str, full: torch.Tensor, tp: int) -> torch.Tensor:
     """Canonical full tensor -> the full tensor in the TP model's layout (padded, interleaved)."""
-    if name in _VOCAB_TABLES:
+    if name in VOCAB_TABLES:
         pad = config.padded_vocab_size(tp) - config.vocab_size
         return torch.cat([full, full.new_zeros(pad, full.size(1))])   # [V_padded, h]
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
@@ -111,7 +111,7 @@ def to_tp_layout(config: GPTConfig, name: str, full: torch.Tensor, tp: int) -> t
 
 def from_tp_layout(config: GPTConfig, name: str, full: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_tp_layout` (drops the vocab padding rows)."""
-    if name in _VOCAB_TABLES:
+    if name in VOCAB_TABLES:
         return full[:config.vocab_size]
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
         g, rest = config.query_groups, full.shape[1:]

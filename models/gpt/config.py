@@ -23,6 +23,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from hybrid.perf.architecture import Architecture
+
 
 class ConfigError(ValueError):
     """An invalid model configuration; the message says what to change."""
@@ -250,6 +252,15 @@ class GPTConfig:
         layer = sharded // tp + replicated
         embeddings = self._embedding_parameters(self.padded_vocab_size(tp) // tp)
         return embeddings + self.num_layers * layer + self.norm_parameters
+
+    def perf_architecture(self) -> Architecture:
+        """The options as the perf models (hybrid.perf: parameters, FLOPs, activations) take them."""
+        return Architecture(ffn_hidden=self.ffn_hidden_size,
+                            query_groups=self.num_query_groups if self.group_query_attention else None,
+                            swiglu=self.swiglu, bias=self.add_bias_linear,
+                            rmsnorm=self.normalization == "RMSNorm",
+                            untied=self.untie_embeddings_and_output_weights,
+                            learned_positions=self.position_embedding_type == "learned_absolute")
 
     def replace(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again); derived defaults are recomputed unless

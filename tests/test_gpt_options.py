@@ -143,3 +143,21 @@ def test_old_checkpoint_config_with_layernorm_epsilon_loads():
     config = GPTConfig(2, 64, 4, norm_epsilon=1e-6)
     old = {("layernorm_epsilon" if k == "norm_epsilon" else k): v for k, v in config.to_dict().items()}
     assert GPTConfig.from_dict(old) == config
+
+
+def test_greedy_generation_matches_the_oracle():
+    """hybrid.generation on the Llama-style TP model continues a prompt as greedy decoding with the
+    oracle does (the model's logits feed the sampler unchanged, whatever the options)."""
+    from hybrid.generation import SamplingParams, generate
+    config = options_config(LLAMA)
+    model = GPTModel(config, ParallelState.single_process(), device="meta")
+    model.init_weights(SEED)
+    oracle = ReferenceGPT(config)
+    oracle.init_weights(SEED)
+    prompt = torch.tensor([[5, 17, 99], [42, 0, 250]])
+    ours = generate(model, prompt, 8, SamplingParams(temperature=0.0))
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            tokens = torch.cat([tokens, oracle(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(ours, tokens)

@@ -57,11 +57,22 @@ class Architecture:
 
     def saved_sharded_elements(self, hidden: int, heads: int | None = None) -> float:
         """Per token, in units of h: the 16-bit activations a layer keeps that TP shards, outside the
-        attention scores (24 for GPT-2: q, k 4, v 2, projection input 2, MLP 16). SwiGLU keeps gate
-        and up (4f), silu(gate) (2f) and the product (2f) instead of GELU's input and output (4f)."""
+        attention scores (24 for GPT-2: q, k 4, v 2, projection input 2, MLP 16). GQA shrinks k and
+        v to g d; SwiGLU keeps gate and up (4f), silu(gate) (2f) and the product (2f) instead of
+        GELU's input and output (4f); see :meth:`core_input_copies` for rotary and GQA."""
         kv = self.kv_hidden(hidden, heads) / hidden
         mlp = (8 if self.swiglu else 4) * self.ffn(hidden) / hidden
-        return 2 + 2 * kv + 2 * kv + 2 + mlp
+        return 2 + 2 * kv + 2 * kv + 2 + mlp + self.core_input_copies(hidden, heads)
+
+    def core_input_copies(self, hidden: int, heads: int | None = None) -> float:
+        """Per token, in units of h: q and k the attention core keeps as tensors of their own, beside
+        the fused QKV output that v (a view of it) keeps alive. Rotary embeddings produce new q and
+        k (2 + 2 g d / h); grouped-query attention a new q (its heads are not one strided view of
+        the per-group QKV rows: 2); GPT-2's q and k are views (0)."""
+        kv = self.kv_hidden(hidden, heads) / hidden
+        if not self.learned_positions:
+            return 2 + 2 * kv
+        return 2.0 if self.query_groups is not None else 0.0
 
 
 GPT2 = Architecture()

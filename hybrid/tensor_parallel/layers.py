@@ -307,10 +307,39 @@ class LayerNorm(_TPModule):
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps), in fp32 for 16-bit inputs; saves only x
+    and the fp32 rstd [..., 1] for backward (like LayerNorm's kernel), on every device:
+
+        x_hat = x rstd,   dw = sum_tokens(dy x_hat),   dx = rstd (dy w - x_hat mean(dy w x_hat))"""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(_compute_dtype(x))
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)      # [..., 1] fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        x_hat = x.to(compute) * rstd
+        g = grad.to(compute) * weight.to(compute)                           # d loss / d x_hat
+        grad_x = rstd * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
+        grad_w = (grad.to(compute) * x_hat).reshape(-1, x.size(-1)).sum(dim=0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for 16-bit inputs, the input's own dtype otherwise (fp32, fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 class RMSNorm(_TPModule):
     """Root-mean-square norm over the last dim (Zhang & Sennrich 2019, used by Llama): ``x / rms(x)
-    * weight`` with a replicated gain (ones) and no bias (torch's kernel accumulates 16-bit inputs
-    in fp32).
+    * weight`` with a replicated gain (ones) and no bias, in fp32 for 16-bit inputs; backward keeps
+    the input and one fp32 statistic per token.
 
     With ``sequence_parallel`` the gain passes through ``f`` (copy_to_tp) so autograd sums its
     gradient over the TP group, as for :class:`LayerNorm`.
@@ -331,7 +360,7 @@ class RMSNorm(_TPModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
-        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+        return _RMSNormFunction.apply(x, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

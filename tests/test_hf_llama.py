@@ -92,3 +92,49 @@ def test_transformers_loads_llama_export_with_same_logits(tmp_path, hf_python): 
         ours = model(tokens)[..., :config.vocab_size]
     diff = (theirs - ours).abs().max().item()
     assert diff < 1e-4, f"max |logits diff| = {diff}"
+
+
+MAKE_RANDOM = r"""
+import json, sys, torch, transformers
+from safetensors.torch import save_file
+out_dir, tokens = sys.argv[1], json.loads(sys.argv[2])
+torch.manual_seed(0)
+config = transformers.LlamaConfig(vocab_size=251, hidden_size=64, intermediate_size=96,
+    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16,
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.2,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+model = transformers.LlamaForCausalLM(config).eval()
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.uniform_(0.5, 1.5)   # non-trivial gains
+    logits = model(torch.tensor(tokens)).logits.contiguous()
+model.save_pretrained(out_dir, safe_serialization=True)
+save_file({"logits": logits}, out_dir + "/logits.safetensors")
+"""
+
+
+def _import_tp2(rank, world_size, hf_dir, tokens):
+    from hybrid.topology import Topology
+    from hybrid.tensor_parallel import gather_from_tp
+    state = ParallelState.initialize(Topology(world_size, 2, gpus_per_node=world_size))
+    canonical, config = load_hf_directory(hf_dir, make_vocab_size_divisible_by=1)
+    model = build_model(config, state, canonical)
+    with torch.no_grad():
+        logits = gather_from_tp(model(torch.tensor(tokens)).contiguous(), state.tp)
+    return logits[..., :config.vocab_size].numpy()
+
+
+def test_random_transformers_llama_imports_at_tp2(tmp_path, hf_python):  # noqa: F811
+    from tests.multirank import run_on_ranks
+    tokens = torch.randint(0, 251, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    hf_dir = str(tmp_path / "hf")
+    run = subprocess.run([hf_python, "-c", MAKE_RANDOM, hf_dir, json.dumps(tokens)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = load_file(hf_dir + "/logits.safetensors")["logits"]
+    ours = run_on_ranks(_import_tp2, 2, args=(hf_dir, tokens), timeout=300)
+    for logits in ours:
+        diff = (torch.from_numpy(logits) - theirs).abs().max().item()
+        assert diff < 1e-4, f"max |logits diff| = {diff}"

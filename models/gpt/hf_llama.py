@@ -132,10 +132,13 @@ def gpt_config_from_hf_llama(cfg: dict, *, make_vocab_size_divisible_by: int = 1
         raise HFLlamaError(f"head_dim {cfg['head_dim']} differs from hidden_size / heads = {h // heads}")
     if cfg.get("attention_bias", False) != cfg.get("mlp_bias", False):
         raise HFLlamaError("attention_bias and mlp_bias differ; this model has biases everywhere or nowhere")
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if scaling and kind != "llama3":
-        raise HFLlamaError(f"rope_scaling type {kind!r} is not supported (only llama3)")
+    # transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters holding both
+    scaling = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(scaling.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise HFLlamaError(f"rope scaling type {kind!r} is not supported (only llama3)")
+    scaling = scaling if kind == "llama3" else {}
     groups = cfg.get("num_key_value_heads", heads)
     rope = {}
     if scaling:
@@ -152,7 +155,7 @@ def gpt_config_from_hf_llama(cfg: dict, *, make_vocab_size_divisible_by: int = 1
                      attention_dropout=float(cfg.get("attention_dropout", 0.0)),
                      init_method_std=float(cfg.get("initializer_range", 0.02)),
                      norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-                     position_embedding_type="rope", rotary_base=float(cfg.get("rope_theta", 10000.0)),
+                     position_embedding_type="rope", rotary_base=theta,
                      normalization="RMSNorm", swiglu=True,
                      add_bias_linear=bool(cfg.get("attention_bias", False)),
                      untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),

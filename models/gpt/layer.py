@@ -36,6 +36,7 @@ from hybrid.recompute import checkpoint
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RNGTracker,
                                     RowParallelLinear)
 from models.gpt.config import GPTConfig
+from models.gpt.kv_cache import LayerKVCache
 from models.gpt.rotary import RotaryEmbedding
 
 # SDPA shares key/value heads among query heads itself from torch 2.5 (``enable_gqa``)
@@ -89,7 +90,9 @@ class ParallelAttention(nn.Module):
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.recompute_core = False   # selective recompute (hybrid/recompute): rerun core() in backward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+        """``cache``: keys/values of positions ``0 .. start-1`` (decoding); x holds positions
+        ``start ..``, whose k and v are appended to it."""
         qkv = self.qkv(x)                                                   # [s, b, (a + 2g) d/tp]
         s, b, _ = qkv.shape
         per_group = self.local_heads // self.local_groups                   # query heads per group
@@ -98,15 +101,27 @@ class ParallelAttention(nn.Module):
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]         # [s, b, g/tp, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))               # [b, heads, s, d]
         if self.rotary is not None:
-            q, k = self.rotary(q, k)
-        y = checkpoint(self.core, q, k, v, rng=self.rng) if self.recompute_core else self.core(q, k, v)
+            q, k = self.rotary(q, k, start)
+        if cache is not None:
+            k, v = cache.append(k, v, start)                                # [b, g/tp, start + s, d]
+            y = self.core(q, k, v, start)
+        elif self.recompute_core:
+            y = checkpoint(self.core, q, k, v, rng=self.rng)
+        else:
+            y = self.core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)                          # [s, b, h/tp]
         return self.proj(y)                                                 # [s(/tp), b, h]
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v with attention dropout: q [b, a/tp, s, d], k and v
-        [b, g/tp, s, d] -> [b, a/tp, s, d]; query head j reads key/value head j // (a/g)."""
+        [b, g/tp, start + s, d] -> [b, a/tp, s, d]; query head j reads key/value head j // (a/g).
+        Query i sits at position start + i and sees keys 0 .. start + i (causal)."""
         p = self.p if self.training else 0.0
+        mask = dict(is_causal=True)
+        if start:   # queries after cached keys: one query sees all of them, several a causal band
+            s, total = q.size(2), k.size(2)
+            mask = {} if s == 1 else dict(attn_mask=torch.ones(s, total, dtype=torch.bool,
+                                                               device=q.device).tril(start))
         gqa = {}
         if self.local_groups != self.local_heads:
             if _SDPA_HAS_GQA:
@@ -115,7 +130,7 @@ class ParallelAttention(nn.Module):
                 repeat = self.local_heads // self.local_groups
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         with dropout_stream(self.rng, p > 0, self.tp):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **mask, **gqa)
 
 
 class ParallelMLP(nn.Module):
@@ -156,6 +171,6 @@ class TransformerLayer(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.ln1(x), cache, start))
         return x + self._drop(self.mlp(self.ln2(x)))

@@ -30,6 +30,7 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, RNGTracker, VocabParal
                                     column_parallel_linear, copy_to_tp, set_tp_attributes,
                                     vocab_parallel_cross_entropy)
 from models.gpt.config import GPTConfig
+from models.gpt.kv_cache import KVCache
 from models.gpt.layer import TransformerLayer, build_norm, dropout
 from models.gpt.sharding import canonical_init, gather_canonical, shard_tensor
 
@@ -70,14 +71,15 @@ class GPTEmbedding(nn.Module):
             self.position = PositionEmbedding(config.max_position_embeddings, config.hidden_size,
                                               sequence_parallel, device, dtype)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``start``: position of the first token (after a KV cache's positions)."""
         x = self.word(tokens.t())                                   # [s, b, h] or [s/tp, b, h]
         if self.position is not None:
-            x = self._add_positions(x, tokens.size(1))
+            x = self._add_positions(x, tokens.size(1), start)
         return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.group.size)
 
-    def _add_positions(self, x: torch.Tensor, s: int) -> torch.Tensor:
-        pos = self.position.weight[:s]                              # [s, h]
+    def _add_positions(self, x: torch.Tensor, s: int, start: int) -> torch.Tensor:
+        pos = self.position.weight[start:start + s]                 # [s, h]
         if self.sequence_parallel:
             # replicated weight applied to one sequence shard: f sums its gradient over TP
             pos = copy_to_tp(pos, self.group)
@@ -174,9 +176,22 @@ class GPTModel(nn.Module):
         return [] if self.output_layer is not None else [0]
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def new_kv_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty key/value cache for incremental decoding (models/gpt/kv_cache.py), up to
+        ``max_len`` positions (default: the model's max positions)."""
+        if self.sequence_parallel:
+            raise ValueError("KV-cache decoding runs one token at a time, which sequence parallelism "
+                             "cannot split; build the model with sequence_parallel=False to generate")
+        return KVCache(self.config.num_layers, max_len or self.config.max_position_embeddings)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] int64 -> per-token loss [b, s] (fp32) given labels [b, s], else this rank's
-        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding)."""
+        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding). With
+        ``cache`` (:meth:`new_kv_cache`) the tokens continue the cached positions, and their keys
+        and values are added to it."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         self._check_input(tokens, labels)
         x = self.embedding(tokens)                                  # [s, b, h] ([s/tp, b, h] SP)
         if self.recomputer is not None:
@@ -190,6 +205,17 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.group,
                                             vocab_size=self.config.vocab_size)  # [s, b]
         return loss.t().contiguous()                                # [b, s]
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [b, s, V_p/tp] of tokens at positions ``cache.length ..`` (no recompute, no SP)."""
+        self._check_input(tokens, None)
+        cache.check_room(tokens.size(1))
+        start = cache.length
+        x = self.embedding(tokens, start)                           # [s, b, h]
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer(x, layer_cache, start)
+        cache.advance(tokens.size(1))
+        return self._output_logits(self.final_norm(x)).transpose(0, 1).contiguous()
 
     def _output_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Output layer, column-parallel over the vocab: [s(/tp), b, h] -> [s, b, V_p/tp]."""

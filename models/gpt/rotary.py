@@ -41,14 +41,17 @@ def inverse_frequencies(config: GPTConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies the rotation to queries and keys ``[b, heads, s, d]`` at positions ``0 .. s-1``."""
+    """Applies the rotation to queries and keys ``[b, heads, s, d]`` at positions
+    ``offset .. offset + s - 1`` (offset > 0: new tokens after a KV cache's positions)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = _cos_sin(self.config, q.size(-2), q.device, q.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = _cos_sin(self.config, offset + q.size(-2), q.device, q.dtype)
+        cos, sin = cos[offset:], sin[offset:]                                   # [s, d]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

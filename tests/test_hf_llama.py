@@ -138,3 +138,18 @@ def test_random_transformers_llama_imports_at_tp2(tmp_path, hf_python):  # noqa:
     for logits in ours:
         diff = (torch.from_numpy(logits) - theirs).abs().max().item()
         assert diff < 1e-4, f"max |logits diff| = {diff}"
+
+
+def test_init_from_llama_directory_at_tp1_and_refusal_of_other_architecture(tmp_path):
+    from models.gpt.weights import init_from_pretrained
+    config = options_config(LLAMA_HF)
+    canonical = random_canonical(config, seed=8)
+    save_hf_directory(tmp_path / "hf", config, canonical)
+    model = build_model(config, ParallelState.single_process(), random_canonical(config, seed=9))
+    init_from_pretrained(model, tmp_path / "hf")
+    back = model.canonical_state_dict()
+    assert all(torch.equal(back[k], canonical[k]) for k in canonical)
+    other = config.replace(swiglu=False, ffn_hidden_size=96)
+    gelu_model = build_model(other, ParallelState.single_process(), random_canonical(other))
+    with pytest.raises(ValueError, match="swiglu: True there vs False here"):
+        init_from_pretrained(gelu_model, tmp_path / "hf")

@@ -2,7 +2,6 @@
 untied), dropout 0.1: every mode (selective attention core, full, full with Pa, Pa+cpu) gives the loss
 and gradients of the run without recompute bit for bit, TP 1, and TP 2 with sequence parallelism."""
 
-import pytest
 import torch
 
 from hybrid.parallel_state import ParallelState

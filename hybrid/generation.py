@@ -1,9 +1,10 @@
 """Autoregressive sampling from a tensor-parallel GPT (GPT-2 §2 decoding; Megatron-LM's text
 generation over vocab-parallel logits).
 
-Each step runs the whole context through the model (no KV cache: simple and exact, fine for the
-short generations of a CPU check), takes this rank's vocab slice of the logits at the *last*
-position only, ``[b, V_padded/tp]``, and all-gathers it over the TP group into ``[b, V_padded]``
+With a model that offers a key/value cache (``model.new_kv_cache()``, models/gpt/kv_cache.py) the
+prompt runs once and every further step feeds only the newest token; otherwise (or with
+``use_cache=False``) each step runs the whole context. Either way the step takes this rank's vocab
+slice of the logits at the *last* position only, ``[b, V_padded/tp]``, and all-gathers it over the TP group into ``[b, V_padded]``
 (through :mod:`hybrid.comm`, so the volume is in the ledger); padding columns are dropped. Every TP
 rank then holds bit-identical logits and draws from its own ``torch.Generator`` seeded with the same
 seed, so all ranks pick the same token without a broadcast. A one-process model (TP 1) takes the
@@ -86,18 +87,21 @@ def gather_vocab(local: torch.Tensor, group: Group, vocab_size: int) -> torch.Te
 
 
 @torch.no_grad()
-def last_token_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Full-vocab fp32 logits ``[b, V]`` at the last position of ``tokens [b, s]``."""
-    local = model(tokens)[:, -1, :].float()                                # [b, V_p/tp]
+def last_token_logits(model, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    """Full-vocab fp32 logits ``[b, V]`` at the last position of ``tokens [b, s]`` (which continue
+    ``cache``'s positions when given)."""
+    out = model(tokens) if cache is None else model(tokens, cache=cache)
+    local = out[:, -1, :].float()                                          # [b, V_p/tp]
     return gather_vocab(local, model.group, model.config.vocab_size)
 
 
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingParams = SamplingParams(),
-             *, eod: int | None = None) -> torch.Tensor:
+             *, eod: int | None = None, use_cache: bool = True) -> torch.Tensor:
     """Extend ``prompt [b, s0]`` (int64 ids, same on every TP rank) by up to ``max_new_tokens``;
     returns ``[b, s0 + n]``. A row that produced ``eod`` keeps emitting ``eod``; generation stops
-    when every row has. Contexts longer than the model's positions keep their newest tokens."""
+    when every row has. Contexts longer than the model's positions keep their newest tokens (with a
+    cache: the window's cache is rebuilt from them, so results equal the uncached ones)."""
     if prompt.dim() != 2 or prompt.size(1) == 0:
         raise ValueError(f"prompt must be [batch, seq>0] token ids, got shape {tuple(prompt.shape)}")
     if max_new_tokens < 0:
@@ -109,8 +113,16 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingP
     tokens = prompt.to(device)
     done = torch.zeros(tokens.size(0), dtype=torch.bool, device=device)
     window = model.config.max_position_embeddings
+    cached = use_cache and hasattr(model, "new_kv_cache") and not getattr(model, "sequence_parallel", False)
+    cache = None
     for _ in range(max_new_tokens):
-        logits = last_token_logits(model, tokens[:, -window:])
+        if not cached:
+            logits = last_token_logits(model, tokens[:, -window:])
+        elif cache is None or cache.length == window:   # first step, or the window slides
+            cache = model.new_kv_cache()
+            logits = last_token_logits(model, tokens[:, -window:], cache)
+        else:
+            logits = last_token_logits(model, tokens[:, -1:], cache)
         nxt = sample_next(logits, params, generator)                        # [b]
         if eod is not None:
             nxt = nxt.masked_fill(done, eod)

@@ -1,4 +1,5 @@
-"""Export a GPT checkpoint of any layout to a Hugging Face ``GPT2LMHeadModel`` directory.
+"""Export a GPT checkpoint of any layout to a Hugging Face ``GPT2LMHeadModel`` directory (a
+Llama-style model - rope, RMSNorm, SwiGLU - to a ``LlamaForCausalLM`` one, models/gpt/hf_llama.py).
 
     python tools/export_hf.py --load checkpoints/tiny --out exports/tiny-hf
 

@@ -1,4 +1,4 @@
-"""Import a Hugging Face GPT-2 directory as a canonical safetensors file our tools and models load.
+"""Import a Hugging Face GPT-2 or Llama directory as a canonical safetensors file our tools and models load.
 
     python tools/import_hf.py --hf-dir path/to/gpt2 --out gpt2.safetensors
     python tools/generate.py --load gpt2.safetensors ...      # or --load path/to/gpt2 directly

@@ -5,6 +5,7 @@ tools/paper_tables.py, tools/dry_run.py and the tests:
 
 - :mod:`~hybrid.perf.model_states` - model-state bytes per device per ZeRO stage (Figure 1, Tables 1-2)
 - :mod:`~hybrid.perf.activations`  - activation bytes per layer, ZeRO-R checkpoints (Pa, Pa+cpu), buffers
+- :mod:`~hybrid.perf.architecture` - the model options that change the counts (GQA, SwiGLU, ...)
 - :mod:`~hybrid.perf.flops`        - parameter counts and FLOPs per iteration
 - :mod:`~hybrid.perf.memory`       - the sum of the above for one GPU of a run
 - :mod:`~hybrid.perf.hardware`     - the cluster description (DGX-2 V100 by default)
@@ -14,6 +15,7 @@ tools/paper_tables.py, tools/dry_run.py and the tests:
 from hybrid.perf.activations import (activation_bytes_per_layer, checkpoint_bytes,
                                      constant_buffer_bytes, fused_gradient_buffer_bytes,
                                      logits_bytes, zero_paper_activation_bytes)
+from hybrid.perf.architecture import GPT2, Architecture
 from hybrid.perf.flops import (flops_per_gpu, gpt_param_count, megatron_param_count,
                                model_flops_per_iteration, pad_vocab, recompute_flops_per_iteration)
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
@@ -27,6 +29,7 @@ from hybrid.perf.throughput import (IterationEstimate, ThroughputAssumptions,
                                     sustained_efficiency, tp_ring_bytes_per_microbatch)
 
 __all__ = [
+    "GPT2", "Architecture",
     "activation_bytes_per_layer", "checkpoint_bytes", "constant_buffer_bytes",
     "fused_gradient_buffer_bytes", "logits_bytes", "zero_paper_activation_bytes", "flops_per_gpu",
     "gpt_param_count", "megatron_param_count", "model_flops_per_iteration", "pad_vocab",

@@ -17,17 +17,24 @@ moves the partitions to host memory (about 0 bytes on the device). The paper's o
 12 h b s l elements (§3.2: a 1.5B GPT-2 at seq 1K, batch 32 needs about 60 GB).
 Temporary buffers (§3.2): a baseline run fuses all gradients into one fp32 buffer (4 Ψ / Nm bytes);
 ZeRO-R's CB keeps constant-size buckets instead.
+
+With the options of :class:`~hybrid.perf.architecture.Architecture` the TP-sharded 24 becomes
+``arch.saved_sharded_elements`` (GQA keeps smaller K and V, SwiGLU more MLP activations); the 10
+replicated (norm and block inputs, dropout masks) and the attention scores are unchanged.
 """
 
 from __future__ import annotations
 
 import math
 
+from hybrid.perf.architecture import GPT2, Architecture
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               arch: Architecture = GPT2) -> float:
     """Bytes one layer keeps for backward on one TP rank (selective-recompute paper, Table 2)."""
     _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
     if recompute not in RECOMPUTE_MODES:
@@ -37,9 +44,10 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
     attention = 0.0 if recompute == "selective" else 5 * a * s / h  # softmax, its dropout mask, QK^T
+    sharded = arch.saved_sharded_elements(h, a)                     # 24 for GPT-2
     if sequence_parallel:
-        return sbh / t * (34 + attention)
-    return sbh * (10 + 24 / t + attention / t)
+        return sbh / t * (10 + sharded + attention)
+    return sbh * (10 + sharded / t + attention / t)
 
 
 def checkpoint_bytes(seq: int, micro_batch: int, hidden: int, layers: int, *, mp: int = 1,

@@ -7,11 +7,16 @@ Model FLOPs per iteration:  F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
 With full activation recompute the hardware executes one more forward pass of every layer:
                             F_hw = 96 B s l h² (1 + s/(6h) + V/(16 l h))
 B is the global batch (sequences per iteration), s the sequence length, l layers, h hidden, V vocab.
+With the options of :class:`~hybrid.perf.architecture.Architecture` the 12 h^2 GEMM weights of a
+layer become ``arch.matmul_params`` M (GQA's K/V, SwiGLU's third matrix):
+                            F = 3 (2 B s l M + 4 B s^2 l h + 2 B s h V)   (+ one layer forward: full recompute)
 """
 
 from __future__ import annotations
 
 import math
+
+from hybrid.perf.architecture import GPT2, Architecture
 
 
 def pad_vocab(vocab: int, tp: int = 1, multiple: int = 128) -> int:
@@ -29,36 +34,48 @@ def megatron_param_count(layers: int, hidden: int, vocab: int, seq: int) -> floa
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq) / (12 * l * h))
 
 
-def layer_param_count(hidden: int, ffn_hidden: int | None = None) -> int:
-    """One pre-LN GPT-2 layer: 2 LayerNorms 4h, QKV 3h² + 3h, projection h² + h, MLP 2hf + f + h."""
-    h = hidden
-    f = 4 * h if ffn_hidden is None else ffn_hidden
-    return 4 * h * h + 2 * h * f + 9 * h + f
+def _arch(arch: Architecture, ffn_hidden: int | None) -> Architecture:
+    """``arch`` with an explicit ``ffn_hidden`` taking precedence."""
+    if ffn_hidden is None:
+        return arch
+    return Architecture(**{**arch.__dict__, "ffn_hidden": ffn_hidden})
+
+
+def layer_param_count(hidden: int, ffn_hidden: int | None = None, *, heads: int | None = None,
+                      arch: Architecture = GPT2) -> int:
+    """One pre-norm layer; GPT-2: 2 LayerNorms 4h, QKV 3h² + 3h, projection h² + h, MLP 2hf + f + h
+    (``heads`` is needed with grouped-query attention)."""
+    return sum(_arch(arch, ffn_hidden).layer_split(hidden, heads))
 
 
 def gpt_param_count(layers: int, hidden: int, vocab_padded: int, positions: int, *,
-                    ffn_hidden: int | None = None, tp: int = 1) -> int:
+                    ffn_hidden: int | None = None, tp: int = 1, heads: int | None = None,
+                    arch: Architecture = GPT2) -> int:
     """Exact parameters held by ONE of ``tp`` tensor-parallel ranks (tp=1: the whole model).
 
     Sharded across TP: QKV and MLP-in weights and biases, projection and MLP-out weights, the word
-    embedding (tied with the output layer, counted once). Replicated: LayerNorms, the two row-parallel
-    biases, position embeddings and the final LayerNorm.
+    embedding (tied with the output layer, counted once; an untied output layer as much again).
+    Replicated: norms, the two row-parallel biases, learned position embeddings and the final norm.
     """
-    _positive(layers=layers, hidden=hidden, vocab_padded=vocab_padded, positions=positions, tp=tp)
-    h = hidden
-    f = 4 * h if ffn_hidden is None else ffn_hidden
-    replicated_per_layer = 4 * h + 2 * h               # 2 LayerNorms + 2 row-parallel biases
-    sharded_per_layer = layer_param_count(h, f) - replicated_per_layer
-    for name, value in (("hidden", h), ("ffn hidden", f), ("padded vocab", vocab_padded)):
+    _positive(layers=layers, hidden=hidden, vocab_padded=vocab_padded, tp=tp)
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
+        raise ValueError(f"positions must be a non-negative integer, got {positions!r}")
+    h, arch = hidden, _arch(arch, ffn_hidden)
+    sharded_per_layer, replicated_per_layer = arch.layer_split(h, heads)
+    for name, value in (("hidden", h), ("ffn hidden", arch.ffn(h)), ("padded vocab", vocab_padded)):
         if value % tp:
             raise ValueError(f"{name} {value} is not divisible by TP degree {tp}; pick a TP degree "
                              f"that divides it")
     per_layer = sharded_per_layer // tp + replicated_per_layer
-    return vocab_padded * h // tp + positions * h + layers * per_layer + 2 * h
+    tables = 2 if arch.untied else 1
+    position_params = positions * h if arch.learned_positions else 0
+    return (tables * vocab_padded * h // tp + position_params + layers * per_layer
+            + arch.norm_params(h))
 
 
 def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
-                              full_recompute: bool = False) -> float:
+                              full_recompute: bool = False, heads: int | None = None,
+                              arch: Architecture = GPT2) -> float:
     """FLOPs of one training iteration over ``batch`` sequences (all GPUs together).
 
     ``full_recompute=False``: model FLOPs 72 B s l h² (1 + s/(6h) + V/(12 l h)) - forward + backward
@@ -67,30 +84,41 @@ def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vo
     """
     _positive(batch=batch, seq=seq, layers=layers, hidden=hidden, vocab=vocab)
     b, s, l, h = batch, seq, layers, hidden
+    if arch != GPT2:
+        layer_forward = _layer_forward_flops(b, s, h, heads, arch)
+        return 3 * (l * layer_forward + 2 * b * s * h * vocab) + (l * layer_forward if full_recompute else 0)
     if full_recompute:
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
     return 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
 
 
-def recompute_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, mode: str) -> float:
+def _layer_forward_flops(b: int, s: int, h: int, heads: int | None, arch: Architecture) -> float:
+    """One layer's forward: 2 B s M for the GEMMs + 4 B s^2 h for QK^T and the scores x V."""
+    return 2.0 * b * s * arch.matmul_params(h, heads) + 4.0 * b * s * s * h
+
+
+def recompute_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, mode: str, *,
+                                  heads: int | None = None, arch: Architecture = GPT2) -> float:
     """Extra FLOPs of activation recompute per iteration (Korthikanti et al. 2022, §5):
     "full" reruns every layer's forward, 24 B s l h² (1 + s/(6h)); "selective" reruns only the
     attention core (QK^T and scores x V), 4 B s² h l; "none" adds nothing."""
     _positive(batch=batch, seq=seq, layers=layers, hidden=hidden)
     b, s, l, h = batch, seq, layers, hidden
-    extra = {"none": 0.0, "selective": 4.0 * b * s * s * h * l,
-             "full": 24.0 * b * s * l * h * h * (1 + s / (6 * h))}
+    full = (l * _layer_forward_flops(b, s, h, heads, arch) if arch != GPT2
+            else 24.0 * b * s * l * h * h * (1 + s / (6 * h)))
+    extra = {"none": 0.0, "selective": 4.0 * b * s * s * h * l, "full": full}
     if mode not in extra:
         raise ValueError(f"recompute must be one of {sorted(extra)}, got {mode!r}")
     return extra[mode]
 
 
 def flops_per_gpu(batch: int, seq: int, layers: int, hidden: int, vocab: int, gpus: int, *,
-                  full_recompute: bool = False) -> float:
+                  full_recompute: bool = False, heads: int | None = None,
+                  arch: Architecture = GPT2) -> float:
     """An iteration's FLOPs divided evenly across ``gpus`` (TP splits a replica's work, DP its batch)."""
     _positive(gpus=gpus)
-    return model_flops_per_iteration(batch, seq, layers, hidden, vocab,
-                                     full_recompute=full_recompute) / gpus
+    return model_flops_per_iteration(batch, seq, layers, hidden, vocab, full_recompute=full_recompute,
+                                     heads=heads, arch=arch) / gpus
 
 
 def _positive(**values: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.perf import activations as act
+from hybrid.perf.architecture import GPT2, Architecture
 from hybrid.perf.flops import gpt_param_count, layer_param_count, pad_vocab
 from hybrid.perf.model_states import ModelStateBytes, model_state_bytes
 
@@ -47,32 +48,36 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
                   tp: int, dp: int, stage: int, recompute: str = "full",
                   sequence_parallel: bool = False, partition_activations: bool = False,
                   cpu_offload: bool = False, bucket_elements: int | None = DEFAULT_BUCKET_ELEMENTS,
-                  reserved_bytes: float = DEFAULT_RESERVED_BYTES) -> MemoryEstimate:
+                  reserved_bytes: float = DEFAULT_RESERVED_BYTES,
+                  arch: Architecture = GPT2) -> MemoryEstimate:
     """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
 
     ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
     an integer models ZeRO-R's constant buffers (CB) of that many elements. Stage 3 also holds the
     gathered 16-bit parameters of two layers (the one running and the prefetched next one).
+    ``arch``: the model's options (GQA, SwiGLU, untied output layer, ...); GPT-2 by default.
     """
-    psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp)
+    psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
+                               arch=arch)
     states = model_state_bytes(psi_rank, stage, dp)
     checkpoints, working = _activations(layers, hidden, heads, seq, micro_batch, tp, recompute,
-                                        sequence_parallel, partition_activations, cpu_offload)
+                                        sequence_parallel, partition_activations, cpu_offload, arch)
     logits = act.logits_bytes(seq, micro_batch, pad_vocab(vocab, tp), tp=tp)
     if bucket_elements is None:
         buffers = act.fused_gradient_buffer_bytes(psi_rank)
     else:
         buffers = act.constant_buffer_bytes(bucket_elements)
     if stage == 3:   # the all-gathered 16-bit parameters of the current and the prefetched layer
-        buffers += 2 * 2 * layer_param_count(hidden) / tp
+        buffers += 2 * 2 * layer_param_count(hidden, heads=heads, arch=arch) / tp
     return MemoryEstimate(states, checkpoints, working, logits, buffers, reserved_bytes)
 
 
 def _activations(layers, hidden, heads, seq, micro_batch, tp, recompute, sequence_parallel,
-                 partitioned, cpu_offload) -> tuple[float, float]:
+                 partitioned, cpu_offload, arch) -> tuple[float, float]:
     one_layer = act.activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp=tp,
                                                sequence_parallel=sequence_parallel,
-                                               recompute="none" if recompute == "full" else recompute)
+                                               recompute="none" if recompute == "full" else recompute,
+                                               arch=arch)
     if recompute != "full":
         if partitioned or cpu_offload:
             raise ValueError("Pa / Pa+cpu partition activation checkpoints: they need "

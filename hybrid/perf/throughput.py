@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybrid.perf.architecture import GPT2, Architecture
 from hybrid.perf.flops import (gpt_param_count, model_flops_per_iteration, pad_vocab,
                                recompute_flops_per_iteration)
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
@@ -129,16 +130,18 @@ class IterationEstimate:
 def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_batch: int, tp: int,
                        dp: int, stage: int, grad_accumulation: int = 1, recompute: str = "full",
                        partition_activations: bool = False, cluster: Cluster | None = None,
-                       assumptions: ThroughputAssumptions = ThroughputAssumptions()
-                       ) -> IterationEstimate:
+                       assumptions: ThroughputAssumptions = ThroughputAssumptions(),
+                       heads: int | None = None, arch: Architecture = GPT2) -> IterationEstimate:
     """Time of one iteration of ``grad_accumulation`` micro-batches of ``micro_batch`` sequences per
-    replica on ``tp`` x ``dp`` GPUs (TP fastest, docs/design.md §2)."""
+    replica on ``tp`` x ``dp`` GPUs (TP fastest, docs/design.md §2). ``arch`` (with ``heads`` for
+    GQA) changes the FLOPs and the parameters; the elementwise and TP traffic terms stay GPT-2's."""
     cluster = cluster or dgx2_v100_cluster()
     topo = Topology(tp * dp, tp, cluster.gpus_per_node, allow_tp_across_nodes=True)
     gpus, a = topo.world_size, assumptions
     batch = micro_batch * grad_accumulation * dp
-    model = model_flops_per_iteration(batch, seq, layers, hidden, vocab)
-    hw = model + recompute_flops_per_iteration(batch, seq, layers, hidden, recompute)
+    model = model_flops_per_iteration(batch, seq, layers, hidden, vocab, heads=heads, arch=arch)
+    hw = model + recompute_flops_per_iteration(batch, seq, layers, hidden, recompute, heads=heads,
+                                               arch=arch)
     full_recompute = recompute == "full"
     eff = sustained_efficiency(micro_batch * seq, hidden / tp, a)
     compute = hw / gpus / (cluster.peak_flops * eff)
@@ -157,7 +160,8 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
     tp_comm = grad_accumulation * _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp,
                                                           full_recompute, partition_activations,
                                                           topo.tp_crosses_nodes, cluster, a)
-    psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp)
+    psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
+                               arch=arch)
     dp_total = _dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward

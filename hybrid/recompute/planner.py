@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.perf import activations as act
+from hybrid.perf.architecture import GPT2, Architecture
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.recompute.plan import FULL_MODES, MODES, RecomputePlan
 
@@ -58,6 +59,7 @@ class ModelDims:
     core_copies: int = 0            # extra [s, b, h/t] tensors the attention core keeps beyond the
                                     # paper's count: 2 for torch SDPA's math path (CPU with dropout:
                                     # scaled copies of q and k), 0 for Megatron's core
+    arch: Architecture = GPT2       # the model's options (GQA, SwiGLU, RMSNorm, ...)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "seq", "micro_batch", "tp", "bytes_per_element",
@@ -88,7 +90,7 @@ class ModelDims:
                            + 4 * sbh * bytes_per_element)
         return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                    micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
-                   other_bytes, core_copies)
+                   other_bytes, core_copies, config.perf_architecture())
 
     @property
     def sbh(self) -> int:
@@ -123,11 +125,12 @@ def layer_activation_bytes(d: ModelDims, recompute: str) -> float:
     """Bytes one layer keeps without checkpointing (``recompute`` none | selective), element-size aware."""
     t, sp = d.tp, d.sequence_parallel
     b16 = act.activation_bytes_per_layer(d.seq, d.micro_batch, d.hidden, d.heads, tp=t,
-                                         sequence_parallel=sp, recompute=recompute)
+                                         sequence_parallel=sp, recompute=recompute, arch=d.arch)
     masks = 2 * d.sbh / (t if sp else 1)                 # mask elements (1 byte each in b16)
     if recompute == "none":
         masks += d.heads * d.seq * d.seq * d.micro_batch / t
-    ln_stats = 2 * 2 * 4 * d.seq * d.micro_batch / (t if sp else 1)   # fp32 mean, rstd of 2 LNs
+    stats = 1 if d.arch.rmsnorm else 2                   # fp32 rstd (RMSNorm) or mean and rstd
+    ln_stats = 2 * stats * 4 * d.seq * d.micro_batch / (t if sp else 1)   # of the 2 norms
     copies = d.core_copies * d.sbh / t * d.bytes_per_element if recompute == "none" else 0.0
     return (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats + copies
 
@@ -137,8 +140,10 @@ def mode_costs(d: ModelDims, cost: CostModel = CostModel()) -> dict[str, ModeCos
     t, e = d.tp, d.bytes_per_element
     full_act = layer_activation_bytes(d, "none")
     sel_act = layer_activation_bytes(d, "selective")
-    layer_flops = (model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, full_recompute=True)
-                   - model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1)) / t
+    flops = dict(heads=d.heads, arch=d.arch)
+    layer_flops = (model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, full_recompute=True,
+                                             **flops)
+                   - model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, **flops)) / t
     core_flops = 4 * d.micro_batch * d.seq * d.seq * d.hidden / t
 
     def ckpt(partitioned: bool, offload: bool) -> float:

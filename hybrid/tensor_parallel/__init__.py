@@ -5,15 +5,16 @@ embedding and cross-entropy, TP-independent initialisation and the TP random-num
 from hybrid.tensor_parallel.async_linear import column_parallel_linear
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.tensor_parallel.init import full_init, shard
-from hybrid.tensor_parallel.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear,
-                                           VocabParallelEmbedding, set_tp_attributes)
+from hybrid.tensor_parallel.layers import (ColumnParallelLinear, LayerNorm, RMSNorm,
+                                           RowParallelLinear, VocabParallelEmbedding,
+                                           set_tp_attributes)
 from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                              reduce_from_tp, reduce_scatter_to_sequence,
                                              scatter_to_sequence, scatter_to_tp)
 from hybrid.tensor_parallel.random import RNGStates, RNGTracker
 
 __all__ = [
-    "ColumnParallelLinear", "LayerNorm", "RNGStates", "RNGTracker", "RowParallelLinear",
+    "ColumnParallelLinear", "LayerNorm", "RMSNorm", "RNGStates", "RNGTracker", "RowParallelLinear",
     "VocabParallelEmbedding", "column_parallel_linear", "copy_to_tp", "full_init",
     "gather_from_sequence", "gather_from_tp",
     "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp",

@@ -12,7 +12,8 @@ slices of dim 0.
 * :class:`VocabParallelEmbedding` - rows of the (padded) vocabulary split across ranks; ids owned by
   another rank look up zeros, and the partial embeddings are summed across TP.
 * :class:`LayerNorm` - replicated; under SP each rank sees a sequence shard, so its weight and bias go
-  through ``f`` and autograd sums their gradients across the TP group.
+  through ``f`` and autograd sums their gradients across the TP group. :class:`RMSNorm` (gain only)
+  likewise.
 
 Every parameter carries ``tensor_model_parallel`` (sharded across TP, whatever the degree),
 ``partition_dim`` (-1 when replicated) and ``sequence_parallel`` (replicated but applied to a
@@ -301,6 +302,65 @@ class LayerNorm(_TPModule):
         if fused is not None:
             return fused(x, weight, bias, (self.hidden,), self.eps)
         return F.layer_norm(x, (self.hidden,), weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps), in fp32 for 16-bit inputs; saves only x
+    and the fp32 rstd [..., 1] for backward (like LayerNorm's kernel), on every device:
+
+        x_hat = x rstd,   dw = sum_tokens(dy x_hat),   dx = rstd (dy w - x_hat mean(dy w x_hat))"""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(_compute_dtype(x))
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)      # [..., 1] fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        x_hat = x.to(compute) * rstd
+        g = grad.to(compute) * weight.to(compute)                           # d loss / d x_hat
+        grad_x = rstd * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
+        grad_w = (grad.to(compute) * x_hat).reshape(-1, x.size(-1)).sum(dim=0)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for 16-bit inputs, the input's own dtype otherwise (fp32, fp64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class RMSNorm(_TPModule):
+    """Root-mean-square norm over the last dim (Zhang & Sennrich 2019, used by Llama): ``x / rms(x)
+    * weight`` with a replicated gain (ones) and no bias, in fp32 for 16-bit inputs; backward keeps
+    the input and one fp32 statistic per token.
+
+    With ``sequence_parallel`` the gain passes through ``f`` (copy_to_tp) so autograd sums its
+    gradient over the TP group, as for :class:`LayerNorm`.
+    """
+
+    def __init__(self, hidden: int, group: Group, *, eps: float = 1e-5,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(group, sequence_parallel)
+        self.hidden, self.eps = hidden, eps
+        self._new_param("weight", (hidden,), -1, device, dtype, sequence_parallel)
+        if not self.weight.is_meta:
+            self.init_weights(0)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, *, std: float = 0.0, prefix: str = "") -> None:
+        """weight 1 (arguments accepted for a uniform interface; they do not matter)."""
+        self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp(self.weight, self.group) if self.sequence_parallel else self.weight
+        return _RMSNormFunction.apply(x, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

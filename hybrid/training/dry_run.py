@@ -45,8 +45,9 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     dp = state.dp_size
     comm_bytes = dp_communication_elements(float(psi_rank), p.zero_stage) * (dp - 1) / dp * param_bytes
     global_batch = cfg.global_batch(world)
+    arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...
     flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
-                                      gcfg.padded_vocab_size(state.tp_size))
+                                      gcfg.padded_vocab_size(state.tp_size), **arch)
     mode = cfg.training.recompute
     if mode == "auto":   # the planner's per-layer plan, estimated for a GPU rank
         mode = _auto_plan_mode(cfg, gcfg, state)
@@ -58,7 +59,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                              sequence_parallel=p.sequence_parallel,
                              partition_activations=mode.startswith("full-pa"),
                              cpu_offload=mode == "full-pa-cpu",
-                             bucket_elements=p.zero_bucket_size if p.zero_stage else None)
+                             bucket_elements=p.zero_bucket_size if p.zero_stage else None,
+                             arch=arch["arch"])
     return {"topology": topology.describe(), "rank": rank, "tp_rank": state.tp_rank,
             "dp_rank": state.dp_rank, "tp_group": state.tp.ranks, "dp_group": state.dp.ranks,
             "tp_crosses_nodes": topology.tp_crosses_nodes,

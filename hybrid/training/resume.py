@@ -29,6 +29,7 @@ from hybrid.checkpoint.loader import CheckpointReader
 from hybrid.checkpoint.state import CheckpointState, load_state, save_state
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel.random import RNGStates
+from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 
 log = logging.getLogger(__name__)
@@ -85,14 +86,17 @@ def save(path: str | Path, train_state: TrainState, model: GPTModel, optimizer: 
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-         "max_position_embeddings", "vocab_size")
+         "max_position_embeddings", "vocab_size", "position_embedding_type", "normalization",
+         "swiglu", "num_query_groups", "add_bias_linear", "untie_embeddings_and_output_weights")
 
 
 def check_model_compatible(saved: dict, mine: dict) -> None:
     """The model dims (resolved GPTConfig dicts) must match; parallel layout, batch sizes, precision,
     dropout and recompute may change."""
-    diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k)!r} vs this run {mine.get(k)!r}"
-             for k in _DIMS if saved.get(k) != mine.get(k)]
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}   # older checkpoints
+    diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k, defaults[k])!r} vs this run "
+             f"{mine.get(k, defaults[k])!r}"
+             for k in _DIMS if saved.get(k, defaults[k]) != mine.get(k, defaults[k])]
     if diffs:
         raise CheckpointError("the checkpoint was written by a model with other dims (" +
                               "; ".join(diffs) + "); use the checkpoint's dims (its metadata.json "

@@ -1,5 +1,6 @@
-"""GPT-2 model for the hybrid framework: config and presets, the tensor-parallel model and the
-single-device reference used as the numerical oracle (ZeRO paper §10, Megatron-LM §3)."""
+"""GPT model for the hybrid framework - GPT-2, and the Llama family through GPTConfig's options: config
+and presets, the tensor-parallel model and the single-device reference used as the numerical oracle
+(ZeRO paper §10, Megatron-LM §3)."""
 
 from models.gpt.config import ConfigError, GPTConfig
 from models.gpt.model import GPTModel

@@ -1,4 +1,6 @@
-"""GPT model configuration (GPT-2 architecture as used by Megatron-LM and the ZeRO paper, §10 Table 5).
+"""GPT model configuration: GPT-2 (as used by Megatron-LM and the ZeRO paper, §10 Table 5) and the
+Llama-family options of Megatron-LM's GPT model (rotary positions, RMSNorm, SwiGLU, grouped-query
+attention, no linear biases, an untied output layer).
 
 A :class:`GPTConfig` holds the model dimensions only (no parallel degrees, no batch sizes) and checks
 itself on construction, with messages that say what to change (docs/design.md §9). Whether it
@@ -9,6 +11,10 @@ Parameter count of a dense GPT-2 layer (pre-LayerNorm, 4h MLP, biases everywhere
     2 LayerNorms 4h + fused QKV 3h^2 + 3h + projection h^2 + h + MLP 8h^2 + 5h  =  12h^2 + 13h,
 plus word embeddings V_padded * h, position embeddings P * h and the final LayerNorm 2h, which is
 the paper's  Psi ~ 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h))  (docs/design.md §Paper, FLOPs).
+With the options: QKV is h (h + 2 g d) for g query groups of head size d; SwiGLU's MLP has three
+f x h matrices (gate, up, down); RMSNorm has a gain only (h); rotary positions have no parameters;
+an untied output layer adds V_padded * h. Field names follow Megatron-LM's arguments, so each is the
+flag of the same name (``add_bias_linear=False`` is ``--disable-bias-linear``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+
+from hybrid.perf.architecture import Architecture
 
 
 class ConfigError(ValueError):
@@ -35,16 +43,38 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
+    norm_epsilon: float = 1e-5
+    # ---- Llama-family options (Megatron-LM's names) ----
+    position_embedding_type: str = "learned_absolute"   # or "rope"
+    rotary_base: float = 10000.0
+    use_rope_scaling: bool = False             # Llama-3.1 frequency scaling of the rotary embedding
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    normalization: str = "LayerNorm"           # or "RMSNorm"
+    swiglu: bool = False
+    group_query_attention: bool = False
+    num_query_groups: int | None = None        # with group_query_attention; 1 = multi-query
+    add_bias_linear: bool = True               # False = --disable-bias-linear
+    untie_embeddings_and_output_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
         if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+            object.__setattr__(self, "ffn_hidden_size", self._default_ffn_hidden_size())
         self._check_positive()
         self._check_shapes()
         self._check_numbers()
+        self._check_options()
+
+    def _default_ffn_hidden_size(self) -> int:
+        """4h; with SwiGLU 2/3 of that rounded down to a multiple of 64 (Megatron's rule: three
+        matrices of about the parameters of the two 4h ones)."""
+        if self.swiglu:
+            return max(64, int(4 * self.hidden_size * 2 / 3) // 64 * 64)
+        return 4 * self.hidden_size
 
     # ---- validation ------------------------------------------------------------------------
     def _check_positive(self) -> None:
@@ -75,8 +105,63 @@ class GPTConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {p}")
         if not self.init_method_std > 0:
             raise ConfigError(f"init_method_std must be positive, got {self.init_method_std}")
-        if not self.layernorm_epsilon > 0:
-            raise ConfigError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}")
+        if not self.norm_epsilon > 0:
+            raise ConfigError(f"norm_epsilon must be positive, got {self.norm_epsilon}; set "
+                              f"--norm-epsilon (e.g. 1e-5)")
+
+    def _check_options(self) -> None:
+        _check_choice("position_embedding_type", self.position_embedding_type,
+                      ("learned_absolute", "rope"))
+        _check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        for name in ("use_rope_scaling", "swiglu", "group_query_attention", "add_bias_linear",
+                     "untie_embeddings_and_output_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self._check_rotary()
+        self._check_query_groups()
+
+    def _check_rotary(self) -> None:
+        if self.position_embedding_type == "rope":
+            if self.head_dim % 2:
+                raise ConfigError(
+                    f"rotary embeddings rotate pairs of channels, but the head size "
+                    f"{self.head_dim} (hidden {self.hidden_size} / {self.num_attention_heads} heads) "
+                    f"is odd; choose an even head size")
+            if not self.rotary_base > 1:
+                raise ConfigError(f"rotary_base must be greater than 1, got {self.rotary_base}; "
+                                  f"set --rotary-base (10000 for Llama-2, 500000 for Llama-3)")
+        elif self.use_rope_scaling:
+            raise ConfigError("rope scaling applies to rotary embeddings only; add "
+                              "--position-embedding-type rope or drop --use-rope-scaling")
+        if not self.use_rope_scaling:
+            return
+        if not self.rope_scaling_factor >= 1:
+            raise ConfigError(f"rope_scaling_factor must be at least 1, got {self.rope_scaling_factor}")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(
+                f"rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor} (Llama-3: 1 and 4)")
+        original = self.rope_original_max_position_embeddings
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ConfigError(f"rope_original_max_position_embeddings must be a positive integer, "
+                              f"got {original!r} (Llama-3: 8192)")
+
+    def _check_query_groups(self) -> None:
+        a, g = self.num_attention_heads, self.num_query_groups
+        if not self.group_query_attention:
+            if g is not None:
+                raise ConfigError(f"num_query_groups={g} needs grouped-query attention; add "
+                                  f"--group-query-attention or drop --num-query-groups")
+            return
+        if g is None:
+            raise ConfigError("grouped-query attention needs --num-query-groups (1 = multi-query "
+                              f"attention, {a} = every head its own keys and values)")
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ConfigError(f"num_query_groups must be a positive integer, got {g!r}")
+        if a % g:
+            raise ConfigError(
+                f"{a} attention heads cannot be shared evenly by {g} query groups; use a number "
+                f"of query groups that divides {a} (e.g. {_nearest_divisor(a, g)})")
 
     def validate_for_tp(self, tp: int) -> None:
         """Raise :class:`ConfigError` unless the model can be split across ``tp`` ranks
@@ -88,6 +173,12 @@ class GPTConfig:
             raise ConfigError(
                 f"{a} attention heads cannot be split across tensor-model-parallel size {tp}; use a "
                 f"TP degree that divides {a} (e.g. {_nearest_divisor(a, tp)}) or a multiple of {tp} heads")
+        g = self.query_groups
+        if g % tp:
+            raise ConfigError(
+                f"{g} query groups cannot be split across tensor-model-parallel size {tp} (each rank "
+                f"holds whole groups of keys and values); use a TP degree that divides {g} (e.g. "
+                f"{_nearest_divisor(g, tp)}) or set --num-query-groups to a multiple of {tp}")
         if h % tp:
             raise ConfigError(
                 f"hidden size {h} is not divisible by tensor-model-parallel size {tp}; use a TP degree "
@@ -108,34 +199,75 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups`` with grouped-query attention, else one per head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused QKV projection: h queries + 2 g d keys and values."""
+        return self.hidden_size + 2 * self.query_groups * self.head_dim
+
+    @property
+    def norm_parameters(self) -> int:
+        """One norm's parameters: LayerNorm gain and bias 2h, RMSNorm gain h."""
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
+
+    def _layer_split(self) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of one layer: the QKV / MLP-in / MLP-out /
+        projection matrices and the column-parallel biases are sharded; the two norms and the two
+        row-parallel biases are replicated."""
+        h, f, bias = self.hidden_size, self.ffn_hidden_size, self.add_bias_linear
+        mlp_in = 2 * f if self.swiglu else f          # SwiGLU: gate and up
+        sharded = h * self.qkv_size + h * h + h * mlp_in + f * h
+        if bias:
+            sharded += self.qkv_size + mlp_in
+        replicated = 2 * self.norm_parameters + (2 * h if bias else 0)
+        return sharded, replicated
+
     def layer_parameters(self) -> int:
-        """Parameters of one transformer layer: 4h^2 + 2hf + 9h + f (= 12h^2 + 13h at f = 4h)."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        return 4 * h * h + 2 * h * f + 9 * h + f
+        """Parameters of one transformer layer (4h^2 + 2hf + 9h + f = 12h^2 + 13h for GPT-2)."""
+        return sum(self._layer_split())
+
+    def _embedding_parameters(self, vocab_rows: int) -> int:
+        """Word embedding (+ untied output layer) of ``vocab_rows`` rows and learned positions."""
+        h = self.hidden_size
+        tables = 2 if self.untie_embeddings_and_output_weights else 1
+        positions = self.max_position_embeddings if self.position_embedding_type == "learned_absolute" else 0
+        return tables * vocab_rows * h + positions * h
 
     def num_parameters(self, tp: int = 1) -> int:
-        """Exact parameter count of the whole model with the vocab padded for ``tp`` (tied output
+        """Exact parameter count of the whole model with the vocab padded for ``tp`` (a tied output
         layer counted once)."""
-        h = self.hidden_size
-        embeddings = (self.padded_vocab_size(tp) + self.max_position_embeddings) * h
-        return embeddings + self.num_layers * self.layer_parameters() + 2 * h
+        return (self._embedding_parameters(self.padded_vocab_size(tp))
+                + self.num_layers * self.layer_parameters() + self.norm_parameters)
 
     def num_parameters_per_rank(self, tp: int = 1) -> int:
         """Exact parameter count held by one of ``tp`` tensor-parallel ranks: the sharded matrices,
-        QKV/MLP-in biases and word embedding divided by ``tp``; LayerNorms, row-parallel biases
-        and position embeddings replicated."""
+        column-parallel biases and vocab tables divided by ``tp``; norms, row-parallel biases and
+        position embeddings replicated."""
         self.validate_for_tp(tp)
-        h, f = self.hidden_size, self.ffn_hidden_size
-        sharded = self.layer_parameters() - 4 * h - 2 * h   # minus 2 LayerNorms and 2 row biases
-        layer = sharded // tp + 6 * h
-        embeddings = self.padded_vocab_size(tp) * h // tp + self.max_position_embeddings * h
-        return embeddings + self.num_layers * layer + 2 * h
+        sharded, replicated = self._layer_split()
+        layer = sharded // tp + replicated
+        embeddings = self._embedding_parameters(self.padded_vocab_size(tp) // tp)
+        return embeddings + self.num_layers * layer + self.norm_parameters
+
+    def perf_architecture(self) -> Architecture:
+        """The options as the perf models (hybrid.perf: parameters, FLOPs, activations) take them."""
+        return Architecture(ffn_hidden=self.ffn_hidden_size,
+                            query_groups=self.num_query_groups if self.group_query_attention else None,
+                            swiglu=self.swiglu, bias=self.add_bias_linear,
+                            rmsnorm=self.normalization == "RMSNorm",
+                            untied=self.untie_embeddings_and_output_weights,
+                            learned_positions=self.position_embedding_type == "learned_absolute")
 
     def replace(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again); derived defaults are recomputed unless
         given explicitly."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if "hidden_size" in changes and self.ffn_hidden_size == 4 * self.hidden_size:
+        if ({"hidden_size", "swiglu"} & set(changes)
+                and self.ffn_hidden_size == self._default_ffn_hidden_size()):
             fields["ffn_hidden_size"] = None
         if "seq_length" in changes and self.max_position_embeddings == self.seq_length:
             fields["max_position_embeddings"] = None
@@ -148,11 +280,19 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
+        if "layernorm_epsilon" in d and "norm_epsilon" not in d:   # checkpoints before the rename
+            d = {("norm_epsilon" if k == "layernorm_epsilon" else k): v for k, v in d.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"unknown GPT config fields {unknown}; known fields are {sorted(known)}")
         return cls(**d)
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        flag = "--" + name.replace("_", "-")
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}; set {flag}")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

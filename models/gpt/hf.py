@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.gpt.config import ConfigError, GPTConfig
+from models.gpt import hf_llama
 from models.gpt.sharding import canonical_shapes
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def hf_name(name: str) -> str:
 
 def to_hf_state_dict(config: GPTConfig, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Canonical state dict -> HF tensors (contiguous, Conv1D weights transposed, lm_head left tied)."""
+    _check_gpt2(config)
     _check_names(config, canonical)
     out = {}
     for name, t in canonical.items():
@@ -109,7 +111,7 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None = None,
         "vocab_size": config.vocab_size, "n_positions": config.max_position_embeddings,
         "n_embd": config.hidden_size, "n_layer": config.num_layers,
         "n_head": config.num_attention_heads, "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu_new", "layer_norm_epsilon": config.layernorm_epsilon,
+        "activation_function": "gelu_new", "layer_norm_epsilon": config.norm_epsilon,
         "resid_pdrop": config.hidden_dropout, "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout, "initializer_range": config.init_method_std,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
@@ -142,7 +144,7 @@ def gpt_config_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128) ->
                          hidden_dropout=float(cfg.get("resid_pdrop", 0.1)),
                          attention_dropout=float(cfg.get("attn_pdrop", 0.1)),
                          init_method_std=float(cfg.get("initializer_range", 0.02)),
-                         layernorm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)))
+                         norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)))
     except KeyError as missing:
         raise HFConversionError(f"config.json lacks {missing}; it is not a GPT-2 config") from None
     except ConfigError as err:
@@ -162,9 +164,14 @@ def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[st
     bos = eos = None
     if tokenizer_model is not None:
         bos, eos = write_tokenizer_files(tmp, tokenizer_model)
-    tensors = {k: v.to(dtype) for k, v in to_hf_state_dict(config, canonical).items()}
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    meta = hf_config(config, bos_token_id=bos, eos_token_id=eos)
+    llama = hf_llama.is_llama(config)
+    _check_names(config, canonical)
+    tensors = (hf_llama.to_hf_llama_state_dict(config, canonical) if llama
+               else to_hf_state_dict(config, canonical))
+    save_file({k: v.to(dtype) for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    meta = (hf_llama.hf_llama_config if llama else hf_config)(config, bos_token_id=bos,
+                                                              eos_token_id=eos)
     meta["torch_dtype"] = meta["dtype"] = str(dtype).removeprefix("torch.")  # transformers 4 / 5 key
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(
@@ -172,7 +179,7 @@ def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[st
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    log.info("wrote Hugging Face GPT-2 directory %s", out)
+    log.info("wrote Hugging Face %s directory %s", "Llama" if llama else "GPT-2", out)
     return out
 
 
@@ -207,14 +214,30 @@ def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 1
         raise HFConversionError(f"{path} is not a Hugging Face model directory with {CONFIG_FILE} and "
                                 f"{WEIGHTS_FILE} (for .bin checkpoints: re-save them with "
                                 f"save_pretrained(safe_serialization=True))")
-    config = gpt_config_from_hf(json.loads((path / CONFIG_FILE).read_text()),
-                                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    llama = meta.get("model_type") == "llama"
+    config = (hf_llama.gpt_config_from_hf_llama if llama else gpt_config_from_hf)(
+        meta, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     if (path / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:
         files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
     hf = {k: v.float() for f in files for k, v in load_file(str(path / f)).items()}
+    if llama:
+        return hf_llama.from_hf_llama_state_dict(config, hf), config
     return from_hf_state_dict(config, hf), config
+
+
+def _check_gpt2(config: GPTConfig) -> None:
+    """A GPT2LMHeadModel computes learned positions, LayerNorm, GELU, biases, tied output only."""
+    if (config.position_embedding_type, config.normalization, config.swiglu,
+            config.group_query_attention, config.add_bias_linear,
+            config.untie_embeddings_and_output_weights) != ("learned_absolute", "LayerNorm", False,
+                                                            False, True, False):
+        raise HFConversionError(
+            "this model uses options a GPT2LMHeadModel does not compute (rope / RMSNorm / SwiGLU / "
+            "GQA / no biases / untied output); Llama-style models (rope, RMSNorm, SwiGLU) export "
+            "as LlamaForCausalLM")
 
 
 def _check_names(config: GPTConfig, canonical: dict[str, torch.Tensor]) -> None:

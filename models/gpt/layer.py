@@ -1,5 +1,5 @@
-"""The tensor-parallel GPT-2 transformer layer (Megatron-LM §3, Fig. 3; sequence parallelism:
-Korthikanti et al. 2022 §4.2.2).
+"""The tensor-parallel GPT transformer layer (Megatron-LM §3, Fig. 3; sequence parallelism:
+Korthikanti et al. 2022 §4.2.2), GPT-2 by default, Llama-style with the config's options.
 
 Layout is Megatron's ``[s, b, h]``. Attention splits its heads across the TP ranks: the fused QKV
 projection is column-parallel (each rank computes whole heads), the output projection row-parallel
@@ -7,6 +7,15 @@ projection is column-parallel (each rank computes whole heads), the output proje
 all-reduce). With sequence parallelism the LayerNorms, dropouts and residual adds run on sequence
 shards ``[s/tp, b, h]``; each all-reduce becomes an all-gather in front of the column-parallel linear
 and a reduce-scatter after the row-parallel one.
+
+Options (:class:`~models.gpt.config.GPTConfig`): RMSNorm instead of LayerNorm; rotary positions applied
+to q and k after the QKV projection (whole sequence even under SP, see models/gpt/rotary.py);
+grouped-query attention, where the QKV rows are ordered per query group ``[q of the group's heads,
+k, v]`` so a contiguous row slice gives each TP rank whole groups, and SDPA shares each group's keys
+and values among its heads; SwiGLU, whose gate and up projections are ONE column-parallel linear with
+their rows interleaved (gate row i, up row i, ...) so every rank's slice holds the matching halves
+``gate_r`` and ``up_r`` whatever the TP degree, and the input is all-gathered once under SP; no
+linear biases.
 
 Dropout (Megatron's RNG rule): attention-probability dropout sees different heads on different TP
 ranks, so it draws from the TP-region stream (``rng.fork()``); hidden dropout on replicated
@@ -24,8 +33,21 @@ import torch.nn.functional as F
 
 from hybrid.comm import Group
 from hybrid.recompute import checkpoint
-from hybrid.tensor_parallel import ColumnParallelLinear, LayerNorm, RNGTracker, RowParallelLinear
+from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RNGTracker,
+                                    RowParallelLinear)
 from models.gpt.config import GPTConfig
+from models.gpt.kv_cache import LayerKVCache
+from models.gpt.rotary import RotaryEmbedding
+
+# SDPA shares key/value heads among query heads itself from torch 2.5 (``enable_gqa``)
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def build_norm(config: GPTConfig, group: Group, sequence_parallel: bool, device, dtype) -> nn.Module:
+    """The config's normalization over h (LayerNorm or RMSNorm), replicated across TP."""
+    kind = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+    return kind(config.hidden_size, group, eps=config.norm_epsilon,
+                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, rng: RNGTracker | None, tp_region: bool,
@@ -51,60 +73,97 @@ def dropout_stream(rng: RNGTracker | None, tp_region: bool, tp_size: int):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention with ``heads / tp`` heads on this rank."""
+    """Causal self-attention with ``heads / tp`` query heads and ``groups / tp`` key/value heads on
+    this rank (groups = heads without grouped-query attention)."""
 
     def __init__(self, config: GPTConfig, group: Group, sequence_parallel: bool, rng, device, dtype):
         super().__init__()
         h, tp = config.hidden_size, group.size
         self.local_heads, self.head_dim = config.num_attention_heads // tp, config.head_dim
+        self.local_groups = config.query_groups // tp
         self.p, self.rng, self.tp = config.attention_dropout, rng, tp
-        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        # QKV rows interleaved per head ([q k v] of head 0, of head 1, ...), see sharding.py
-        self.qkv = ColumnParallelLinear(h, 3 * h, group, **kw)
+        kw = dict(bias=config.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+                  dtype=dtype)
+        # QKV rows per query group ([q of its heads, k, v] of group 0, of group 1, ...), see sharding.py
+        self.qkv = ColumnParallelLinear(h, config.qkv_size, group, **kw)
         self.proj = RowParallelLinear(h, h, group, **kw)
+        self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.recompute_core = False   # selective recompute (hybrid/recompute): rerun core() in backward
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                                   # [s, b, 3h/tp]
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+        """``cache``: keys/values of positions ``0 .. start-1`` (decoding); x holds positions
+        ``start ..``, whose k and v are appended to it."""
+        qkv = self.qkv(x)                                                   # [s, b, (a + 2g) d/tp]
         s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(dim=3)  # [s, b, a/tp, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))               # [b, a/tp, s, d]
-        y = checkpoint(self.core, q, k, v, rng=self.rng) if self.recompute_core else self.core(q, k, v)
+        per_group = self.local_heads // self.local_groups                   # query heads per group
+        qkv = qkv.view(s, b, self.local_groups, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.local_heads, self.head_dim)  # [s, b, a/tp, d]
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]         # [s, b, g/tp, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))               # [b, heads, s, d]
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, start)
+        if cache is not None:
+            k, v = cache.append(k, v, start)                                # [b, g/tp, start + s, d]
+            y = self.core(q, k, v, start)
+        elif self.recompute_core:
+            y = checkpoint(self.core, q, k, v, rng=self.rng)
+        else:
+            y = self.core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)                          # [s, b, h/tp]
         return self.proj(y)                                                 # [s(/tp), b, h]
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with attention dropout: [b, a/tp, s, d] -> [b, a/tp, s, d]."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with attention dropout: q [b, a/tp, s, d], k and v
+        [b, g/tp, start + s, d] -> [b, a/tp, s, d]; query head j reads key/value head j // (a/g).
+        Query i sits at position start + i and sees keys 0 .. start + i (causal)."""
         p = self.p if self.training else 0.0
+        mask = dict(is_causal=True)
+        if start:   # queries after cached keys: one query sees all of them, several a causal band
+            s, total = q.size(2), k.size(2)
+            mask = {} if s == 1 else dict(attn_mask=torch.ones(s, total, dtype=torch.bool,
+                                                               device=q.device).tril(start))
+        gqa = {}
+        if self.local_groups != self.local_heads:
+            if _SDPA_HAS_GQA:
+                gqa = dict(enable_gqa=True)
+            else:
+                repeat = self.local_heads // self.local_groups
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         with dropout_stream(self.rng, p > 0, self.tp):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **mask, **gqa)
 
 
 class ParallelMLP(nn.Module):
-    """``h -> 4h`` (column-parallel), GELU, ``4h -> h`` (row-parallel)."""
+    """``h -> f`` (column-parallel), GELU, ``f -> h`` (row-parallel); with SwiGLU ``h -> 2f``
+    (gate and up, rows interleaved) then ``silu(gate) * up`` and ``f -> h``."""
 
     def __init__(self, config: GPTConfig, group: Group, sequence_parallel: bool, device, dtype):
         super().__init__()
-        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size, group, **kw)
-        self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, group, **kw)
+        kw = dict(bias=config.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+                  dtype=dtype)
+        f = config.ffn_hidden_size
+        self.swiglu = config.swiglu
+        self.fc1 = ColumnParallelLinear(config.hidden_size, 2 * f if self.swiglu else f, group, **kw)
+        self.fc2 = RowParallelLinear(f, config.hidden_size, group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # [s, b, 4h/tp] inside
+        y = self.fc1(x)                                             # [s, b, f/tp] (2f/tp SwiGLU)
+        if self.swiglu:
+            gate, up = y.view(*y.shape[:-1], -1, 2).unbind(dim=-1)  # [s, b, f/tp] each
+            return self.fc2(F.silu(gate) * up)
+        return self.fc2(F.gelu(y, approximate="tanh"))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm GPT-2 layer: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``,
-    on ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
+    """Pre-norm layer: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``, on ``[s, b, h]``
+    (``[s/tp, b, h]`` with sequence parallelism); ln1/ln2 are LayerNorm or RMSNorm."""
 
     def __init__(self, config: GPTConfig, group: Group, *, sequence_parallel: bool = False,
                  rng: RNGTracker | None = None, device=None, dtype=None):
         super().__init__()
-        h, eps = config.hidden_size, config.layernorm_epsilon
-        norm = dict(eps=eps, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.ln1 = LayerNorm(h, group, **norm)
+        self.ln1 = build_norm(config, group, sequence_parallel, device, dtype)
         self.attn = ParallelAttention(config, group, sequence_parallel, rng, device, dtype)
-        self.ln2 = LayerNorm(h, group, **norm)
+        self.ln2 = build_norm(config, group, sequence_parallel, device, dtype)
         self.mlp = ParallelMLP(config, group, sequence_parallel, device, dtype)
         self.p, self.rng, self.tp = config.hidden_dropout, rng, group.size
         self.sequence_parallel = sequence_parallel
@@ -112,6 +171,6 @@ class TransformerLayer(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.ln1(x), cache, start))
         return x + self._drop(self.mlp(self.ln2(x)))

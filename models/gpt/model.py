@@ -1,9 +1,13 @@
-"""Tensor-parallel GPT-2 (Megatron-LM §3; ZeRO paper §10 trains this model at 1.5B-170B).
+"""Tensor-parallel GPT (Megatron-LM §3; ZeRO paper §10 trains this model at 1.5B-170B), GPT-2 by
+default and Llama-style with the options of :class:`~models.gpt.config.GPTConfig`.
 
-    tokens [b, s] -> word (vocab-parallel) + position embeddings -> dropout   [s, b, h]
+    tokens [b, s] -> word (vocab-parallel) (+ learned position) embeddings -> dropout   [s, b, h]
                   -> num_layers x TransformerLayer (models/gpt/layer.py)       [s, b, h]
-                  -> final LayerNorm -> logits = h @ E_r^T (tied, this rank's vocab rows)  [s, b, V_p/tp]
+                  -> final norm -> logits = h @ E_r^T (this rank's vocab rows)  [s, b, V_p/tp]
                   -> vocab-parallel cross-entropy over the true vocab         [s, b] -> loss [b, s]
+
+E is the word embedding (tied, GPT-2) or, with ``untie_embeddings_and_output_weights``, a separate
+vocab-parallel ``output_layer`` (Llama). Rotary positions live in the attention (no parameters).
 
 The output layer never gathers the logits: ``copy_to_tp`` (Megatron's ``f``) in front of the tied
 matmul makes the backward sum the input gradient over TP, and the cross-entropy all-reduces only three
@@ -23,12 +27,13 @@ import torch.nn as nn
 from hybrid.checkpoint.state import ParamLayout
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan, Recomputer
-from hybrid.tensor_parallel import (LayerNorm, RNGTracker, VocabParallelEmbedding,
+from hybrid.tensor_parallel import (ColumnParallelLinear, RNGTracker, VocabParallelEmbedding,
                                     column_parallel_linear, copy_to_tp, set_tp_attributes,
                                     vocab_parallel_cross_entropy)
 from hybrid.zero.results import Fragment, copy_overlaps
 from models.gpt.config import GPTConfig
-from models.gpt.layer import TransformerLayer, dropout
+from models.gpt.kv_cache import KVCache
+from models.gpt.layer import TransformerLayer, build_norm, dropout
 from models.gpt.sharding import canonical_init, checkpoint_layout, gather_canonical, shard_tensor
 
 
@@ -52,7 +57,8 @@ class PositionEmbedding(nn.Module):
 
 
 class GPTEmbedding(nn.Module):
-    """Word + position embeddings and embedding dropout: tokens [b, s] -> [s, b, h] ([s/tp, b, h] SP)."""
+    """Word (+ learned position) embeddings and embedding dropout: tokens [b, s] -> [s, b, h]
+    ([s/tp, b, h] SP)."""
 
     def __init__(self, config: GPTConfig, state: ParallelState, sequence_parallel: bool, rng,
                  device, dtype):
@@ -62,20 +68,26 @@ class GPTEmbedding(nn.Module):
         self.word = VocabParallelEmbedding(config.padded_vocab_size(state.tp_size), config.hidden_size,
                                            state.tp, reduce_scatter_output=sequence_parallel,
                                            device=device, dtype=dtype)
-        self.position = PositionEmbedding(config.max_position_embeddings, config.hidden_size,
-                                          sequence_parallel, device, dtype)
+        self.position = None   # rotary positions are applied in the attention
+        if config.position_embedding_type == "learned_absolute":
+            self.position = PositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                                              sequence_parallel, device, dtype)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.size(1)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``start``: position of the first token (after a KV cache's positions)."""
         x = self.word(tokens.t())                                   # [s, b, h] or [s/tp, b, h]
-        pos = self.position.weight[:s]                              # [s, h]
+        if self.position is not None:
+            x = self._add_positions(x, tokens.size(1), start)
+        return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.group.size)
+
+    def _add_positions(self, x: torch.Tensor, s: int, start: int) -> torch.Tensor:
+        pos = self.position.weight[start:start + s]                 # [s, h]
         if self.sequence_parallel:
             # replicated weight applied to one sequence shard: f sums its gradient over TP
             pos = copy_to_tp(pos, self.group)
             chunk = s // self.group.size
             pos = pos[self.group.rank * chunk:(self.group.rank + 1) * chunk]  # [s/tp, h]
-        x = x + pos.unsqueeze(1)
-        return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.group.size)
+        return x + pos.unsqueeze(1)
 
 
 class GPTModel(nn.Module):
@@ -104,8 +116,12 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta)
             for _ in range(config.num_layers))
-        self.final_norm = LayerNorm(config.hidden_size, state.tp, eps=config.layernorm_epsilon,
-                                    sequence_parallel=sp, **meta)
+        self.final_norm = build_norm(config, state.tp, sp, **meta)
+        self.output_layer = None   # tied: the logits use the word embedding
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size(state.tp_size), state.tp, bias=False,
+                sequence_parallel=sp, **meta)
         self.recomputer = None   # activation recompute (hybrid/recompute); None keeps everything
         if recompute is not None:
             self.recomputer = Recomputer(recompute, state.tp, sequence_parallel=sp, rng=rng,
@@ -171,18 +187,32 @@ class GPTModel(nn.Module):
 
     def sharding_units(self) -> list[nn.Module]:
         """Submodules that ZeRO stage 3 gathers one at a time, in forward order."""
-        return [self.embedding, *self.layers, self.final_norm]
+        units = [self.embedding, *self.layers, self.final_norm]
+        return units if self.output_layer is None else units + [self.output_layer]
 
     @property
     def tied_sharding_units(self) -> list[int]:
-        """Indices of sharding units used again after the last one: the word embedding, whose
+        """Indices of sharding units used again after the last one: the word embedding when its
         weight is the output layer's (ZeRO stage 3 must gather it again for the logits)."""
-        return [0]
+        return [] if self.output_layer is not None else [0]
 
     # ---- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def new_kv_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty key/value cache for incremental decoding (models/gpt/kv_cache.py), up to
+        ``max_len`` positions (default: the model's max positions)."""
+        if self.sequence_parallel:
+            raise ValueError("KV-cache decoding runs one token at a time, which sequence parallelism "
+                             "cannot split; build the model with sequence_parallel=False to generate")
+        return KVCache(self.config.num_layers, max_len or self.config.max_position_embeddings)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] int64 -> per-token loss [b, s] (fp32) given labels [b, s], else this rank's
-        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding)."""
+        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding). With
+        ``cache`` (:meth:`new_kv_cache`) the tokens continue the cached positions, and their keys
+        and values are added to it."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         self._check_input(tokens, labels)
         x = self.embedding(tokens)                                  # [s, b, h] ([s/tp, b, h] SP)
         if self.recomputer is not None:
@@ -197,8 +227,21 @@ class GPTModel(nn.Module):
                                             vocab_size=self.config.vocab_size)  # [s, b]
         return loss.t().contiguous()                                # [b, s]
 
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [b, s, V_p/tp] of tokens at positions ``cache.length ..`` (no recompute, no SP)."""
+        self._check_input(tokens, None)
+        cache.check_room(tokens.size(1))
+        start = cache.length
+        x = self.embedding(tokens, start)                           # [s, b, h]
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer(x, layer_cache, start)
+        cache.advance(tokens.size(1))
+        return self._output_logits(self.final_norm(x)).transpose(0, 1).contiguous()
+
     def _output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Tied output layer, column-parallel over the vocab: [s(/tp), b, h] -> [s, b, V_p/tp]."""
+        """Output layer, column-parallel over the vocab: [s(/tp), b, h] -> [s, b, V_p/tp]."""
+        if self.output_layer is not None:
+            return self.output_layer(x)
         # f (or g-bar with SP) then the GEMM, backward collective overlapped with the dW GEMM
         return column_parallel_linear(x, self.embedding.word.weight, None, self.group,
                                       self.sequence_parallel)

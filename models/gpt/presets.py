@@ -1,6 +1,11 @@
-"""Named GPT presets: small CPU models, and the paper's experiment rows as data.
+"""Named GPT presets: small CPU models, the Llama family, and the paper's experiment rows as data.
 
-- ``PRESETS``: model configs by name ("tiny", "small" for CPU runs; "gpt2-1.5B", ...).
+- ``PRESETS``: model configs by name ("tiny", "small", "tiny-llama" for CPU runs; "gpt2-1.5B",
+  "llama2-7B", "llama3-8B", ...). The Llama presets use the published architectures (Touvron et
+  al. 2023 "Llama 2", Table 1 and the released configs; Meta's Llama 3 / 3.1 model card): rotary
+  positions, RMSNorm (eps 1e-5), SwiGLU with the released FFN sizes, no biases, untied output
+  layer, grouped-query attention with 8 groups for Llama-2 70B and all of Llama 3, Llama-3.1's
+  rope scaling; their parameter counts equal the published ones exactly.
 - ``PAPER_RUNS``: every row of ZeRO Table 5 (Figure 2 throughput comparison; a ZeRO row and a Megatron
   baseline row per size), Table 6 (60B superlinear scaling) and Table 10 (data-parallel only) as a
   :class:`PaperRun` with its GPU count, model-parallel degree, batch per replica and total batch.
@@ -97,6 +102,37 @@ def _table10_runs() -> list[PaperRun]:
 PAPER_RUNS: dict[str, PaperRun] = {r.name: r for r in
                                    _table5_runs() + _table6_runs() + _table10_runs()}
 
+def _llama(layers: int, hidden: int, heads: int, ffn: int, *, vocab: int, seq: int,
+           query_groups: int | None = None, rotary_base: float = 10000.0,
+           rope_scaling: bool = False) -> GPTConfig:
+    """A Llama-architecture config (no dropout, as Meta trained them)."""
+    gqa = dict(group_query_attention=True, num_query_groups=query_groups) if query_groups else {}
+    return GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     ffn_hidden_size=ffn, vocab_size=vocab, seq_length=seq,
+                     hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
+                     rotary_base=rotary_base, use_rope_scaling=rope_scaling, normalization="RMSNorm",
+                     norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+                     untie_embeddings_and_output_weights=True, **gqa)
+
+
+LLAMA2_VOCAB, LLAMA3_VOCAB = 32000, 128256
+_LLAMA2 = dict(vocab=LLAMA2_VOCAB, seq=4096)
+_LLAMA3 = dict(vocab=LLAMA3_VOCAB, seq=8192, query_groups=8, rotary_base=500000.0, rope_scaling=True)
+
+LLAMA_PRESETS: dict[str, GPTConfig] = {
+    "llama2-7B": _llama(32, 4096, 32, 11008, **_LLAMA2),
+    "llama2-13B": _llama(40, 5120, 40, 13824, **_LLAMA2),
+    "llama2-70B": _llama(80, 8192, 64, 28672, query_groups=8, **_LLAMA2),
+    "llama3-8B": _llama(32, 4096, 32, 14336, **_LLAMA3),
+    "llama3-70B": _llama(80, 8192, 64, 28672, **_LLAMA3),
+    # CPU: every Llama option at a size that trains in minutes (4 heads in 2 groups: TP 1 or 2)
+    "tiny-llama": GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=2048,
+                            seq_length=128, make_vocab_size_divisible_by=64,
+                            position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                            group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+                            untie_embeddings_and_output_weights=True),
+}
+
 PRESETS: dict[str, GPTConfig] = {
     # CPU presets: quick tests and the default pretraining run on the embedded corpus.
     "tiny": GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
@@ -111,6 +147,7 @@ PRESETS: dict[str, GPTConfig] = {
     # The ZeRO-100B headline model (Table 5, 125 x 8192, 64 heads) and the 170B one.
     "zero-100B": PAPER_RUNS["table5-zero-100B"].config,
     "zero-170B": PAPER_RUNS["table5-zero-170B"].config,
+    **LLAMA_PRESETS,
 }
 
 

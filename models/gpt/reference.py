@@ -1,9 +1,14 @@
-"""Single-device GPT-2 in plain PyTorch: the numerical oracle of the tests (docs/design.md §4).
+"""Single-device GPT in plain PyTorch: the numerical oracle of the tests (docs/design.md §4).
 
 Written independently of the tensor-parallel model on purpose: ``[b, s, h]`` layout, ``nn.Linear`` /
 ``nn.Embedding``, attention spelled out as softmax(QK^T / sqrt(d)) V with an explicit causal mask,
 and ``F.cross_entropy`` over the true (unpadded) vocab. Its state dict is the canonical layout of
 :mod:`models.gpt.sharding`; :meth:`ReferenceGPT.init_weights` gives the same values as the TP model's.
+
+The Llama-family options are spelled out differently from the TP model too: RMSNorm by its formula;
+rotary embeddings as complex multiplication of the channel pairs (i, i + d/2) by e^{i p theta}, with
+the Llama-3.1 frequency scaling evaluated per frequency in plain Python; grouped-query attention by
+indexing each head's key/value group; SwiGLU from the ``[gate; up]`` halves with silu = x sigmoid(x).
 """
 
 from __future__ import annotations
@@ -18,18 +23,72 @@ from models.gpt.config import GPTConfig
 from models.gpt.sharding import canonical_init
 
 
+def rotary_frequencies(config: GPTConfig) -> torch.Tensor:
+    """theta_i = base^(-2i/d) for i < d/2, with Llama-3.1's scaling (fp64 [d/2])."""
+    d, out = config.head_dim, []
+    for i in range(d // 2):
+        theta = config.rotary_base ** (-2 * i / d)
+        if config.use_rope_scaling:
+            wavelength = 2 * math.pi / theta
+            low_wave = config.rope_original_max_position_embeddings / config.rope_low_freq_factor
+            high_wave = config.rope_original_max_position_embeddings / config.rope_high_freq_factor
+            if wavelength > low_wave:        # long waves: interpolated by the factor
+                theta = theta / config.rope_scaling_factor
+            elif wavelength >= high_wave:    # in between: blend of both
+                smooth = ((config.rope_original_max_position_embeddings / wavelength
+                           - config.rope_low_freq_factor)
+                          / (config.rope_high_freq_factor - config.rope_low_freq_factor))
+                theta = (1 - smooth) * theta / config.rope_scaling_factor + smooth * theta
+        out.append(theta)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def apply_rotary(x: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of x [b, heads, s, d] by p theta_i at position p."""
+    b, heads, s, d = x.shape
+    angles = torch.arange(s, dtype=torch.float64)[:, None] * rotary_frequencies(config)[None, :]
+    turn = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)     # [s, d/2]
+    pairs = torch.complex(x[..., :d // 2].float(), x[..., d // 2:].float())    # [b, heads, s, d/2]
+    turned = pairs * turn
+    return torch.cat([turned.real, turned.imag], dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return RMSNorm(config.hidden_size, config.norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+
+
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.heads, h = config.num_attention_heads, config.hidden_size
-        self.qkv = nn.Linear(h, 3 * h)   # rows [q; k; v]
-        self.proj = nn.Linear(h, h)
+        self.config = config
+        self.heads, self.groups, h = config.num_attention_heads, config.query_groups, config.hidden_size
+        kv = self.groups * config.head_dim
+        self.qkv = nn.Linear(h, h + 2 * kv, bias=config.add_bias_linear)   # rows [q; k; v]
+        self.proj = nn.Linear(h, h, bias=config.add_bias_linear)
         self.dropout = nn.Dropout(config.attention_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=2)                                   # 3 x [b, s, h]
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))  # [b, a, s, d]
+        kv = self.groups * self.config.head_dim
+        q, k, v = self.qkv(x).split([h, kv, kv], dim=2)
+        q = q.view(b, s, self.heads, -1).transpose(1, 2)                        # [b, a, s, d]
+        k, v = (t.view(b, s, self.groups, -1).transpose(1, 2) for t in (k, v))  # [b, g, s, d]
+        if self.config.position_embedding_type == "rope":
+            q, k = apply_rotary(q, self.config), apply_rotary(k, self.config)
+        group_of_head = torch.arange(self.heads) // (self.heads // self.groups)
+        k, v = k[:, group_of_head], v[:, group_of_head]                         # [b, a, s, d]
         scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))               # [b, a, s, s]
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         probs = self.dropout(scores.masked_fill(~causal, float("-inf")).softmax(dim=-1))
@@ -40,22 +99,27 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        self.swiglu, f = config.swiglu, config.ffn_hidden_size
+        self.fc1 = nn.Linear(config.hidden_size, 2 * f if self.swiglu else f,
+                             bias=config.add_bias_linear)                       # SwiGLU rows [gate; up]
+        self.fc2 = nn.Linear(f, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        y = self.fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return self.fc2(gate * torch.sigmoid(gate) * up)
+        return self.fc2(F.gelu(y, approximate="tanh"))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer layer: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
+    """Pre-norm transformer layer: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        eps = config.layernorm_epsilon
-        self.ln1 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.ln1 = make_norm(config)
         self.attn = Attention(config)
-        self.ln2 = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.ln2 = make_norm(config)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -68,12 +132,16 @@ class Embedding(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.word = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.position = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.size(1), device=tokens.device)
-        return self.dropout(self.word(tokens) + self.position(positions))      # [b, s, h]
+        x = self.word(tokens)                                                   # [b, s, h]
+        if self.position is not None:
+            x = x + self.position(torch.arange(tokens.size(1), device=tokens.device))
+        return self.dropout(x)
 
 
 class ReferenceGPT(nn.Module):
@@ -82,7 +150,10 @@ class ReferenceGPT(nn.Module):
         self.config = config
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.final_norm = make_norm(config)
+        self.output_layer = None                                                # tied
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -98,7 +169,8 @@ class ReferenceGPT(nn.Module):
         x = self.embedding(tokens)
         for layer in self.layers:
             x = layer(x)
-        logits = self.final_norm(x) @ self.embedding.word.weight.t()           # tied: [b, s, V]
+        out = self.embedding.word.weight if self.output_layer is None else self.output_layer.weight
+        logits = self.final_norm(x) @ out.t()                                   # [b, s, V]
         if labels is None:
             return logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")

@@ -1,12 +1,16 @@
 """The canonical GPT parameter layout and its mapping to tensor-parallel shards (Megatron-LM §3).
 
 The canonical layout is the single-device reference's state dict (:mod:`models.gpt.reference`):
-true vocab, fused QKV rows ordered ``[q; k; v]`` with the heads contiguous inside each. The TP model
-(:mod:`models.gpt.model`) uses the same parameter names with three differences, handled here:
+true vocab, fused QKV rows ordered ``[q; k; v]`` with the heads contiguous inside each (q has ``a``
+heads, k and v ``g`` query groups each), SwiGLU's fused MLP-in rows ``[gate; up]``. The TP model
+(:mod:`models.gpt.model`) uses the same parameter names with these differences, handled here:
 
-- the word embedding is padded with zero rows to ``config.padded_vocab_size(tp)``, then split by rows;
-- fused QKV rows are interleaved per head, ``[head 0: q k v | head 1: q k v | ...]``, so a contiguous
-  row slice gives each TP rank whole heads of q, k and v;
+- the word embedding (and an untied output layer) is padded with zero rows to
+  ``config.padded_vocab_size(tp)``, then split by rows;
+- fused QKV rows are grouped per query group, ``[group 0: q of its a/g heads, k, v | group 1: ...]``
+  (per head ``[q k v]`` without GQA), so a contiguous row slice gives each TP rank whole groups;
+- SwiGLU's MLP-in rows are interleaved ``[gate 0, up 0, gate 1, up 1, ...]``, so a contiguous slice
+  holds matching rows of gate and up at any TP degree;
 - column-parallel weights (QKV, MLP in) split along rows (dim 0, with their biases), row-parallel
   weights (attention out, MLP out) along columns (dim 1); everything else is replicated.
 
@@ -29,21 +33,41 @@ from models.gpt.config import GPTConfig
 _COLUMN_PARALLEL = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")
 _ROW_PARALLEL = ("attn.proj.weight", "mlp.fc2.weight")
 WORD_EMBEDDING = "embedding.word.weight"
+OUTPUT_LAYER = "output_layer.weight"   # only with untie_embeddings_and_output_weights
+VOCAB_TABLES = (WORD_EMBEDDING, OUTPUT_LAYER)   # rows padded to the TP degree's vocab
 
 
 def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter name of the canonical layout and its full shape, in model order."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    shapes = {WORD_EMBEDDING: (config.vocab_size, h),
-              "embedding.position.weight": (config.max_position_embeddings, h)}
-    layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h),
-             "attn.qkv.bias": (3 * h,), "attn.proj.weight": (h, h), "attn.proj.bias": (h,),
-             "ln2.weight": (h,), "ln2.bias": (h,), "mlp.fc1.weight": (f, h), "mlp.fc1.bias": (f,),
-             "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
+    """Every parameter name of the canonical layout and its full shape, in model order (norm
+    biases only for LayerNorm, linear biases only with ``add_bias_linear``, positions only when
+    learned, the output layer only when untied)."""
+    h, f, qkv = config.hidden_size, config.ffn_hidden_size, config.qkv_size
+    mlp_in = 2 * f if config.swiglu else f
+    shapes = {WORD_EMBEDDING: (config.vocab_size, h)}
+    if config.position_embedding_type == "learned_absolute":
+        shapes["embedding.position.weight"] = (config.max_position_embeddings, h)
+    layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (qkv, h),
+             "attn.qkv.bias": (qkv,), "attn.proj.weight": (h, h), "attn.proj.bias": (h,),
+             "ln2.weight": (h,), "ln2.bias": (h,), "mlp.fc1.weight": (mlp_in, h),
+             "mlp.fc1.bias": (mlp_in,), "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
+    layer = {k: v for k, v in layer.items() if _present(config, k)}
     for i in range(config.num_layers):
         shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    shapes.update({"final_norm.weight": (h,), "final_norm.bias": (h,)})
+    shapes["final_norm.weight"] = (h,)
+    if config.normalization == "LayerNorm":
+        shapes["final_norm.bias"] = (h,)
+    if config.untie_embeddings_and_output_weights:
+        shapes[OUTPUT_LAYER] = (config.vocab_size, h)
     return shapes
+
+
+def _present(config: GPTConfig, layer_key: str) -> bool:
+    """Whether a layer parameter exists under the config's options."""
+    if not layer_key.endswith(".bias"):
+        return True
+    if layer_key.startswith("ln"):
+        return config.normalization == "LayerNorm"
+    return config.add_bias_linear
 
 
 def canonical_init(config: GPTConfig, name: str, seed: int) -> torch.Tensor:
@@ -62,7 +86,7 @@ def canonical_init(config: GPTConfig, name: str, seed: int) -> torch.Tensor:
 
 def partition_dim(name: str) -> int:
     """Dimension along which the TP model splits parameter ``name`` (-1: replicated)."""
-    if name == WORD_EMBEDDING or name.endswith(_COLUMN_PARALLEL):
+    if name in VOCAB_TABLES or name.endswith(_COLUMN_PARALLEL):
         return 0
     if name.endswith(_ROW_PARALLEL):
         return 1
@@ -78,32 +102,46 @@ def checkpoint_layout(config: GPTConfig, local: dict[str, torch.Tensor],
         dim, shape = partition_dim(name), list(t.shape)
         if dim >= 0:
             shape[dim] *= tp
-        out[name] = ParamLayout(tuple(shape), dim, config.vocab_size if name == WORD_EMBEDDING else None)
+        out[name] = ParamLayout(tuple(shape), dim, config.vocab_size if name in VOCAB_TABLES else None)
     return out
 
 
 def to_tp_layout(config: GPTConfig, name: str, full: torch.Tensor, tp: int) -> torch.Tensor:
     """Canonical full tensor -> the full tensor in the TP model's layout (padded, interleaved)."""
-    if name == WORD_EMBEDDING:
+    if name in VOCAB_TABLES:
         pad = config.padded_vocab_size(tp) - config.vocab_size
         return torch.cat([full, full.new_zeros(pad, full.size(1))])   # [V_padded, h]
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-        heads, hd = config.num_attention_heads, config.head_dim
-        rest = full.shape[1:]
-        # [3, heads, hd, ...] -> [heads, 3, hd, ...]: each head's q, k, v rows side by side
-        return full.view(3, heads, hd, *rest).transpose(0, 1).reshape(full.shape)
+        q, k, v = full.split(_qkv_rows(config), dim=0)
+        g, rest = config.query_groups, full.shape[1:]
+        # per group: [q rows of its a/g heads, k rows, v rows] side by side
+        grouped = [t.reshape(g, -1, *rest) for t in (q, k, v)]
+        return torch.cat(grouped, dim=1).reshape(full.shape)
+    if config.swiglu and name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+        # [2, f, ...] -> [f, 2, ...]: gate row i next to up row i
+        return full.view(2, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
     return full
 
 
 def from_tp_layout(config: GPTConfig, name: str, full: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`to_tp_layout` (drops the vocab padding rows)."""
-    if name == WORD_EMBEDDING:
+    if name in VOCAB_TABLES:
         return full[:config.vocab_size]
     if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-        heads, hd = config.num_attention_heads, config.head_dim
-        rest = full.shape[1:]
-        return full.view(heads, 3, hd, *rest).transpose(0, 1).reshape(full.shape)
+        g, rest = config.query_groups, full.shape[1:]
+        q_rows, k_rows, _ = _qkv_rows(config)
+        grouped = full.reshape(g, -1, *rest)                           # [g, (a/g + 2) d, ...]
+        q, k, v = grouped.split([q_rows // g, k_rows // g, k_rows // g], dim=1)
+        return torch.cat([t.reshape(-1, *rest) for t in (q, k, v)]).reshape(full.shape)
+    if config.swiglu and name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+        return full.view(-1, 2, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
     return full
+
+
+def _qkv_rows(config: GPTConfig) -> list[int]:
+    """Rows of q, k and v in the fused QKV projection: a d, g d, g d."""
+    kv = config.query_groups * config.head_dim
+    return [config.hidden_size, kv, kv]
 
 
 def shard_tensor(config: GPTConfig, name: str, full: torch.Tensor, tp_rank: int,

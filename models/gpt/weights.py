@@ -148,7 +148,8 @@ def init_from_pretrained(model: GPTModel, path: str | Path, *, kind: str = "mast
 
 def _check_same_dims(path, source: GPTConfig, target: GPTConfig) -> None:
     keys = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
-            "max_position_embeddings")
+            "max_position_embeddings", "position_embedding_type", "normalization", "swiglu",
+            "query_groups", "add_bias_linear", "untie_embeddings_and_output_weights")
     diffs = [f"{k}: {getattr(source, k)} there vs {getattr(target, k)} here" for k in keys
              if getattr(source, k) != getattr(target, k)]
     if diffs:

@@ -19,7 +19,6 @@ from typing import get_args, get_type_hints
 
 import yaml
 
-from hybrid.training import sections as sections_module
 from hybrid.training.config import SECTIONS, TrainConfig, TrainConfigError
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "launch" / "presets"
@@ -62,8 +61,7 @@ def resolve_preset(name_or_path: str) -> Path:
 
 
 def _field_type(section_cls: type, name: str):
-    hints = get_type_hints(section_cls, vars(sections_module))
-    return hints[name]
+    return get_type_hints(section_cls)[name]
 
 
 def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type) -> None:

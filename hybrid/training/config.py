@@ -1,6 +1,7 @@
 """Training configuration: dataclasses that validate themselves (docs/design.md §9).
 
-One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections`. Every field
+One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections` (the model
+section is :class:`models.gpt.GPTConfig`, validated by its own checks only). Every field
 name is the Megatron-LM flag with dashes turned into underscores (``tensor_model_parallel_size`` <->
 ``--tensor-model-parallel-size``), so a YAML/TOML preset, the command line and a checkpoint's stored
 config all speak one vocabulary.
@@ -16,15 +17,16 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid.training.sections import (SECTIONS, CheckpointSection, DataSection, LoggingSection,
-                                      ModelSection, OptimizerSection, ParallelSection,
-                                      TrainConfigError, TrainingSection, flag_name)
+                                      OptimizerSection, ParallelSection, TrainConfigError,
+                                      TrainingSection, build_model_config)
+from models.gpt.config import ConfigError, GPTConfig
 
 __all__ = ["SECTIONS", "TrainConfig", "TrainConfigError"]
 
 
 @dataclass
 class TrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: GPTConfig = field(default_factory=lambda: build_model_config({}))
     parallel: ParallelSection = field(default_factory=ParallelSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     data: DataSection = field(default_factory=DataSection)
@@ -68,12 +70,10 @@ class TrainConfig:
                 f"launched; launch {p.world_size} ranks, or override --world-size {world_size} and "
                 f"check --global-batch-size")
         self.grad_accumulation_steps(world_size)
-        for name in ("hidden_size", "num_attention_heads"):
-            value = getattr(self.model, name)
-            if value % p.tensor_model_parallel_size:
-                raise TrainConfigError(
-                    f"{flag_name(name)} {value} is not divisible by --tensor-model-parallel-size "
-                    f"{p.tensor_model_parallel_size}; choose a TP degree that divides it")
+        try:
+            self.model.validate_for_tp(p.tensor_model_parallel_size)
+        except ConfigError as err:
+            raise TrainConfigError(str(err)) from None
         o = self.optimizer
         if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:
             raise TrainConfigError(f"--lr-decay-iters {o.lr_decay_iters} is shorter than "
@@ -99,7 +99,8 @@ class TrainConfig:
             if bad:
                 raise TrainConfigError(f"unknown key(s) {bad} in config section '{name}'; known keys: "
                                        f"{sorted(known)}")
-            sections[name] = section_cls(**values)
+            sections[name] = (build_model_config(values) if section_cls is GPTConfig
+                              else section_cls(**values))
         return cls(**sections)
 
     def describe(self) -> str:

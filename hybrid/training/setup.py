@@ -83,15 +83,11 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
 
 
 def gpt_config(cfg: TrainConfig, vocab_size: int):
-    from models.gpt import GPTConfig
-    m = cfg.model
-    return GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                     num_attention_heads=m.num_attention_heads, vocab_size=m.vocab_size or vocab_size,
-                     seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-                     ffn_hidden_size=m.ffn_hidden_size,
-                     make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                     hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-                     init_method_std=m.init_method_std)
+    """The model config of the run: ``cfg.model``, with the tokenizer's ``vocab_size`` when the
+    config gives none."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model
+    return cfg.model.replace(vocab_size=vocab_size)
 
 
 def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):

@@ -5,6 +5,11 @@ itself on construction, with messages that say what to change (docs/design.md §
 fits a tensor-parallel degree is a separate question, :meth:`GPTConfig.validate_for_tp`, because the
 same model is trained at several TP degrees.
 
+It is also the ``model`` section of the trainer's configuration: each field is a Megatron-LM flag
+(``num_layers`` <-> ``--num-layers``) whose help text is the field's ``help`` metadata, so the
+command line, a YAML/TOML preset and a checkpoint's stored config all build this one class and pass
+through this one validation.
+
 Parameter count of a dense GPT-2 layer (pre-LayerNorm, 4h MLP, biases everywhere):
     2 LayerNorms 4h + fused QKV 3h^2 + 3h + projection h^2 + h + MLP 8h^2 + 5h  =  12h^2 + 13h,
 plus word embeddings V_padded * h, position embeddings P * h and the final LayerNorm 2h, which is
@@ -15,27 +20,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
     """An invalid model configuration; the message says what to change."""
 
 
+def _help(text: str, **default):
+    """A field whose ``help`` metadata is its command-line help (no ``default``: required)."""
+    return field(metadata={"help": text}, **default)
+
+
 @dataclass(frozen=True)
 class GPTConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int = 50257
-    seq_length: int = 1024
-    max_position_embeddings: int | None = None  # defaults to seq_length
-    ffn_hidden_size: int | None = None          # defaults to 4 * hidden_size
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
+    num_layers: int = _help("transformer layers")
+    hidden_size: int = _help("hidden size h")
+    num_attention_heads: int = _help("attention heads a")
+    # None: not known yet; the trainer fills in its tokenizer's size before building a model
+    vocab_size: int | None = _help("vocab size (default: the tokenizer's)", default=50257)
+    seq_length: int = _help("tokens per sample s", default=1024)
+    max_position_embeddings: int | None = _help("learned positions (default: seq length)",
+                                                default=None)
+    ffn_hidden_size: int | None = _help("MLP width (default: 4 h)", default=None)
+    make_vocab_size_divisible_by: int = _help("pad the vocab to a multiple of this x TP", default=128)
+    hidden_dropout: float = _help("dropout after attention and MLP", default=0.1)
+    attention_dropout: float = _help("dropout on attention probabilities", default=0.1)
+    init_method_std: float = _help("std of the normal weight init", default=0.02)
+    layernorm_epsilon: float = _help("epsilon of every LayerNorm", default=1e-5)
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
@@ -51,32 +63,38 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "max_position_embeddings", "ffn_hidden_size", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
+            if value is None and name == "vocab_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}; set {flag}")
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}; "
+                                  f"set {_flag(name)}")
 
     def _check_shapes(self) -> None:
         h, a = self.hidden_size, self.num_attention_heads
         if h % a:
             raise ConfigError(
-                f"hidden size {h} is not divisible by {a} attention heads; choose a head count "
-                f"that divides {h} (e.g. {_nearest_divisor(h, a)}) or a hidden size that is a "
-                f"multiple of {a}")
-        if self.seq_length > self.max_position_embeddings:
+                f"hidden size {h} is not divisible by {a} attention heads; set "
+                f"--num-attention-heads to a divisor of {h} (e.g. {_nearest_divisor(h, a)}) or "
+                f"--hidden-size to a multiple of {a}")
+        s, p = self.seq_length, self.max_position_embeddings
+        if s > p:
             raise ConfigError(
-                f"sequence length {self.seq_length} exceeds max position embeddings "
-                f"{self.max_position_embeddings}; raise --max-position-embeddings to at least "
-                f"{self.seq_length} or shorten --seq-length")
+                f"sequence length {s} exceeds max position embeddings {p}; raise "
+                f"--max-position-embeddings {p} to at least {s} or shorten --seq-length {s}")
 
     def _check_numbers(self) -> None:
+        for name in ("hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}; set {_flag(name)}")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ConfigError(f"{name} must be in [0, 1), got {p}")
-        if not self.init_method_std > 0:
-            raise ConfigError(f"init_method_std must be positive, got {self.init_method_std}")
-        if not self.layernorm_epsilon > 0:
-            raise ConfigError(f"layernorm_epsilon must be positive, got {self.layernorm_epsilon}")
+                raise ConfigError(f"{name} must be in [0, 1), got {p}; set {_flag(name)}")
+        for name in ("init_method_std", "layernorm_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}; "
+                                  f"set {_flag(name)}")
 
     def validate_for_tp(self, tp: int) -> None:
         """Raise :class:`ConfigError` unless the model can be split across ``tp`` ranks
@@ -84,14 +102,17 @@ class GPTConfig:
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor-model-parallel size must be a positive integer, got {tp!r}")
         a, h, f = self.num_attention_heads, self.hidden_size, self.ffn_hidden_size
-        if a % tp:
-            raise ConfigError(
-                f"{a} attention heads cannot be split across tensor-model-parallel size {tp}; use a "
-                f"TP degree that divides {a} (e.g. {_nearest_divisor(a, tp)}) or a multiple of {tp} heads")
         if h % tp:
             raise ConfigError(
-                f"hidden size {h} is not divisible by tensor-model-parallel size {tp}; use a TP degree "
-                f"that divides {h} or a hidden size that is a multiple of {tp}")
+                f"hidden size {h} is not divisible by tensor-model-parallel size {tp} (--hidden-size "
+                f"{h}, --tensor-model-parallel-size {tp}); use a TP degree that divides {h} or a "
+                f"hidden size that is a multiple of {tp}")
+        if a % tp:
+            raise ConfigError(
+                f"{a} attention heads cannot be split across tensor-model-parallel size {tp}: "
+                f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {tp}; "
+                f"use a TP degree that divides {a} (e.g. {_nearest_divisor(a, tp)}) or a multiple "
+                f"of {tp} heads")
         if f % tp:
             raise ConfigError(
                 f"ffn hidden size {f} is not divisible by tensor-model-parallel size {tp}; use a TP "
@@ -105,6 +126,8 @@ class GPTConfig:
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocab rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's rule):
         every TP rank holds an equal slice of the embedding, and slices stay GEMM-friendly."""
+        if self.vocab_size is None:
+            raise ConfigError("the vocab size is not set; pass --vocab-size or a tokenizer")
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
@@ -153,6 +176,10 @@ class GPTConfig:
         if unknown:
             raise ConfigError(f"unknown GPT config fields {unknown}; known fields are {sorted(known)}")
         return cls(**d)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

@@ -22,6 +22,7 @@ from hybrid.perf.model_states import GB, model_state_bytes
 from hybrid.topology import Topology
 from models.gpt.model import GPTModel
 from models.gpt.presets import PAPER_RUNS, PaperRun
+from tools._cli import ArgumentParser, run_cli
 from tools.paper_numbers import run_layout, run_memory
 
 GPUS_PER_NODE = 16
@@ -93,7 +94,7 @@ def _print(table: list[dict], topo: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     table, topo = rows(), layouts()
@@ -106,4 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -37,19 +37,27 @@ def load_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
-        raise TrainConfigError(f"config file {str(path)!r} does not exist; presets in {PRESET_DIR}: "
+        what = "is not a file" if path.exists() else "does not exist"
+        raise TrainConfigError(f"config file {str(path)!r} {what}; presets in {PRESET_DIR}: "
                                f"{', '.join(names)}")
-    if path.suffix == ".toml":
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    elif path.suffix in (".yaml", ".yml"):
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    else:
+    if path.suffix not in (".toml", ".yaml", ".yml"):
         raise TrainConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
+    try:
+        data = _parse_config_text(path)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise TrainConfigError(f"config file {str(path)!r} is not valid "
+                               f"{'TOML' if path.suffix == '.toml' else 'YAML'}: "
+                               f"{' '.join(str(err).split())}; fix the line it names") from None
     if not isinstance(data, dict):
-        raise TrainConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        raise TrainConfigError(f"config file {str(path)!r} must hold a mapping of sections "
+                               f"(model:, parallel:, ...), got {type(data).__name__}")
     return data
+
+
+def _parse_config_text(path: Path):
+    if path.suffix == ".toml":
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
 
 
 def resolve_preset(name_or_path: str) -> Path:
@@ -121,9 +129,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, LaunchOption
     for dest, value in vars(ns).items():
         if "." in dest:
             section, key = dest.split(".", 1)
-            nested.setdefault(section, {})
-            if nested[section] is None:
+            if nested.get(section) is None:
                 nested[section] = {}
-            nested[section][key] = value
+            if isinstance(nested[section], dict):   # else TrainConfig.from_dict names the section
+                nested[section][key] = value
     cfg = TrainConfig.from_dict(nested)
     return cfg, LaunchOptions(dry_run=ns.dry_run, dry_run_rank=ns.dry_run_rank)

@@ -9,6 +9,7 @@ need several sections or the world size live in :class:`hybrid.training.config.T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from models.gpt.config import ConfigError, GPTConfig
@@ -34,7 +35,8 @@ def _positive(section, *names: str, allow_none: bool = False) -> None:
 def _non_negative(section, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0):
             raise TrainConfigError(f"{flag_name(name)} must be a number >= 0, got {value!r}")
 
 
@@ -249,7 +251,7 @@ class TrainingSection:
             self.memory_budget_bytes  # noqa: B018  (validates the size now, not at build time)
         _positive(self, "train_iters", "eval_interval")
         _non_negative(self, "seed", "eval_iters")
-        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise TrainConfigError(f"--exit-duration-in-mins must be positive, got "
                                    f"{self.exit_duration_in_mins}")
 

@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.gpt.config import ConfigError, GPTConfig
@@ -207,14 +208,35 @@ def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 1
         raise HFConversionError(f"{path} is not a Hugging Face model directory with {CONFIG_FILE} and "
                                 f"{WEIGHTS_FILE} (for .bin checkpoints: re-save them with "
                                 f"save_pretrained(safe_serialization=True))")
-    config = gpt_config_from_hf(json.loads((path / CONFIG_FILE).read_text()),
-                                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    try:
+        config = gpt_config_from_hf(_read_json(path / CONFIG_FILE),
+                                    make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except (KeyError, TypeError) as err:
+        raise HFConversionError(f"{path / CONFIG_FILE} is not a GPT-2 config (missing or wrong "
+                                f"{err}); pass a directory written by GPT2LMHeadModel.save_pretrained "
+                                f"or tools/export_hf.py") from None
     if (path / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:
-        files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
-    hf = {k: v.float() for f in files for k, v in load_file(str(path / f)).items()}
+        files = sorted(set(_read_json(path / INDEX_FILE)["weight_map"].values()))
+    hf = {k: v.float() for f in files for k, v in _load_tensors(path / f).items()}
     return from_hf_state_dict(config, hf), config
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HFConversionError(f"{file} is not valid JSON ({err}); restore it or export the "
+                                f"model again") from None
+
+
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:   # a damaged or foreign file
+        raise HFConversionError(f"{file} is not a readable safetensors file ({err}); restore it "
+                                f"or export the model again") from None
 
 
 def _check_names(config: GPTConfig, canonical: dict[str, torch.Tensor]) -> None:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 # Dependency order: data.md makes $WORK/data, quickstart.md makes $WORK/ckpt and $WORK/runs.
 ORDER = ["README.md", "data.md", "quickstart.md", "launching.md", "choosing-parallelism.md",
-         "tensorboard.md", "checkpoints.md", "paper.md"]
+         "tensorboard.md", "checkpoints.md", "paper.md", "troubleshooting.md"]
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
 FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 # Scripts whose flags pass through to launch/pretrain_gpt.py.

@@ -427,3 +427,21 @@ def test_evaluate_clamps_to_the_split_and_says_so(workspace, capsys):
     assert evaluate.main(["--load", str(workspace.ckpt), "--eval-samples", str(clamped["samples"])]) == 0
     exact = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert exact == clamped
+
+
+def test_preprocess_overwrite_replaces_only_bin_and_idx(workspace, tmp_path):
+    """--overwrite re-tokenizes into an existing prefix: .bin/.idx are the new corpus, a neighbour
+    file (the tokenizer kept beside the data, say) is untouched."""
+    from hybrid.data.indexed_dataset import IndexedDataset
+    from tools import preprocess_data
+    text = _write(tmp_path / "doc.txt", "def f(x):\n    return x\n")
+    prefix = tmp_path / "data" / "corpus"
+    neighbour = _write(tmp_path / "data" / "notes.txt", "mine")
+    _write(Path(f"{prefix}.bin"), "old")
+    _write(Path(f"{prefix}.idx"), "old")
+    argv = ["--input", str(text), "--tokenizer-model", workspace.corpus["tokenizer"],
+            "--output-prefix", str(prefix)]
+    assert preprocess_data.main(argv + ["--overwrite"]) == 0
+    assert IndexedDataset(prefix).num_documents == 1
+    assert neighbour.read_text() == "mine"
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["corpus.bin", "corpus.idx", "notes.txt"]

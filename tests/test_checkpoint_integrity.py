@@ -93,15 +93,7 @@ def corrupted(tmp_path_factory) -> tuple[dict, Path, Path]:
     return corpus, save, rank_file
 
 
-TOOL_NEEDS_RUN_CLI = pytest.mark.xfail(
-    strict=True, reason="tools map CheckpointError to exit 2 through tools/_cli.run_cli (helper D's "
-                        "branch); remove this mark when both are merged")
-
-
-@pytest.mark.parametrize("entry", ["trainer",
-                                   pytest.param("evaluate", marks=TOOL_NEEDS_RUN_CLI),
-                                   pytest.param("generate", marks=TOOL_NEEDS_RUN_CLI),
-                                   pytest.param("export_hf", marks=TOOL_NEEDS_RUN_CLI)])
+@pytest.mark.parametrize("entry", ["trainer", "evaluate", "generate", "export_hf"])
 def test_every_entry_point_refuses_an_edited_header(corrupted, tmp_path, entry):
     corpus, save, rank_file = corrupted
     commands = {

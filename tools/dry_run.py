@@ -22,6 +22,7 @@ from hybrid.topology import Topology
 from hybrid.training.arguments import parse_args
 from hybrid.training.dry_run import dry_run_report, total_bytes
 from models.gpt.presets import PAPER_RUNS, PaperRun
+from tools._cli import ArgumentParser, run_cli
 
 GPUS_PER_NODE = 16
 DEVICE_BYTES = 32e9
@@ -86,7 +87,7 @@ def _print(table: list[dict], topo: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     table, topo = rows(), layouts()
@@ -99,4 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

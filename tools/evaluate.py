@@ -12,6 +12,10 @@ the model's vocab-parallel cross-entropy (identical on every TP rank); micro-bat
 ranks round-robin and the (sum, count) pair is all-reduced over DP in fp64, so every layout gives
 the same number up to fp32 rounding of the forward pass.
 
+--eval-samples beyond what one pass over the split's documents gives would repeat documents (the
+dataset cycles its epochs); the tool then says so on stderr and evaluates every distinct sample once
+(the JSON reports the number used).
+
 For a training checkpoint, --data-path, --split, --seed and --data-cache-dir default to the run's own
 (its resolved config is in the checkpoint), so the embedded-corpus run of README's first command is
 evaluated on the same validation samples with no data flags.
@@ -34,6 +38,7 @@ import torch  # noqa: E402
 from hybrid import comm  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
 from models.gpt.weights import load_model  # noqa: E402
+from tools._cli import ArgumentParser, ToolError, require, run_cli  # noqa: E402
 from tools.generate import (default_corpus, parallel_state_from_env, resolve_tokenizer,  # noqa: E402
                             training_run_config)
 
@@ -89,13 +94,13 @@ def build_eval_dataset(data_path: list[str], split: str, which: str, seq_length:
     dataset = build_gpt_datasets(data_path, split, seq_length, counts, seed, vocab_size=vocab_size,
                                  cache_dir=cache_dir)[SPLITS[which]]
     if dataset is None:
-        raise SystemExit(f"--split {split} gives the {which} split no documents; choose another "
-                         f"--eval-split or --split")
+        raise ToolError(f"--split {split} gives the {which} split no documents; choose another "
+                        f"--eval-split or --split")
     return dataset
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
     p.add_argument("--data-path", nargs="*", default=None,
                    help="indexed dataset prefix(es), Megatron-style (default: the training run's)")
@@ -111,7 +116,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eod-mask-loss", action="store_true", help="skip positions whose input is eod")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None)
     p.add_argument("--weights", choices=("master", "model"), default="master")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("eval_samples", "micro_batch_size", "seq_length"):
+        value = getattr(args, flag)
+        require(value is None or value >= 1,
+                f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    return args
 
 
 def data_settings(args: argparse.Namespace, state: ParallelState) -> tuple[list[str], str, int, str | None]:
@@ -125,7 +135,7 @@ def data_settings(args: argparse.Namespace, state: ParallelState) -> tuple[list[
     data_path = args.data_path or data.get("data_path")
     if not data_path:
         if not run["data"]:
-            raise SystemExit(f"{args.load} does not say what data it saw; pass --data-path")
+            raise ToolError(f"{args.load} does not say what data it saw; pass --data-path")
         if state.rank == 0:        # build the embedded corpus once, the others wait
             default_corpus(run)
         comm.barrier(state.world)
@@ -137,22 +147,49 @@ def run(args: argparse.Namespace, state: ParallelState) -> EvalResult:
     model = load_model(args.load, state, kind=args.weights)
     config = model.config
     seq = args.seq_length or config.seq_length
+    require(seq <= config.max_position_embeddings,
+            f"--seq-length {seq} exceeds the model's {config.max_position_embeddings} positions; "
+            f"pass --seq-length {config.max_position_embeddings} or less")
     data_path, split, seed, cache_dir = data_settings(args, state)
     eod = None
     if args.eod_mask_loss:
         from hybrid.data import Tokenizer
         tok = resolve_tokenizer(args.load, args.tokenizer_model)
         if tok is None:
-            raise SystemExit("--eod-mask-loss needs the tokenizer: pass --tokenizer-model")
+            raise ToolError("--eod-mask-loss needs the tokenizer: pass --tokenizer-model")
         eod = Tokenizer(tok).eod
-    build = (data_path, split, args.eval_split, seq, args.eval_samples, seed, config.vocab_size,
-             cache_dir)
-    if state.rank == 0:   # build (and cache) the sample index once, like the trainer
-        build_eval_dataset(*build)
-    comm.barrier(state.world)
-    dataset = build_eval_dataset(*build)
-    return evaluate_perplexity(model, dataset, state, num_samples=args.eval_samples,
+    dataset, num_samples = eval_dataset(args, state, data_path, split, seq, seed, config.vocab_size,
+                                        cache_dir)
+    return evaluate_perplexity(model, dataset, state, num_samples=num_samples,
                                micro_batch_size=args.micro_batch_size, eod_mask=eod)
+
+
+def eval_dataset(args: argparse.Namespace, state: ParallelState, data_path: list[str], split: str,
+                 seq: int, seed: int, vocab_size: int, cache_dir: str | None):
+    """``(dataset, samples to evaluate)``: --eval-samples, or every distinct sample of the split
+    once when it has fewer (with a warning) - a perplexity over repeated samples would mislead."""
+    from hybrid.data.builder import distinct_samples
+
+    def build(num_samples: int):
+        args_ = (data_path, split, args.eval_split, seq, num_samples, seed, vocab_size, cache_dir)
+        if state.rank == 0:   # build (and cache) the sample index once, like the trainer
+            build_eval_dataset(*args_)
+        comm.barrier(state.world)
+        return build_eval_dataset(*args_)
+
+    requested = args.eval_samples
+    dataset = build(requested)
+    distinct = distinct_samples(dataset)
+    if requested <= distinct:
+        return dataset, requested
+    require(distinct > 0, f"the {args.eval_split} split holds fewer than {seq + 1} tokens, not one "
+                          f"sample; pass a shorter --seq-length or give the split more documents")
+    if state.rank == 0:
+        print(f"warning: the {args.eval_split} split has only {distinct} distinct samples of "
+              f"{seq}+1 tokens; evaluating those {distinct} once instead of --eval-samples "
+              f"{requested} (more would repeat documents)", file=sys.stderr, flush=True)
+    dataset = build(distinct)
+    return dataset, min(distinct, distinct_samples(dataset))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,4 +203,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

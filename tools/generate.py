@@ -27,6 +27,7 @@ from hybrid.generation import SamplingParams, generate  # noqa: E402
 from hybrid.launch_env import LaunchEnv, LaunchEnvError  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
 from models.gpt.weights import load_model  # noqa: E402
+from tools._cli import ArgumentParser, ToolError, require, run_cli  # noqa: E402
 
 
 def parallel_state_from_env(tp: int | None) -> ParallelState:
@@ -75,7 +76,7 @@ def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
     p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model (default: see above)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
@@ -90,7 +91,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="checkpoint tensors to use: fp32 master or 16-bit model weights")
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after end-of-document")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    require(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    require(args.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    require(args.top_k >= 0, f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    require(0 < args.top_p <= 1, f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    require(args.prompt_ids is None or not args.prompt,
+            "--prompt and --prompt-ids are exclusive; pass one of them")
+    return args
+
+
+def parse_prompt_ids(text: str, vocab_size: int) -> list[list[int]]:
+    """--prompt-ids: a JSON list of token-id lists, every id in ``[0, vocab_size)``."""
+    example = "e.g. --prompt-ids '[[5, 17, 2], [9]]'"
+    try:
+        prompts = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ToolError(f"--prompt-ids is not valid JSON ({err.msg}); {example}") from None
+    require(isinstance(prompts, list) and all(isinstance(ids, list) for ids in prompts),
+            f"--prompt-ids must be a list of token-id lists, got {text!r}; {example}")
+    for ids in prompts:
+        for t in ids:
+            require(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size,
+                    f"--prompt-ids holds {t!r}, not a token id of this model (0 .. {vocab_size - 1})")
+    return prompts
 
 
 def run(args: argparse.Namespace, state: ParallelState) -> list[dict]:
@@ -103,9 +127,9 @@ def run(args: argparse.Namespace, state: ParallelState) -> list[dict]:
         from hybrid.data import Tokenizer
         tokenizer = Tokenizer(tok_path)
     if args.prompt_ids is not None:
-        prompts = json.loads(args.prompt_ids)
+        prompts = parse_prompt_ids(args.prompt_ids, model.config.vocab_size)
     elif tokenizer is None:
-        raise SystemExit("no tokenizer found for text prompts; pass --tokenizer-model or --prompt-ids")
+        raise ToolError("no tokenizer found for text prompts; pass --tokenizer-model or --prompt-ids")
     else:
         prompts = [tokenizer.encode(text) for text in args.prompt or [""]]
     eod = None if args.no_stop_at_eod or tokenizer is None else tokenizer.eod
@@ -131,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

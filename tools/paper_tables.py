@@ -19,6 +19,7 @@ from pathlib import Path
 from hybrid.perf.hardware import dgx2_v100_cluster
 from hybrid.perf.throughput import ThroughputAssumptions
 from tools import paper_claims, paper_numbers as pn
+from tools._cli import ArgumentParser, require, run_cli
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "paper"
 
@@ -159,10 +160,12 @@ def write_all(out: Path, data: dict) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
     args = parser.parse_args(argv)
+    require(args.json or not args.out.exists() or args.out.is_dir(),
+            f"--out {args.out} is a file; pass a directory for the tables and plots")
     data = collect()
     if args.json:
         json.dump(data, sys.stdout, indent=1)
@@ -174,4 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -17,10 +17,12 @@ import sys
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import GB
 from hybrid.perf.throughput import estimate_iteration
+from models.gpt.config import GPTConfig
+from tools._cli import ArgumentParser, require, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     for flag, default in (("--num-layers", None), ("--hidden-size", None),
                           ("--num-attention-heads", None), ("--seq-length", 1024),
                           ("--vocab-size", 50257), ("--micro-batch-size", 1),
@@ -35,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="baseline fp32 fused gradient buffer instead of ZeRO-R constant buffers")
     p.add_argument("--json", action="store_true")
     return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The model dims through GPTConfig's own checks, then the layout: one error line each."""
+    config = GPTConfig(args.num_layers, args.hidden_size, args.num_attention_heads,
+                       vocab_size=args.vocab_size, seq_length=args.seq_length)
+    for flag in ("micro_batch_size", "tensor_model_parallel_size", "data_parallel_size",
+                 "gradient_accumulation_steps"):
+        value = getattr(args, flag)
+        require(value >= 1, f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    require(args.zero_stage in (0, 1, 2, 3), f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    config.validate_for_tp(args.tensor_model_parallel_size)
 
 
 def estimate(args: argparse.Namespace) -> dict:
@@ -64,6 +78,7 @@ def estimate(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     result = estimate(args)
     if args.json:
         json.dump(result, sys.stdout, indent=1)
@@ -80,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from hybrid.data.blending import BlendedDataset, parse_data_path, samples_per_dataset
 from hybrid.data.gpt_dataset import GPTDataset, check_vocab, parse_split
 from hybrid.data.indexed_dataset import IndexedDataset, IndexedDatasetError
@@ -56,3 +58,13 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int,
                  for (_, ds, docs), c in zip(members, counts)]
         out.append(parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, n))
     return out
+
+
+def distinct_samples(dataset) -> int:
+    """How many leading samples of ``dataset`` come from a single pass over each dataset's documents;
+    a dataset built for at most this many samples repeats no document (a larger request cycles)."""
+    if isinstance(dataset, BlendedDataset):
+        per_epoch = np.array([d.samples_per_epoch for d in dataset.datasets])
+        repeats = np.nonzero(dataset.dataset_sample_index >= per_epoch[dataset.dataset_index])[0]
+        return int(repeats[0]) if len(repeats) else len(dataset)
+    return min(len(dataset), dataset.samples_per_epoch)

@@ -137,6 +137,7 @@ class GPTDataset:
         tokens = int(self._lengths[begin:end].sum())
         if tokens < 2:
             raise ValueError(f"{name} split has {tokens} tokens; a sample needs at least 2")
+        self.tokens_per_epoch = tokens
         digest = hashlib.sha256(np.ascontiguousarray(self._lengths, dtype="<i8").tobytes()).hexdigest()
         cfg = GPTIndexConfig(digest, begin, end, seq_length, num_samples, seed)
         self.document_index, self.sample_index, self.shuffle_index = load_or_build_index(
@@ -150,6 +151,11 @@ class GPTDataset:
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples one pass over the split's documents gives (more than this repeats documents)."""
+        return (self.tokens_per_epoch - 1) // self.seq_length
 
     def __getitem__(self, i: int) -> np.ndarray:
         j = int(self.shuffle_index[i])

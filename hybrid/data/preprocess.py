@@ -24,6 +24,7 @@ import numpy as np
 import sentencepiece as spm
 
 from hybrid.data.indexed_dataset import IndexedDatasetWriter, best_token_dtype
+from hybrid.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ def read_documents(paths: Sequence[str | Path], json_key: str = "text") -> Itera
     for path in paths:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+            what = "is not a file" if path.exists() else "does not exist"
+            raise FileNotFoundError(f"input file {str(path)!r} {what}; pass text or JSONL files "
+                                    f"to --input")
         if path.suffix not in JSON_SUFFIXES:
             yield path.read_text(encoding="utf-8", errors="replace")
             continue
@@ -107,6 +110,7 @@ def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     model = str(tokenizer_model)
+    Tokenizer(model)   # a readable sentencepiece model, or TokenizerError naming the file
     vocab = _processor(model).vocab_size()
     if append_eod and _processor(model).eos_id() < 0:
         raise ValueError(f"tokenizer {model!r} has no end-of-document id; retrain it with "

@@ -23,16 +23,29 @@ MAX_PIECE_INPUT = 8192
 UNK_ID, BOS_ID, EOD_ID = 0, 1, 2
 
 
+class TokenizerError(ValueError):
+    """A tokenizer model that is not a readable sentencepiece model; the message says what to pass."""
+
+
 class Tokenizer:
     """A thin wrapper around a sentencepiece model: encode/decode, vocab_size, eod."""
 
     def __init__(self, model_path: str | Path):
         path = str(model_path)
+        if os.path.isdir(path):
+            raise TokenizerError(f"tokenizer model {path!r} is a directory; pass the .model file "
+                                 f"inside it (tools/train_tokenizer.py writes PREFIX.model)")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer model {path!r} does not exist; train one with "
                                     "tools/train_tokenizer.py")
         self.model_path = path
-        self._sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as err:   # sentencepiece: "could not parse ModelProto"
+            raise TokenizerError(
+                f"tokenizer model {path!r} is not a sentencepiece model ({' '.join(str(err).split())}); "
+                f"pass the .model file tools/train_tokenizer.py wrote (Hugging Face tokenizer.json "
+                f"and GPT-2 vocab/merges files are not supported)") from None
 
     @property
     def vocab_size(self) -> int:

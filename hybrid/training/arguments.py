@@ -19,7 +19,6 @@ from typing import get_args, get_type_hints
 
 import yaml
 
-from hybrid.training import sections as sections_module
 from hybrid.training.config import SECTIONS, TrainConfig, TrainConfigError
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "launch" / "presets"
@@ -38,19 +37,27 @@ def load_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
-        raise TrainConfigError(f"config file {str(path)!r} does not exist; presets in {PRESET_DIR}: "
+        what = "is not a file" if path.exists() else "does not exist"
+        raise TrainConfigError(f"config file {str(path)!r} {what}; presets in {PRESET_DIR}: "
                                f"{', '.join(names)}")
-    if path.suffix == ".toml":
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    elif path.suffix in (".yaml", ".yml"):
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    else:
+    if path.suffix not in (".toml", ".yaml", ".yml"):
         raise TrainConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
+    try:
+        data = _parse_config_text(path)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise TrainConfigError(f"config file {str(path)!r} is not valid "
+                               f"{'TOML' if path.suffix == '.toml' else 'YAML'}: "
+                               f"{' '.join(str(err).split())}; fix the line it names") from None
     if not isinstance(data, dict):
-        raise TrainConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        raise TrainConfigError(f"config file {str(path)!r} must hold a mapping of sections "
+                               f"(model:, parallel:, ...), got {type(data).__name__}")
     return data
+
+
+def _parse_config_text(path: Path):
+    if path.suffix == ".toml":
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
 
 
 def resolve_preset(name_or_path: str) -> Path:
@@ -62,8 +69,7 @@ def resolve_preset(name_or_path: str) -> Path:
 
 
 def _field_type(section_cls: type, name: str):
-    hints = get_type_hints(section_cls, vars(sections_module))
-    return hints[name]
+    return get_type_hints(section_cls)[name]
 
 
 def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type) -> None:
@@ -72,6 +78,9 @@ def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type
     kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=f.metadata.get("help"))
     if hint is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        if f.metadata.get("off_flag"):   # Megatron's spelling, e.g. --disable-bias-linear
+            group.add_argument(f.metadata["off_flag"], action="store_false", dest=kw["dest"],
+                               default=argparse.SUPPRESS, help=f"same as --no-{flag[2:]}")
     elif hint == list[str]:
         group.add_argument(flag, nargs="+", metavar="ITEM", **kw)
     else:
@@ -123,9 +132,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, LaunchOption
     for dest, value in vars(ns).items():
         if "." in dest:
             section, key = dest.split(".", 1)
-            nested.setdefault(section, {})
-            if nested[section] is None:
+            if nested.get(section) is None:
                 nested[section] = {}
-            nested[section][key] = value
+            if isinstance(nested[section], dict):   # else TrainConfig.from_dict names the section
+                nested[section][key] = value
     cfg = TrainConfig.from_dict(nested)
     return cfg, LaunchOptions(dry_run=ns.dry_run, dry_run_rank=ns.dry_run_rank)

@@ -1,6 +1,7 @@
 """Training configuration: dataclasses that validate themselves (docs/design.md §9).
 
-One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections`. Every field
+One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections` (the model
+section is :class:`models.gpt.GPTConfig`, validated by its own checks only). Every field
 name is the Megatron-LM flag with dashes turned into underscores (``tensor_model_parallel_size`` <->
 ``--tensor-model-parallel-size``), so a YAML/TOML preset, the command line and a checkpoint's stored
 config all speak one vocabulary.
@@ -16,15 +17,17 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid.training.sections import (SECTIONS, CheckpointSection, DataSection, LoggingSection,
-                                      ModelSection, OptimizerSection, ParallelSection,
-                                      TrainConfigError, TrainingSection, flag_name)
+                                      OptimizerSection, ParallelSection, TrainConfigError,
+                                      TrainingSection, build_model_config)
+from hybrid.training.config_values import coerce_section
+from models.gpt.config import ConfigError, GPTConfig
 
 __all__ = ["SECTIONS", "TrainConfig", "TrainConfigError"]
 
 
 @dataclass
 class TrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: GPTConfig = field(default_factory=lambda: build_model_config({}))
     parallel: ParallelSection = field(default_factory=ParallelSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     data: DataSection = field(default_factory=DataSection)
@@ -32,7 +35,25 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
+    def __post_init__(self) -> None:
+        self.check_sections()
+
     # ---- cross-section checks ----------------------------------------------------------------
+    def check_sections(self) -> None:
+        """Checks between sections that need no world size: the model splits into the TP degree,
+        and sequence parallelism shards the sequence into equal TP slices."""
+        tp = self.parallel.tensor_model_parallel_size
+        try:
+            self.model.validate_for_tp(tp)
+        except ConfigError as err:
+            raise TrainConfigError(str(err)) from None
+        seq = self.model.seq_length
+        if self.parallel.sequence_parallel and seq % tp:
+            raise TrainConfigError(
+                f"--sequence-parallel shards the sequence over the TP ranks, but --seq-length {seq} "
+                f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
+                f"is a multiple of {tp} or drop --sequence-parallel")
+
     def data_parallel_size(self, world_size: int) -> int:
         tp = self.parallel.tensor_model_parallel_size
         if world_size % tp:
@@ -68,12 +89,7 @@ class TrainConfig:
                 f"launched; launch {p.world_size} ranks, or override --world-size {world_size} and "
                 f"check --global-batch-size")
         self.grad_accumulation_steps(world_size)
-        for name in ("hidden_size", "num_attention_heads"):
-            value = getattr(self.model, name)
-            if value % p.tensor_model_parallel_size:
-                raise TrainConfigError(
-                    f"{flag_name(name)} {value} is not divisible by --tensor-model-parallel-size "
-                    f"{p.tensor_model_parallel_size}; choose a TP degree that divides it")
+        self.check_sections()
         o = self.optimizer
         if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:
             raise TrainConfigError(f"--lr-decay-iters {o.lr_decay_iters} is shorter than "
@@ -87,19 +103,15 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         """Build from nested ``{section: {field: value}}``; unknown keys raise with suggestions."""
-        unknown = sorted(set(d) - set(SECTIONS))
+        unknown = sorted(str(k) for k in set(d) - set(SECTIONS))
         if unknown:
             raise TrainConfigError(f"unknown config section(s) {unknown}; sections are "
                                    f"{sorted(SECTIONS)}")
         sections = {}
         for name, section_cls in SECTIONS.items():
-            values = {k.replace("-", "_"): v for k, v in (d.get(name) or {}).items()}
-            known = {f.name for f in dataclasses.fields(section_cls)}
-            bad = sorted(set(values) - known)
-            if bad:
-                raise TrainConfigError(f"unknown key(s) {bad} in config section '{name}'; known keys: "
-                                       f"{sorted(known)}")
-            sections[name] = section_cls(**values)
+            values = coerce_section(name, section_cls, _section_values(name, d.get(name)))
+            sections[name] = (build_model_config(values) if section_cls is GPTConfig
+                              else section_cls(**values))
         return cls(**sections)
 
     def describe(self) -> str:
@@ -109,3 +121,28 @@ class TrainConfig:
             for key, value in values.items():
                 lines.append(f"  {name + '.' + key:<42} = {value!r}")
         return "\n".join(lines)
+
+
+def _section_values(name: str, raw) -> dict:
+    """The ``{key: value}`` of config section ``name`` (dashes in keys read as underscores); an empty
+    section is ``{}``; anything but a mapping of known keys is refused."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise TrainConfigError(f"config section '{name}' must be a mapping of key: value pairs, got "
+                               f"{raw!r} ({type(raw).__name__}); write e.g. '{name}:' followed by "
+                               f"indented 'key: value' lines")
+    keys = [k for k in raw if not isinstance(k, str)]
+    if keys:
+        raise TrainConfigError(f"config section '{name}' has key(s) {keys} that are not names; keys "
+                               f"are field names like {sorted(_known(name))[0]}")
+    values = {k.replace("-", "_"): v for k, v in raw.items()}
+    bad = sorted(set(values) - _known(name))
+    if bad:
+        raise TrainConfigError(f"unknown key(s) {bad} in config section '{name}'; known keys: "
+                               f"{sorted(_known(name))}")
+    return values
+
+
+def _known(name: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(SECTIONS[name])}

@@ -1,6 +1,7 @@
 """The seven sections of the training configuration, each validating itself (docs/design.md §9).
 
-Every field name is the Megatron-LM command-line flag with dashes turned into underscores
+The ``model`` section is :class:`models.gpt.GPTConfig` itself, with the trainer's defaults
+(:data:`MODEL_DEFAULTS`); the other six are defined here. Every field name is the Megatron-LM command-line flag with dashes turned into underscores
 (``tensor_model_parallel_size`` <-> ``--tensor-model-parallel-size``); the ``help`` metadata is the
 flag's help text (hybrid.training.arguments generates the parser from these fields). Checks that
 need several sections or the world size live in :class:`hybrid.training.config.TrainConfig`.
@@ -8,8 +9,11 @@ need several sections or the world size live in :class:`hybrid.training.config.T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from models.gpt.config import ConfigError, GPTConfig
 
 
 class TrainConfigError(ValueError):
@@ -32,7 +36,8 @@ def _positive(section, *names: str, allow_none: bool = False) -> None:
 def _non_negative(section, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value < 0):
             raise TrainConfigError(f"{flag_name(name)} must be a number >= 0, got {value!r}")
 
 
@@ -40,38 +45,19 @@ def _help(text: str, **kw):
     return field(metadata={"help": text}, **kw)
 
 
-@dataclass
-class ModelSection:
-    """GPT dimensions (Megatron-LM §3, ZeRO Table 5); turned into a models.gpt.GPTConfig."""
+# The model section is models.gpt.GPTConfig itself (its fields, help texts and validation); the
+# trainer only chooses other defaults: a tiny model, no dropout, the vocab size of the tokenizer.
+MODEL_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                  "vocab_size": None, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
-    num_layers: int = _help("transformer layers", default=2)
-    hidden_size: int = _help("hidden size h", default=64)
-    num_attention_heads: int = _help("attention heads a", default=4)
-    seq_length: int = _help("tokens per sample s", default=64)
-    max_position_embeddings: int | None = _help("learned positions (default: seq length)", default=None)
-    ffn_hidden_size: int | None = _help("MLP width (default: 4 h)", default=None)
-    vocab_size: int | None = _help("vocab size (default: the tokenizer's)", default=None)
-    make_vocab_size_divisible_by: int = _help("pad the vocab to a multiple of this x TP", default=128)
-    hidden_dropout: float = _help("dropout after attention and MLP", default=0.0)
-    attention_dropout: float = _help("dropout on attention probabilities", default=0.0)
-    init_method_std: float = _help("std of the normal weight init", default=0.02)
 
-    def __post_init__(self) -> None:
-        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                  "make_vocab_size_divisible_by")
-        _positive(self, "max_position_embeddings", "ffn_hidden_size", "vocab_size", allow_none=True)
-        if self.hidden_size % self.num_attention_heads:
-            raise TrainConfigError(
-                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} "
-                f"attention heads; change --hidden-size or --num-attention-heads")
-        if self.max_position_embeddings is not None and self.seq_length > self.max_position_embeddings:
-            raise TrainConfigError(
-                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                f"{self.max_position_embeddings}; raise the latter or shorten the sequence")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise TrainConfigError(f"{flag_name(name)} must be in [0, 1), "
-                                       f"got {getattr(self, name)}")
+def build_model_config(values: dict) -> GPTConfig:
+    """The ``model`` section: :data:`MODEL_DEFAULTS` overridden by ``values``, checked by
+    GPTConfig's own validation (its errors become :class:`TrainConfigError`)."""
+    try:
+        return GPTConfig(**{**MODEL_DEFAULTS, **values})
+    except ConfigError as err:
+        raise TrainConfigError(str(err)) from None
 
 
 @dataclass
@@ -271,7 +257,7 @@ class TrainingSection:
             self.memory_budget_bytes  # noqa: B018  (validates the size now, not at build time)
         _positive(self, "train_iters", "eval_interval")
         _non_negative(self, "seed", "eval_iters")
-        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise TrainConfigError(f"--exit-duration-in-mins must be positive, got "
                                    f"{self.exit_duration_in_mins}")
 
@@ -321,7 +307,7 @@ class LoggingSection:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelSection, "parallel": ParallelSection, "optimizer": OptimizerSection,
+    "model": GPTConfig, "parallel": ParallelSection, "optimizer": OptimizerSection,
     "data": DataSection, "training": TrainingSection, "checkpoint": CheckpointSection,
     "logging": LoggingSection,
 }

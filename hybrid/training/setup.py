@@ -81,19 +81,21 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     comm.barrier(state.world)
     train, valid, _ = build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
                                          vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)
+    if valid is None and t.eval_iters and t.train_iters >= t.eval_interval:
+        raise ValueError(
+            f"--split {d.split} leaves the validation split of --data-path {' '.join(data_path)} "
+            f"without documents, but evaluation is on (--eval-iters {t.eval_iters} every "
+            f"--eval-interval {t.eval_interval}); give validation a share with enough documents "
+            f"(e.g. --split 90,10,0), add documents, or pass --eval-iters 0")
     return DataBundle(train, valid, tokenizer.vocab_size, tokenizer.eod)
 
 
 def gpt_config(cfg: TrainConfig, vocab_size: int):
-    from models.gpt import GPTConfig
-    m = cfg.model
-    return GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                     num_attention_heads=m.num_attention_heads, vocab_size=m.vocab_size or vocab_size,
-                     seq_length=m.seq_length, max_position_embeddings=m.max_position_embeddings,
-                     ffn_hidden_size=m.ffn_hidden_size,
-                     make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                     hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-                     init_method_std=m.init_method_std)
+    """The model config of the run: ``cfg.model``, with the tokenizer's ``vocab_size`` when the
+    config gives none."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model
+    return cfg.model.replace(vocab_size=vocab_size)
 
 
 def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
@@ -277,6 +279,33 @@ def check_save_dir(cfg: TrainConfig) -> None:
                               f"choose a writable directory") from None
 
 
+def check_output_dirs(cfg: TrainConfig) -> None:
+    """Fail at launch when a directory the run writes to (besides --save) cannot be a writable
+    directory: the TensorBoard events, the sample-index cache and the NVMe offload files (each is
+    created, as the run would; every rank probes with its own file, so ranks do not race)."""
+    dirs = {"--tensorboard-dir": cfg.logging.tensorboard_dir, "--data-cache-dir": cfg.data.data_cache_dir,
+            "--offload-nvme-path": cfg.parallel.offload_nvme_path}
+    for flag, path in dirs.items():
+        problem = None if path is None else writable_dir_problem(Path(path))
+        if problem:
+            raise ValueError(f"{flag} {path!r} is not a writable directory ({problem}); choose a "
+                             f"directory this job can create and write")
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be used as an output directory, or None; tries it for real."""
+    if path.exists() and not path.is_dir():
+        return "it is a file"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def claim_save(cfg: TrainConfig, state: ParallelState):
     """Collective: the job's lock on --save, held until the block ends (refuses a directory another
     job holds, or another run's checkpoints unless resuming or --overwrite)."""
@@ -296,6 +325,7 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     env = env if env is not None else LaunchEnv.from_environ()
     with SetupSignals() as signals:   # a stop signal before training: nothing to save, stop now
         check_save_dir(cfg)
+        check_output_dirs(cfg)
         state = build_parallel_state(cfg, env)
         log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
         timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)

@@ -7,6 +7,11 @@ itself on construction, with messages that say what to change (docs/design.md §
 fits a tensor-parallel degree is a separate question, :meth:`GPTConfig.validate_for_tp`, because the
 same model is trained at several TP degrees.
 
+It is also the ``model`` section of the trainer's configuration: each field is a Megatron-LM flag
+(``num_layers`` <-> ``--num-layers``) whose help text is the field's ``help`` metadata, so the
+command line, a YAML/TOML preset and a checkpoint's stored config all build this one class and pass
+through this one validation.
+
 Parameter count of a dense GPT-2 layer (pre-LayerNorm, 4h MLP, biases everywhere):
     2 LayerNorms 4h + fused QKV 3h^2 + 3h + projection h^2 + h + MLP 8h^2 + 5h  =  12h^2 + 13h,
 plus word embeddings V_padded * h, position embeddings P * h and the final LayerNorm 2h, which is
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybrid.perf.architecture import Architecture
 
@@ -30,34 +35,51 @@ class ConfigError(ValueError):
     """An invalid model configuration; the message says what to change."""
 
 
+def _help(text: str, off_flag: str | None = None, **default):
+    """A field whose ``help`` metadata is its command-line help (no ``default``: required);
+    ``off_flag``: Megatron's name of the flag that turns a default-on option off."""
+    metadata = {"help": text} if off_flag is None else {"help": text, "off_flag": off_flag}
+    return field(metadata=metadata, **default)
+
+
 @dataclass(frozen=True)
 class GPTConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int = 50257
-    seq_length: int = 1024
-    max_position_embeddings: int | None = None  # defaults to seq_length
-    ffn_hidden_size: int | None = None          # defaults to 4 * hidden_size
-    make_vocab_size_divisible_by: int = 128
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    norm_epsilon: float = 1e-5
+    num_layers: int = _help("transformer layers")
+    hidden_size: int = _help("hidden size h")
+    num_attention_heads: int = _help("attention heads a")
+    # None: not known yet; the trainer fills in its tokenizer's size before building a model
+    vocab_size: int | None = _help("vocab size (default: the tokenizer's)", default=50257)
+    seq_length: int = _help("tokens per sample s", default=1024)
+    max_position_embeddings: int | None = _help("learned positions (default: seq length)",
+                                                default=None)
+    ffn_hidden_size: int | None = _help("MLP width (default: 4 h; SwiGLU: 8h/3 rounded down to 64)",
+                                        default=None)
+    make_vocab_size_divisible_by: int = _help("pad the vocab to a multiple of this x TP", default=128)
+    hidden_dropout: float = _help("dropout after attention and MLP", default=0.1)
+    attention_dropout: float = _help("dropout on attention probabilities", default=0.1)
+    init_method_std: float = _help("std of the normal weight init", default=0.02)
+    norm_epsilon: float = _help("epsilon of every LayerNorm / RMSNorm", default=1e-5)
     # ---- Llama-family options (Megatron-LM's names) ----
-    position_embedding_type: str = "learned_absolute"   # or "rope"
-    rotary_base: float = 10000.0
-    use_rope_scaling: bool = False             # Llama-3.1 frequency scaling of the rotary embedding
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    normalization: str = "LayerNorm"           # or "RMSNorm"
-    swiglu: bool = False
-    group_query_attention: bool = False
-    num_query_groups: int | None = None        # with group_query_attention; 1 = multi-query
-    add_bias_linear: bool = True               # False = --disable-bias-linear
-    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = _help("learned_absolute | rope", default="learned_absolute")
+    rotary_base: float = _help("rotary embedding base (Llama-2 10000, Llama-3 500000)",
+                               default=10000.0)
+    use_rope_scaling: bool = _help("Llama-3.1 frequency scaling of the rotary embedding",
+                                   default=False)
+    rope_scaling_factor: float = _help("rope scaling factor (Llama-3.1: 8)", default=8.0)
+    rope_low_freq_factor: float = _help("rope scaling low-frequency factor", default=1.0)
+    rope_high_freq_factor: float = _help("rope scaling high-frequency factor", default=4.0)
+    rope_original_max_position_embeddings: int = _help("context the rope scaling extends",
+                                                       default=8192)
+    normalization: str = _help("LayerNorm | RMSNorm", default="LayerNorm")
+    swiglu: bool = _help("SwiGLU MLP (gate and up projections) instead of GELU", default=False)
+    group_query_attention: bool = _help("grouped-query attention (needs --num-query-groups)",
+                                        default=False)
+    num_query_groups: int | None = _help("key/value groups with GQA; 1 = multi-query attention",
+                                         default=None)
+    add_bias_linear: bool = _help("biases in every linear layer", off_flag="--disable-bias-linear",
+                                  default=True)
+    untie_embeddings_and_output_weights: bool = _help("an output layer of its own, not the "
+                                                      "word embedding", default=False)
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
@@ -81,30 +103,37 @@ class GPTConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "max_position_embeddings", "ffn_hidden_size", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
+            if value is None and name == "vocab_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}; set {flag}")
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}; "
+                                  f"set {_flag(name)}")
 
     def _check_shapes(self) -> None:
         h, a = self.hidden_size, self.num_attention_heads
         if h % a:
             raise ConfigError(
-                f"hidden size {h} is not divisible by {a} attention heads; choose a head count "
-                f"that divides {h} (e.g. {_nearest_divisor(h, a)}) or a hidden size that is a "
-                f"multiple of {a}")
-        if self.seq_length > self.max_position_embeddings:
+                f"hidden size {h} is not divisible by {a} attention heads; set "
+                f"--num-attention-heads to a divisor of {h} (e.g. {_nearest_divisor(h, a)}) or "
+                f"--hidden-size to a multiple of {a}")
+        s, p = self.seq_length, self.max_position_embeddings
+        if s > p:
             raise ConfigError(
-                f"sequence length {self.seq_length} exceeds max position embeddings "
-                f"{self.max_position_embeddings}; raise --max-position-embeddings to at least "
-                f"{self.seq_length} or shorten --seq-length")
+                f"sequence length {s} exceeds max position embeddings {p}; raise "
+                f"--max-position-embeddings {p} to at least {s} or shorten --seq-length {s}")
 
     def _check_numbers(self) -> None:
+        for name in ("hidden_dropout", "attention_dropout", "init_method_std", "norm_epsilon"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}; set {_flag(name)}")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ConfigError(f"{name} must be in [0, 1), got {p}")
+                raise ConfigError(f"{name} must be in [0, 1), got {p}; set {_flag(name)}")
         if not self.init_method_std > 0:
-            raise ConfigError(f"init_method_std must be positive, got {self.init_method_std}")
+            raise ConfigError(f"init_method_std must be positive, got {self.init_method_std}; set "
+                              f"--init-method-std")
         if not self.norm_epsilon > 0:
             raise ConfigError(f"norm_epsilon must be positive, got {self.norm_epsilon}; set "
                               f"--norm-epsilon (e.g. 1e-5)")
@@ -169,20 +198,23 @@ class GPTConfig:
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor-model-parallel size must be a positive integer, got {tp!r}")
         a, h, f = self.num_attention_heads, self.hidden_size, self.ffn_hidden_size
+        if h % tp:
+            raise ConfigError(
+                f"hidden size {h} is not divisible by tensor-model-parallel size {tp} (--hidden-size "
+                f"{h}, --tensor-model-parallel-size {tp}); use a TP degree that divides {h} or a "
+                f"hidden size that is a multiple of {tp}")
         if a % tp:
             raise ConfigError(
-                f"{a} attention heads cannot be split across tensor-model-parallel size {tp}; use a "
-                f"TP degree that divides {a} (e.g. {_nearest_divisor(a, tp)}) or a multiple of {tp} heads")
+                f"{a} attention heads cannot be split across tensor-model-parallel size {tp}: "
+                f"--num-attention-heads {a} is not divisible by --tensor-model-parallel-size {tp}; "
+                f"use a TP degree that divides {a} (e.g. {_nearest_divisor(a, tp)}) or a multiple "
+                f"of {tp} heads")
         g = self.query_groups
         if g % tp:
             raise ConfigError(
                 f"{g} query groups cannot be split across tensor-model-parallel size {tp} (each rank "
                 f"holds whole groups of keys and values); use a TP degree that divides {g} (e.g. "
                 f"{_nearest_divisor(g, tp)}) or set --num-query-groups to a multiple of {tp}")
-        if h % tp:
-            raise ConfigError(
-                f"hidden size {h} is not divisible by tensor-model-parallel size {tp}; use a TP degree "
-                f"that divides {h} or a hidden size that is a multiple of {tp}")
         if f % tp:
             raise ConfigError(
                 f"ffn hidden size {f} is not divisible by tensor-model-parallel size {tp}; use a TP "
@@ -196,6 +228,8 @@ class GPTConfig:
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocab rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron's rule):
         every TP rank holds an equal slice of the embedding, and slices stay GEMM-friendly."""
+        if self.vocab_size is None:
+            raise ConfigError("the vocab size is not set; pass --vocab-size or a tokenizer")
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
@@ -289,10 +323,13 @@ class GPTConfig:
         return cls(**d)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        flag = "--" + name.replace("_", "-")
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}; set {flag}")
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}; set {_flag(name)}")
 
 
 def _nearest_divisor(n: int, near: int) -> int:

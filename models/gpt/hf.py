@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from models.gpt.config import ConfigError, GPTConfig
@@ -214,15 +215,20 @@ def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 1
         raise HFConversionError(f"{path} is not a Hugging Face model directory with {CONFIG_FILE} and "
                                 f"{WEIGHTS_FILE} (for .bin checkpoints: re-save them with "
                                 f"save_pretrained(safe_serialization=True))")
-    meta = json.loads((path / CONFIG_FILE).read_text())
+    meta = _read_json(path / CONFIG_FILE)
     llama = meta.get("model_type") == "llama"
-    config = (hf_llama.gpt_config_from_hf_llama if llama else gpt_config_from_hf)(
-        meta, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    try:
+        config = (hf_llama.gpt_config_from_hf_llama if llama else gpt_config_from_hf)(
+            meta, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except (KeyError, TypeError) as err:
+        raise HFConversionError(f"{path / CONFIG_FILE} is not a GPT-2 or Llama config (missing or "
+                                f"wrong {err}); pass a directory written by save_pretrained or "
+                                f"tools/export_hf.py") from None
     if (path / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:
-        files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
-    hf = {k: v.float() for f in files for k, v in load_file(str(path / f)).items()}
+        files = sorted(set(_read_json(path / INDEX_FILE)["weight_map"].values()))
+    hf = {k: v.float() for f in files for k, v in _load_tensors(path / f).items()}
     if llama:
         return hf_llama.from_hf_llama_state_dict(config, hf), config
     return from_hf_state_dict(config, hf), config
@@ -238,6 +244,22 @@ def _check_gpt2(config: GPTConfig) -> None:
             "this model uses options a GPT2LMHeadModel does not compute (rope / RMSNorm / SwiGLU / "
             "GQA / no biases / untied output); Llama-style models (rope, RMSNorm, SwiGLU) export "
             "as LlamaForCausalLM")
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HFConversionError(f"{file} is not valid JSON ({err}); restore it or export the "
+                                f"model again") from None
+
+
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:   # a damaged or foreign file
+        raise HFConversionError(f"{file} is not a readable safetensors file ({err}); restore it "
+                                f"or export the model again") from None
 
 
 def _check_names(config: GPTConfig, canonical: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hybrid.checkpoint import CheckpointError, CheckpointReader
@@ -85,12 +85,16 @@ def _model_config(reader: CheckpointReader) -> dict:
 
 
 def _load_canonical_file(path: Path) -> tuple[dict[str, torch.Tensor], GPTConfig]:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if _CONFIG_KEY not in meta:
-            raise ValueError(f"{path} has no '{_CONFIG_KEY}' metadata; write it with "
-                             f"models.gpt.weights.save_canonical")
-        state_dict = {k: f.get_tensor(k).float() for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            state_dict = {k: f.get_tensor(k).float() for k in f.keys()}
+    except (SafetensorError, OSError) as err:   # a damaged or foreign file
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); restore it or "
+                         f"write it again with tools/import_hf.py") from None
+    if _CONFIG_KEY not in meta:
+        raise ValueError(f"{path} has no '{_CONFIG_KEY}' metadata; write it with "
+                         f"models.gpt.weights.save_canonical")
     return state_dict, GPTConfig.from_dict(json.loads(meta[_CONFIG_KEY]))
 
 

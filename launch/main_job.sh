@@ -3,6 +3,8 @@
 # 4 CPU ranks = tensor parallel 2 x data parallel 2, ZeRO stage 2, bf16 with fp32 master weights, on
 # the embedded default corpus (built and tokenized on first use, cached in data-cache/).
 # Extra arguments are passed on, e.g.  bash launch/main_job.sh --train-iters 50
+# Another preset of launch/presets/ writing checkpoints/<name> and runs/<name>, e.g. the Llama-style
+# twin:  bash launch/main_job.sh --config tiny-llama-cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -19,24 +21,29 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 # are deleted when the new run saves its first), unless the arguments say --load / --save / --overwrite.
 ARGS=("$@")
 CHOSEN=""
+NAME=tiny-cpu
+PREV=""
 for arg in "$@"; do
     case "$arg" in --load|--load=*|--save|--save=*|--overwrite|--no-overwrite) CHOSEN=1 ;; esac
+    case "$arg" in --config=*) NAME="${arg#--config=}" ;; esac
+    if [ "$PREV" = "--config" ]; then NAME="$arg"; fi
+    PREV="$arg"
 done
-if [ -z "$CHOSEN" ] && [ -f checkpoints/tiny-cpu/latest ]; then
-    echo "note: checkpoints/tiny-cpu holds the previous main job's run; this one starts anew and" \
+if [ -z "$CHOSEN" ] && [ -f "checkpoints/$NAME/latest" ]; then
+    echo "note: checkpoints/$NAME holds the previous main job's run; this one starts anew and" \
          "replaces it (--overwrite). To continue it instead:" \
-         "bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400"
+         "bash launch/main_job.sh --config $NAME --load checkpoints/$NAME --train-iters 400"
     ARGS+=(--overwrite)
 fi
 source launch/signals.sh
 run_forwarding_signals .venv/bin/python launch/torchrun.py --standalone --nnodes 1 --nproc-per-node 4 \
-    launch/pretrain_gpt.py --config tiny-cpu ${ARGS[@]+"${ARGS[@]}"}
+    launch/pretrain_gpt.py --config "$NAME" ${ARGS[@]+"${ARGS[@]}"}
 cat <<MSG
 
 Main job finished.
-  TensorBoard logs : runs/tiny-cpu (one sub-directory per run)   view with: .venv/bin/tensorboard --logdir runs/tiny-cpu
-  Checkpoint       : checkpoints/tiny-cpu/$(cat checkpoints/tiny-cpu/latest 2>/dev/null || echo '<none>')
-                     resume/continue: bash launch/main_job.sh --load checkpoints/tiny-cpu --train-iters 400
+  TensorBoard logs : runs/$NAME (one sub-directory per run)   view with: .venv/bin/tensorboard --logdir runs/$NAME
+  Checkpoint       : checkpoints/$NAME/$(cat checkpoints/$NAME/latest 2>/dev/null || echo '<none>')
+                     resume/continue: bash launch/main_job.sh --config $NAME --load checkpoints/$NAME --train-iters 400
   Layout check     : .venv/bin/python launch/pretrain_gpt.py --config table5-zero-100B --dry-run
 MSG
 # Sample from the model just trained: one process, a fixed prompt, seeded top-k (a few seconds).
@@ -44,11 +51,11 @@ PROMPT='def __init__(self'
 echo
 echo "Sample from the model:  (tools/generate.py --prompt '$PROMPT' --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234)"
 echo "----"
-if [ -f checkpoints/tiny-cpu/latest ]; then
+if [ -f checkpoints/$NAME/latest ]; then
     printf '%s' "$PROMPT"
-    .venv/bin/python tools/generate.py --load checkpoints/tiny-cpu --prompt "$PROMPT" \
+    .venv/bin/python tools/generate.py --load checkpoints/$NAME --prompt "$PROMPT" \
         --max-new-tokens 48 --temperature 0.7 --top-k 20 --seed 1234
 else
-    echo "(no checkpoint in checkpoints/tiny-cpu - a --save elsewhere? - so no sample)"
+    echo "(no checkpoint in checkpoints/$NAME - a --save elsewhere? - so no sample)"
 fi
 echo "----"

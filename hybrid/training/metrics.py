@@ -142,12 +142,6 @@ class ThroughputModel:
         return self.tflops_per_rank(seconds_per_iteration) / self.peak_tflops
 
 
-def gpt_flops_per_iteration(global_batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs 72 B s l h^2 (1 + s/(6h) + V/(12 l h)), from hybrid.perf.flops."""
-    from hybrid.perf.flops import model_flops_per_iteration
-    return model_flops_per_iteration(global_batch, seq, layers, hidden, vocab)
-
-
 def memory_bytes(device) -> dict[str, float]:
     """Process memory of this rank: the host resident set (current and peak) on every device, and
     on CUDA the caching allocator's state (:func:`cuda_memory_bytes`)."""

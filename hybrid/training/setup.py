@@ -23,11 +23,12 @@ import torch
 from hybrid import comm
 from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
+from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.training.config import TrainConfig
 from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
 from hybrid.training.lr_schedule import build_lr_schedule
-from hybrid.training.metrics import MetricsWriter, ThroughputModel, gpt_flops_per_iteration
+from hybrid.training.metrics import MetricsWriter, ThroughputModel
 from hybrid.training.resume import TrainState, fresh_run_id
 from hybrid.training.resume import load as load_checkpoint
 from hybrid.training.trainer import Trainer
@@ -234,8 +235,9 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     else:
         train_state = TrainState(run_id=fresh_run_id(state))
     m = cfg.model
-    flops = gpt_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
-                                    m.hidden_size, model.config.padded_vocab_size(state.tp_size))
+    flops = model_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
+                                      m.hidden_size, model.config.padded_vocab_size(state.tp_size),
+                                      heads=m.num_attention_heads, arch=m.perf_architecture())
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name)
     metrics.log_config(cfg.to_dict())
     trainer = Trainer(cfg, state, model, optimizer,

@@ -36,24 +36,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RDZV_PORT = 29517
 _RECEIVER = """
-import socket, sys, time
+import socket, sys, threading, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); n, start = 0, time.monotonic()
-while True:
-    b = c.recv(1 << 20)
-    if not b:
-        break
-    n += len(b)
-print(n, time.monotonic() - start, flush=True)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(8); print("ready", flush=True)
+got, first, last = [], [], []
+def read(c):
+    n = 0
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        if not n:
+            first.append(time.monotonic())
+        n += len(b)
+    last.append(time.monotonic()); got.append(n)
+threads = [threading.Thread(target=read, args=(s.accept()[0],)) for _ in range(int(sys.argv[3]))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(sum(got), max(last) - min(first), flush=True)
 """
 _SENDER = """
-import socket, sys
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-block, left = b"x" * (1 << 20), int(sys.argv[3])
-while left > 0:
-    s.sendall(block[:left]); left -= len(block)
-s.close()
+import socket, sys, threading
+def send(left):
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+    block = b"x" * (1 << 20)
+    while left > 0:
+        s.sendall(block[:left]); left -= len(block)
+    s.close()
+threads = [threading.Thread(target=send, args=(int(sys.argv[3]),)) for _ in range(int(sys.argv[4]))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
 """
 
 
@@ -115,6 +131,7 @@ class NetnsCluster:
             _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _sh("ip", "-n", ns, "link", "set", dev, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
             if self.rate_mbit is not None:   # the host's NIC: sending (dev) and receiving (port)
                 self._shape(ns, dev)
                 self._shape(self.switch, port)
@@ -197,17 +214,51 @@ class NetnsCluster:
                 codes.append(proc.wait(timeout=30))
         return codes
 
-    def measure_mbit(self, src: int, dst: int, nbytes: int = 8 << 20, port: int = 5599) -> float:
-        """Megabits per second of one TCP stream of ``nbytes`` from host ``src`` to host ``dst``
-        (``src == dst``: over the host's loopback)."""
+    def torchrun(self, script: str, log_dir: Path, job: str, timeout: float = 300,
+                 env: dict[str, str] | None = None) -> list[str]:
+        """``torchrun script`` across the hosts (rendezvous on host 0, ``ranks_per_host`` each);
+        returns each host's output (host order); raises if a host fails."""
+        procs = []
+        for host in range(self.hosts):
+            host_env = dict(os.environ if env is None else env)
+            host_env["GLOO_SOCKET_IFNAME"] = self.dev[host]
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts),
+                    "--nproc-per-node", str(self.ranks_per_host), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{self.addr[0]}:{RDZV_PORT + 1}", "--rdzv-id", job,
+                    "--local-addr", self.addr[host],
+                    *(["--rdzv-conf", "is_host=true"] if host == 0 else []), script]
+            log = open(log_dir / f"{job}_host{host}.log", "w+")
+            procs.append((subprocess.Popen(self.command(host, argv), cwd=ROOT, env=host_env,
+                                           stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log))
+        outputs = []
+        for host, (proc, log) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_host(host)
+                code = proc.wait(timeout=30)
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+            if code != 0:
+                raise RuntimeError(f"{script} failed on host {host} (exit {code}):\n"
+                                   f"{outputs[-1][-3000:]}")
+        return outputs
+
+    def measure_mbit(self, src: int, dst: int, nbytes: int = 8 << 20, port: int = 5599,
+                     flows: int = 1) -> float:
+        """Megabits per second that ``flows`` concurrent TCP streams of ``nbytes`` each get together
+        from host ``src`` to host ``dst`` (``src == dst``: over the host's loopback), first byte
+        received to last."""
         addr = "127.0.0.1" if src == dst else self.addr[dst]
         receiver = subprocess.Popen(self.command(dst, [sys.executable, "-c", _RECEIVER, addr,
-                                                      str(port)]),
+                                                      str(port), str(flows)]),
                                     stdout=subprocess.PIPE, text=True)
         try:
             assert receiver.stdout.readline().strip() == "ready"
             subprocess.run(self.command(src, [sys.executable, "-c", _SENDER, addr, str(port),
-                                              str(nbytes)]), check=True, timeout=300)
+                                              str(nbytes), str(flows)]), check=True, timeout=300)
             received, seconds = receiver.communicate(timeout=60)[0].split()
         finally:
             if receiver.poll() is None:

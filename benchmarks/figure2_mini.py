@@ -62,6 +62,21 @@ LAYOUTS = [  # (name, tp, dp, stage)
 RATES_MBIT = (25.0, 50.0, 100.0)
 TOLERANCE = 0.25
 WARMUP = 2                            # iterations left out of the median
+READING = """How to read it. ZeRO (b) trains the same model 1.9-2.5x faster than Megatron with its TP group
+across hosts (a) at every bandwidth, the paper's Figure 2 effect: (a) sends half of its TP ring bytes
+across hosts (2 of the 4 ring hops cross), 3.94 MB per rank per step, while (b) sends only its DP
+bytes, 0.93 MB (Ψ/TP fp32 elements: one reduce-scatter and one all-gather over DP 2), and its TP
+bytes stay inside the host. Both reach the same loss. The model predicts (a) within 5% at all three
+bandwidths. It under-predicts (b) by 36-53%, beyond the 25% target: its DP term takes the link rate
+gloo's ring all-reduce gets (the probe's, 95% of the filter's rate), but ZeRO's DP collectives on
+gloo are hybrid.comm's point-to-point all-gather and all-to-all reduce-scatter, which send and
+receive at once. On this link, two DP groups of 2 moving 1.86 MB per op took 0.52-0.54 s per
+all-gather or reduce-scatter against 0.31 s for gloo's all-reduce or a one-way send of the same
+bytes: the incoming streams' TCP ACKs queue behind 100 ms of outgoing data in the token bucket.
+Giving bare ACKs a priority class (htb + a u32 filter) cut that to 0.39-0.44 s in the same probe,
+but one end-to-end run with it had every layout slower (the machine's load average had reached 16
+from other jobs), so its effect on training is unknown and it is not in the test bed. At 100 Mbit/s compute matters too: 4 ranks share 2 busy cores while the
+compute terms are CPU-time rates."""
 CALIBRATION = Path(__file__).resolve().parent.parent / "docs" / "paper" / "calibration.json"
 DEFAULT_OUT = CALIBRATION.parent
 
@@ -226,7 +241,8 @@ def write_outputs(result: dict, out: Path) -> None:
         f"`python -m benchmarks.figure2_mini` (see its docstring): GPT {result['model']}, global batch "
         f"{result['global_batch']}, micro-batch {result['micro_batch']}, fp32, {result['hosts']} hosts x "
         f"{result['ranks_per_host']} CPU ranks; error = predicted / measured - 1 (target "
-        f"{result['tolerance']:.0%}).\n\n{table(result)}\n")
+        f"{result['tolerance']:.0%}).\n\n{table(result)}\n\n![tokens per second](figure2_mini.png)\n\n"
+        f"{READING}\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["layout"] for r in result["runs"]):
         runs = [r for r in result["runs"] if r["layout"] == name]

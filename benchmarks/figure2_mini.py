@@ -74,8 +74,8 @@ receive at once. On this link, two DP groups of 2 moving 1.86 MB per op took 0.5
 all-gather or reduce-scatter against 0.31 s for gloo's all-reduce or a one-way send of the same
 bytes: the incoming streams' TCP ACKs queue behind 100 ms of outgoing data in the token bucket.
 Giving bare ACKs a priority class (htb + a u32 filter) cut that to 0.39-0.44 s in the same probe,
-but one end-to-end run with it had every layout slower (the machine's load average had reached 16
-from other jobs), so its effect on training is unknown and it is not in the test bed. At 100 Mbit/s compute matters too: 4 ranks share 2 busy cores while the
+but end to end at 50 Mbit/s it made (b) only 7% faster (0.549 s against 0.588 s) and (a) 33%
+slower (1.847 s against 1.386 s), so the test bed keeps the plain token-bucket filter. At 100 Mbit/s compute matters too: 4 ranks share 2 busy cores while the
 compute terms are CPU-time rates."""
 CALIBRATION = Path(__file__).resolve().parent.parent / "docs" / "paper" / "calibration.json"
 DEFAULT_OUT = CALIBRATION.parent

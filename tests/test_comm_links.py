@@ -113,3 +113,22 @@ def test_ledger_split_on_two_nodes_of_two_ranks():
         assert split[("tp", op)] == pytest.approx((volume, 0.0))
         assert split[("dp", op)] == pytest.approx((0.0, volume))
         assert totals[("dp", op)] == pytest.approx(volume)
+
+
+def test_dry_runs_split_the_400_gpu_traffic_by_link():
+    """table5-zero-100B: DP 25 with one rank per DGX-2 node (every DP byte on InfiniBand), TP 16
+    inside a node (none); table5-megatron-100B: TP 128 over 8 nodes, 8 of 128 ring hops cross."""
+    from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.dry_run import dry_run_report, format_report
+    zero = dry_run_report(parse_args(["--config", "table5-zero-100B"])[0])
+    assert zero["dp_cross_host_bytes_per_step"] == zero["dp_bytes_per_step"] > 0
+    assert zero["tp_cross_host_bytes_per_step"] == 0
+    # ZeRO-R Pa + full recompute: 6 all-reduces a layer + Pa's all-gather, micro 32, seq 1024, h 8192
+    tp_bytes = tp_ring_bytes_per_microbatch(125, 8192, 1024, 32, 16, full_recompute=True,
+                                            partition_activations=True, activation_bytes=2)[0]
+    assert zero["tp_bytes_per_step"] == pytest.approx(tp_bytes)
+    megatron = dry_run_report(parse_args(["--config", "table5-megatron-100B"])[0])
+    assert megatron["tp_cross_host_bytes_per_step"] == pytest.approx(
+        megatron["tp_bytes_per_step"] * 8 / 128)
+    assert "(3.13 GB across nodes)" in format_report(megatron)

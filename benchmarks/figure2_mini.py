@@ -81,13 +81,14 @@ CALIBRATION = Path(__file__).resolve().parent.parent / "docs" / "paper" / "calib
 DEFAULT_OUT = CALIBRATION.parent
 
 
-def train_args(corpus: dict, cache: Path, tb_dir: Path, tp: int, stage: int, iters: int) -> list[str]:
+def train_args(corpus: dict, cache: Path, tb_dir: Path, tp: int, stage: int, iters: int,
+               global_batch: int = GLOBAL_BATCH) -> list[str]:
     m = MODEL
     return ["--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
             "--num-attention-heads", str(m["num_attention_heads"]),
             "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
             "--make-vocab-size-divisible-by", str(VOCAB_MULTIPLE),
-            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(GLOBAL_BATCH),
+            "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(global_batch),
             "--tensor-model-parallel-size", str(tp), "--allow-tp-across-nodes",
             "--zero-stage", str(stage), "--recompute", "none",
             "--train-iters", str(iters), "--eval-iters", "0", "--log-interval", "1",
@@ -157,12 +158,13 @@ def predict(tp: int, dp: int, stage: int, vocab: int, link: dict, rates: dict,
 
 
 # ---- measurement -----------------------------------------------------------------------------
-def measure(cluster, corpus: dict, work: Path, tp: int, stage: int, iters: int, job: str) -> dict:
+def measure(cluster, corpus: dict, work: Path, tp: int, stage: int, iters: int, job: str,
+            global_batch: int = GLOBAL_BATCH) -> dict:
     """Train the layout on the test bed; seconds per iteration and cross-host bytes per step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tests.reliability_helpers import child_env
     tb_dir = work / f"tb_{job}"
-    args = train_args(corpus, work / "cache", tb_dir, tp, stage, iters)
+    args = train_args(corpus, work / "cache", tb_dir, tp, stage, iters, global_batch)
     codes = cluster.run_job(args, work, job, timeout=600, env=child_env(PYTHON=sys.executable))
     if codes != [0] * cluster.hosts:
         log = (work / f"{job}_host0.log").read_text()[-3000:]

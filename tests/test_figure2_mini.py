@@ -37,3 +37,22 @@ def test_zero_beats_megatron_across_a_slow_link_and_the_ledger_counts_the_crossi
     assert zero["final_loss"] == pytest.approx(megatron["final_loss"], rel=1e-3)
     assert abs(megatron["relative_error"]) <= fig.TOLERANCE, megatron
     assert zero["predicted_s"] < megatron["predicted_s"]
+
+
+def test_stage3_moves_three_halves_of_stage1_and_all_of_it_across_hosts(tmp_path):
+    """ZeRO §7 on the shaped test bed, from the ledger: TP 2 inside each host, DP 2 across, one
+    micro-batch per step. Stage 3 (Pos+g+p) moves 3Ψ(n-1)/n, stage 1 (Pos) 2Ψ(n-1)/n; every DP
+    byte crosses hosts, no TP byte does."""
+    from tests.reliability_helpers import build_corpus
+    from tools.netns_cluster import NetnsCluster
+    corpus = build_corpus(tmp_path / "corpus")
+    try:
+        with NetnsCluster(2, 2, rate_mbit=200) as cluster:
+            runs = {stage: fig.measure(cluster, corpus, tmp_path, 2, stage, 3, f"s{stage}",
+                                       global_batch=2 * fig.MICRO_BATCH) for stage in (1, 3)}
+    except NetnsUnavailable as err:
+        pytest.skip(str(err))
+    for run in runs.values():
+        assert run["dp_cross_host_bytes"] == pytest.approx(run["dp_bytes"]) and run["dp_bytes"] > 0
+        assert run["tp_cross_host_bytes"] == 0 and run["tp_bytes"] > 0
+    assert runs[3]["dp_bytes"] == pytest.approx(1.5 * runs[1]["dp_bytes"], rel=1e-3)

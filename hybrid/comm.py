@@ -19,6 +19,12 @@ used as they are. A CPU group whose ranks share a host can instead take both thr
 memory: :mod:`hybrid.parallel_state` gives the DP group a transport (:mod:`hybrid.shm_collectives`,
 which builds on this module, never the other way round) and the ZeRO engines size it
 (:func:`reserve_transport`); the ledger records the same volumes either way.
+
+Beside each record's logical volume, the ledger splits it into the bytes that stay inside a host and
+those that cross hosts (:mod:`hybrid.perf.links`), from the group's ranks' hosts (the ledger's
+``ranks_per_node``, set from the topology) and the algorithm that moved it: ``ring`` for NCCL and
+gloo's all-reduce, ``direct`` for the gloo all-gather and reduce-scatter built here, ``shm`` for the
+shared-memory transport (one host: nothing crosses).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hybrid.perf.links import nodes_of, split_bytes
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -39,11 +47,19 @@ class CommRecord:
     numel: int         # elements of the full (unsharded) tensor the collective is about
     dtype: torch.dtype
     bytes_per_rank: float  # logical ring volume moved by each rank
+    cross_host_bytes: float = 0.0  # the part of it on links between hosts (group average)
+    algorithm: str = "ring"        # ring | direct | shm (hybrid.perf.links)
+
+    @property
+    def intra_host_bytes(self) -> float:
+        return self.bytes_per_rank - self.cross_host_bytes
 
 
 @dataclass
 class CommLedger:
-    """Record of collectives; ``totals()`` sums bytes per (group, op).
+    """Record of collectives; ``totals()`` sums bytes per (group, op), ``split_totals()`` the same
+    bytes split into intra-host and cross-host ones (hosts of ``ranks_per_node`` consecutive ranks;
+    None: one host).
 
     Bounded for long runs: once more than ``max_records`` are held, the oldest half is dropped.
     Readers take a ``position`` mark and later read ``since(mark)``; sums cover retained records.
@@ -53,14 +69,18 @@ class CommLedger:
     enabled: bool = True
     max_records: int = 200_000
     dropped: int = 0   # records trimmed from the front so far
+    ranks_per_node: int | None = None
 
-    def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype) -> None:
+    def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype,
+               algorithm: str = "ring", src_index: int = 0) -> None:
         if self.enabled and group.size > 1:
             n = group.size
             factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
                       "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[op]
-            nbytes = numel * _itemsize(dtype)
-            self.records.append(CommRecord(op, group.kind, numel, dtype, factor * nbytes))
+            nbytes = factor * numel * _itemsize(dtype)
+            nodes = nodes_of(group.ranks, self.ranks_per_node)
+            _, cross = split_bytes(nbytes, op, algorithm, nodes, src_index)
+            self.records.append(CommRecord(op, group.kind, numel, dtype, nbytes, cross, algorithm))
             if len(self.records) > self.max_records:
                 half = len(self.records) // 2
                 del self.records[:half]
@@ -90,6 +110,18 @@ class CommLedger:
         for r in self.records:
             out[(r.group, r.op)] += r.bytes_per_rank
         return dict(out)
+
+    def split_totals(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """(intra-host, cross-host) bytes per (group, op); each pair sums to ``totals()``'s entry."""
+        out: dict[tuple[str, str], tuple[float, float]] = {}
+        for r in self.records:
+            intra, cross = out.get((r.group, r.op), (0.0, 0.0))
+            out[(r.group, r.op)] = (intra + r.intra_host_bytes, cross + r.cross_host_bytes)
+        return out
+
+    def cross_host_bytes(self, group: str | None = None, op: str | None = None) -> float:
+        return sum(r.cross_host_bytes for r in self.records
+                   if (group is None or r.group == group) and (op is None or r.op == op))
 
     def bytes(self, group: str | None = None, op: str | None = None) -> float:
         return sum(r.bytes_per_rank for r in self.records
@@ -208,7 +240,6 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
     if output.numel() != shard.numel() * group.size:
         raise ValueError(f"all-gather output has {output.numel()} elements, expected "
                          f"{shard.numel()} x {group.size}")
-    group.ledger.record("all_gather", group, output.numel(), output.dtype)
     if group.size == 1:
         output.copy_(shard.view_as(output))
         return _Done() if async_op else None
@@ -216,11 +247,14 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
     if group.shm is not None and output.is_contiguous() and output.device.type == "cpu":
         work = group.shm.all_gather(output, shard.contiguous())
         if work is not None:
+            group.ledger.record("all_gather", group, output.numel(), output.dtype, "shm")
             return _finish(work, async_op)
     if not (_is_gloo(group) and output.is_contiguous() and output.device.type == "cpu"):
         # gloo's send/recv hand the raw pointer to its TCP transport (host memory only); its
         # all-gather stages CUDA tensors through pinned host buffers itself
+        group.ledger.record("all_gather", group, output.numel(), output.dtype, "ring")
         return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
+    group.ledger.record("all_gather", group, output.numel(), output.dtype, "direct")
     slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
     source = shard.contiguous().view(-1)
     if source.data_ptr() != slots[group.rank].data_ptr():
@@ -244,7 +278,6 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     if full.numel() != output.numel() * group.size:
         raise ValueError(f"reduce-scatter input has {full.numel()} elements, expected "
                          f"{output.numel()} x {group.size}")
-    group.ledger.record("reduce_scatter", group, full.numel(), full.dtype)
     if group.size == 1:
         output.copy_(full.view_as(output))
         return _Done() if async_op else None
@@ -252,9 +285,12 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     if group.shm is not None and output.is_contiguous() and output.device.type == "cpu":
         work = group.shm.reduce_scatter(output, full.contiguous())   # host regions: host tensors
         if work is not None:
+            group.ledger.record("reduce_scatter", group, full.numel(), full.dtype, "shm")
             return _finish(work, async_op)
     if not (_is_gloo(group) and output.is_contiguous()):
+        group.ledger.record("reduce_scatter", group, full.numel(), full.dtype, "ring")
         return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
+    group.ledger.record("reduce_scatter", group, full.numel(), full.dtype, "direct")
     if scratch is None:
         scratch = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
     received = scratch.view(-1)[:full.numel()]                                 # [size x chunk]
@@ -269,7 +305,8 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):
     """Broadcast ``tensor`` from the group member with index ``src_index``."""
-    group.ledger.record("broadcast", group, tensor.numel(), tensor.dtype)
+    algorithm = "direct" if group.pg is not None and _is_gloo(group) else "ring"
+    group.ledger.record("broadcast", group, tensor.numel(), tensor.dtype, algorithm, src_index)
     if group.size == 1:
         return _Done() if async_op else None
     group.require_process_group()

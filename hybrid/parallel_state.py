@@ -55,7 +55,7 @@ class ParallelState:
     def dry_run(cls, topology: Topology, rank: int = 0) -> "ParallelState":
         """The state of ``rank`` in ``topology`` without any process group, for meta-device dry runs
         of many-GPU layouts on one machine. Shapes are right; any collective raises."""
-        ledger = CommLedger()
+        ledger = CommLedger(ranks_per_node=topology.gpus_per_node)
         c = topology.coords(rank)
         world = Group("world", list(range(topology.world_size)), rank, ledger)
         tp = Group("tp", topology.tp_group_of(rank), c.tp_rank, ledger)
@@ -112,7 +112,7 @@ class ParallelState:
                              f"{topology.world_size}; launch with --nproc-per-node x --nnodes = "
                              f"{topology.world_size}")
         device = concrete_device(device) if device is not None else _default_device(backend, env)
-        ledger = CommLedger()
+        ledger = CommLedger(ranks_per_node=topology.gpus_per_node)
         world = Group("world", list(range(topology.world_size)), rank, ledger, dist.group.WORLD)
         tp = _make_groups("tp", topology.tp_groups(), rank, ledger, backend, timeout)
         dp = _make_groups("dp", topology.dp_groups(), rank, ledger, backend, timeout)

@@ -130,6 +130,8 @@ class ShmTransport:
         opened = None
         if not comm.max_over(group, problem is not None):
             try:
+                for name in names:   # from_file would create a missing file: a peer on another host
+                    os.stat(name)
                 regions = [torch.from_file(n, shared=True, size=capacity, dtype=torch.uint8)
                            for n in names[:-1]]
                 header = torch.from_file(names[-1], shared=True, size=3 * group.size,

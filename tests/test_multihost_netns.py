@@ -1,6 +1,6 @@
-"""A real two-host run (docs/design.md §2, §8, §10): two network namespaces joined by a veth pair
-(10.213.<n>.1 and .2, traffic only between them), two CPU ranks each, started on each "host" with
-``launch/multinode.sh`` (torchrun c10d rendezvous on 10.213.<n>.1). TP 2 lives inside a host, DP 2
+"""A real two-host run (docs/design.md §2, §8, §10): two network namespaces joined through a bridge
+(tools/netns_cluster.py: 10.214.<n>.1 and .2), two CPU ranks each, started on each "host" with
+``launch/multinode.sh`` (torchrun c10d rendezvous on host A). TP 2 lives inside a host, DP 2
 crosses the veth link.
 
 1. both hosts train and checkpoint; 2. host B is killed (SIGKILL to its torchrun and ranks) while
@@ -25,78 +25,28 @@ from pathlib import Path
 import pytest
 
 from hybrid.checkpoint import read_latest
-from tests.reliability_helpers import ROOT, build_corpus, child_env, tiny_cli
+from tests.reliability_helpers import build_corpus, child_env, tiny_cli
+from tools.netns_cluster import NetnsCluster, NetnsUnavailable
 
 pytestmark = pytest.mark.slow
 TIMEOUT_MIN = 0.5        # --distributed-timeout-minutes of the kill phase
 
 
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, check=check, timeout=30)
-
-
-class TwoHosts:
-    """Namespaces ``hyb<pid>a``/``hyb<pid>b`` with a veth pair and loopback, removed on exit."""
+class TwoHosts(NetnsCluster):
+    """Two hosts of two ranks, unshaped (tools/netns_cluster.py); skips where namespaces cannot
+    be made."""
 
     def __init__(self):
-        tag = os.getpid() % 10000
-        self.ns = (f"hyb{tag}a", f"hyb{tag}b")
-        self.dev = (f"vh{tag}a", f"vh{tag}b")
-        self.addr = (f"10.213.{tag % 250}.1", f"10.213.{tag % 250}.2")
+        super().__init__(hosts=2, ranks_per_host=2)
 
     def __enter__(self) -> "TwoHosts":
         try:
-            for ns in self.ns:
-                _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
-                _sh("ip", "link", "set", dev, "netns", ns)
-                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        except (OSError, subprocess.CalledProcessError) as err:
-            self.__exit__()
-            detail = getattr(err, "stderr", "") or str(err)
-            pytest.skip(f"cannot create network namespaces here ({detail.strip()}); needs root and "
-                        f"iproute2 with netns support")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for host in (0, 1):
-            self.kill_host(host)
-        for ns in self.ns:
-            _sh("ip", "netns", "del", ns, check=False)   # also removes the veth pair
-
-    def kill_host(self, host: int) -> None:
-        """SIGKILL every process of the host (torchrun puts ranks in sessions of their own, so a
-        process group is not enough)."""
-        pids = _sh("ip", "netns", "pids", self.ns[host], check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def ranks_on(self, host: int) -> list[int]:
-        """The global ranks running in namespace ``host`` (from the RANK torchrun gave each)."""
-        ranks = []
-        for pid in _sh("ip", "netns", "pids", self.ns[host]).stdout.split():
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            ranks += [int(v[5:]) for v in environ if v.startswith(b"RANK=")]
-        return sorted(ranks)
+            return super().__enter__()
+        except NetnsUnavailable as err:
+            pytest.skip(str(err))
 
     def launch(self, host: int, args: list[str], log: Path, job: str) -> subprocess.Popen:
-        """``launch/multinode.sh`` inside namespace ``host`` (0 = A, the rendezvous host)."""
-        env = child_env(NNODES="2", NPROC="2", MASTER=f"{self.addr[0]}:29517", JOB_ID=job,
-                        GLOO_SOCKET_IFNAME=self.dev[host], TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5",
-                        RDZV_IS_HOST="1" if host == 0 else "0", LOCAL_ADDR=self.addr[host],
-                        PYTHON=sys.executable)
-        cmd = ["ip", "netns", "exec", self.ns[host], "bash", "launch/multinode.sh", *args]
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return super().launch(host, args, log, job, env=child_env(PYTHON=sys.executable))
 
 
 def _kill(proc: subprocess.Popen) -> None:

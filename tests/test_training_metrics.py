@@ -56,7 +56,8 @@ def test_tensorboard_scalars_and_dp_traffic(tmp_path):
     acc = _events(run_dir)
     tags = set(acc.Tags()["scalars"])
     missing = set(SCALAR_NAMES) | set(HOST_MEMORY_NAMES) | set(VALIDATION_NAMES) | {
-        "eval-time", "comm/dp-bytes-per-step", "comm/tp-bytes-per-step"} | {
+        "eval-time", "comm/dp-bytes-per-step", "comm/tp-bytes-per-step",
+        "comm/dp-cross-host-bytes-per-step", "comm/tp-cross-host-bytes-per-step"} | {
         f"model-state/{c}-bytes" for c in ("param16", "grad16", "master32", "adam_moments")}
     missing -= tags
     assert not missing, f"scalars not written: {sorted(missing)}"
@@ -66,6 +67,7 @@ def test_tensorboard_scalars_and_dp_traffic(tmp_path):
     dp_bytes = acc.Scalars("comm/dp-bytes-per-step")[-1].value
     expected = results[0]["expected_dp"]            # 2 psi (n-1)/n bytes of bf16, ZeRO §7
     assert abs(dp_bytes - expected) <= 0.02 * expected, (dp_bytes, expected)
+    assert acc.Scalars("comm/dp-cross-host-bytes-per-step")[-1].value == 0   # one host
     ppl = acc.Scalars("lm loss validation ppl")[0].value
     loss = acc.Scalars("lm loss validation")[0].value
     assert abs(ppl - 2.718281828 ** loss) < 1e-3 * ppl

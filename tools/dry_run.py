@@ -3,8 +3,9 @@ dry run), through the same path as ``launch/pretrain_gpt.py --dry-run``: every r
 launch/presets/) is checked by :func:`hybrid.training.dry_run.dry_run_report`, which builds the real
 tensor-parallel GPT of one TP rank (nothing allocated), counts its parameters and estimates model
 states, activations and buffers with hybrid.perf. This tool adds the comparison with the parameter
-formulas and shows which TP groups of the 400-GPU (and 384/256-GPU baseline) layouts stay inside a
-DGX-2 node.
+formulas, shows which TP groups of the 400-GPU (and 384/256-GPU baseline) layouts stay inside a
+DGX-2 node, and splits each run's DP and TP traffic per GPU per step into the bytes that stay inside
+a node and those on InfiniBand (hybrid.perf.links).
 
     python -m tools.dry_run            # table + topology summary
     python -m tools.dry_run --json
@@ -46,7 +47,11 @@ def dry_run_row(run: PaperRun) -> dict:
             "model_states_gb": report["model_states_per_rank"]["total"] / GB,
             "formula_model_states_gb": model_state_bytes(megatron * run.tp, stage, run.dp,
                                                          mp=run.tp).total / GB,
-            "total_gb": total / GB, "fits_32gb": total <= DEVICE_BYTES}
+            "total_gb": total / GB, "fits_32gb": total <= DEVICE_BYTES,
+            "dp_traffic_gb": report["dp_bytes_per_step"] / GB,
+            "dp_cross_node_gb": report["dp_cross_host_bytes_per_step"] / GB,
+            "tp_traffic_gb": report["tp_bytes_per_step"] / GB,
+            "tp_cross_node_gb": report["tp_cross_host_bytes_per_step"] / GB}
 
 
 def topology_summary(gpus: int, tp: int) -> dict:
@@ -79,6 +84,11 @@ def _print(table: list[dict], topo: list[dict]) -> None:
               f"{r['megatron_rel_diff']:+11.2e} {r['model_states_gb']:9.2f} "
               f"{r['formula_model_states_gb']:7.2f} {r['total_gb']:8.1f} "
               f"{'yes' if r['fits_32gb'] else 'NO'}")
+    print(f"\nTraffic per GPU per step, GB (across nodes in brackets):\n{'run':24s} "
+          f"{'DP':>18s} {'TP':>20s}")
+    for r in table:
+        print(f"{r['name']:24s} {r['dp_traffic_gb']:8.2f} ({r['dp_cross_node_gb']:7.2f}) "
+              f"{r['tp_traffic_gb']:9.2f} ({r['tp_cross_node_gb']:8.2f})")
     print("\nLayouts (DGX-2: 16 GPUs per node, TP fastest):")
     for t in topo:
         print(f"  {t['describe']}\n    TP groups inside one node: {t['tp_groups_inside_a_node']}"

@@ -5,15 +5,19 @@ out every rank, :meth:`ParallelState.dry_run` gives one rank's groups, the real 
 built on the meta device (shapes only) to count that rank's parameters, and the pure models of
 :mod:`hybrid.perf` give model-state bytes per rank (ZeRO §5), DP traffic per step (ZeRO §7) and
 FLOPs per iteration (Megatron's formula, docs/design.md §Paper), plus the activation estimate of
-:func:`hybrid.perf.memory.device_memory` for ``--recompute``.
+:func:`hybrid.perf.memory.device_memory` for ``--recompute``. DP and TP traffic are split into the
+bytes that stay inside a node and those that cross nodes (:mod:`hybrid.perf.links`, NCCL rings
+in rank order over the rank's groups).
 """
 
 from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
+from hybrid.perf.links import cross_host_fraction, nodes_of
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
+from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig, TrainConfigError
 
@@ -61,11 +65,18 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                              cpu_offload=mode == "full-pa-cpu",
                              bucket_elements=p.zero_bucket_size if p.zero_stage else None,
                              arch=arch["arch"])
+    tp_bytes = cfg.grad_accumulation_steps(world) * tp_ring_bytes_per_microbatch(
+        m.num_layers, m.hidden_size, m.seq_length, cfg.data.micro_batch_size, state.tp_size,
+        full_recompute=mode.startswith("full"), partition_activations=mode.startswith("full-pa"),
+        activation_bytes=param_bytes)[0]
     return {"topology": topology.describe(), "rank": rank, "tp_rank": state.tp_rank,
             "dp_rank": state.dp_rank, "tp_group": state.tp.ranks, "dp_group": state.dp.ranks,
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states.as_dict(), "dp_bytes_per_step": comm_bytes,
+            "dp_cross_host_bytes_per_step": comm_bytes * _ring_cross(state.dp.ranks, topology),
+            "tp_bytes_per_step": tp_bytes,
+            "tp_cross_host_bytes_per_step": tp_bytes * _ring_cross(state.tp.ranks, topology),
             "offload_optimizer": p.offload_optimizer,
             "offloaded_per_rank": (states.master_fp32 + states.adam_moments
                                    if p.offload_optimizer != "none" else 0.0),
@@ -105,12 +116,20 @@ def format_report(r: dict) -> str:
              *([f"optimizer state offloaded to {r['offload_optimizer']}: "
                 f"{_bytes(r['offloaded_per_rank'])} per rank off the device"]
                if r["offloaded_per_rank"] else []),
-             f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])}",
+             f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])} "
+             f"({_bytes(r['dp_cross_host_bytes_per_step'])} across nodes); TP traffic "
+             f"{_bytes(r['tp_bytes_per_step'])} ({_bytes(r['tp_cross_host_bytes_per_step'])} "
+             f"across nodes)",
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
              f"rank; at the {r['peak_tflops']:.0f} TFLOP/s peak, >= "
              f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"]
     return "\n".join(lines)
+
+
+def _ring_cross(ranks: list[int], topology: Topology) -> float:
+    """Share of a ring collective's bytes over ``ranks`` that cross nodes (group average)."""
+    return cross_host_fraction("all_gather", "ring", nodes_of(ranks, topology.gpus_per_node))
 
 
 def _span(ranks: list[int]) -> str:

@@ -5,7 +5,8 @@ Scalar names follow Megatron-LM so its users' dashboards work: ``lm loss``, ``le
 per rank, as in Megatron), ``mem-*``, and for evaluation ``lm loss validation`` /
 ``lm loss validation ppl``. Beyond Megatron we log the measured model-state bytes per category
 (``model-state/<category>-bytes``, ZeRO §5), the bytes each rank moved per step per group
-(``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7), and the seconds spent outside
+(``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7) and the part of them that crossed
+hosts (``comm/dp-cross-host-bytes-per-step``, ...), and the seconds spent outside
 training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
 Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);

@@ -24,6 +24,7 @@ from hybrid import comm
 from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
+from hybrid.perf.links import describe_group
 from hybrid.training.config import TrainConfig
 from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
@@ -329,7 +330,8 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
         check_save_dir(cfg)
         check_output_dirs(cfg)
         state = build_parallel_state(cfg, env)
-        log.info("%s\nresolved config:\n%s", state.topology.describe(), cfg.describe())
+        log.info("%s\n%s\nresolved config:\n%s", state.topology.describe(), link_report(state),
+                 cfg.describe())
         timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
         with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
             try:
@@ -346,6 +348,13 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
                 liveness.check(err, restart_hint(cfg))
                 raise
     return trainer
+
+
+def link_report(state: ParallelState) -> str:
+    """This rank's TP and DP groups: the hosts they span and the share of their bytes that cross
+    hosts (start-up report; the ledger measures it per step, hybrid.perf.links)."""
+    per_node = state.ledger.ranks_per_node
+    return "\n".join(describe_group(g.kind, g.ranks, per_node) for g in (state.tp, state.dp))
 
 
 def restart_hint(cfg: TrainConfig) -> str:

@@ -100,6 +100,8 @@ class CommReport:
     psi: int
     param_bytes: int
     by_group_op: dict[tuple[str, str], float] = field(default_factory=dict)  # bytes per rank per step
+    cross_host_by_group_op: dict[tuple[str, str], float] = field(default_factory=dict)  # their part
+                                                                  # on links between hosts
 
     @property
     def dp_bytes(self) -> float:
@@ -116,7 +118,8 @@ class CommReport:
     def __str__(self) -> str:
         rows = [f"communication per rank per optimizer step (stage {self.stage}, DP {self.dp})"]
         for (g, op), v in sorted(self.by_group_op.items()):
-            rows.append(f"  {g:<6}{op:<16}{v / 2**20:12.3f} MB")
+            cross = self.cross_host_by_group_op.get((g, op), 0.0)
+            rows.append(f"  {g:<6}{op:<16}{v / 2**20:12.3f} MB, {cross / 2**20:.3f} MB across hosts")
         rows.append(f"  DP total {self.dp_bytes / 2**20:.3f} MB, paper "
                     f"{dp_communication_elements(1, self.stage):g}psi(n-1)/n = "
                     f"{self.expected_dp_bytes / 2**20:.3f} MB")
@@ -127,7 +130,10 @@ def comm_report(records: list[CommRecord], steps: int, *, stage: int, dp: int, p
                 param_bytes: int) -> CommReport:
     """Average bytes per rank per step over ``records`` covering ``steps`` optimizer steps."""
     totals: dict[tuple[str, str], float] = {}
+    cross: dict[tuple[str, str], float] = {}
     for r in records:
         totals[(r.group, r.op)] = totals.get((r.group, r.op), 0.0) + r.bytes_per_rank
+        cross[(r.group, r.op)] = cross.get((r.group, r.op), 0.0) + r.cross_host_bytes
     steps = max(steps, 1)
-    return CommReport(stage, dp, psi, param_bytes, {k: v / steps for k, v in totals.items()})
+    return CommReport(stage, dp, psi, param_bytes, {k: v / steps for k, v in totals.items()},
+                      {k: v / steps for k, v in cross.items()})

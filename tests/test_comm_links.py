@@ -1,0 +1,134 @@
+"""The link-aware ledger (hybrid.perf.links, hybrid.comm): every collective's logical volume split
+into intra-host and cross-host bytes from the ranks' hosts and the algorithm. The formulas are
+checked against counts of (sender, receiver) pairs written out by hand; then four real gloo ranks
+on two "nodes" of two (gpus_per_node=2) check the ledger of each collective against hand-computed
+byte counts, with the per-group/op logical volume unchanged (ZeRO §7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid import comm
+from hybrid.parallel_state import ParallelState
+from hybrid.perf.links import cross_host_fraction, describe_group, nodes_of, ring_crossings, split_bytes
+from hybrid.topology import Topology
+from tests.multirank import run_on_ranks
+
+
+def test_ring_crossings_count_neighbour_pairs_on_different_hosts():
+    assert ring_crossings((0, 0, 0, 0)) == 0
+    assert ring_crossings((0, 0, 1, 1)) == 2            # 1->2 and 3->0
+    assert ring_crossings((0, 1, 2, 3)) == 4            # a DP group of one rank per host
+    assert ring_crossings((0, 1, 0, 1)) == 4
+    assert ring_crossings((5,)) == 0
+
+
+def test_ring_fraction_is_crossing_pairs_over_ranks():
+    assert cross_host_fraction("all_reduce", "ring", (0, 0, 1, 1)) == 2 / 4
+    assert cross_host_fraction("all_gather", "ring", (0, 1, 2)) == 1.0
+    # Megatron's 384-GPU baseline: TP 128 over 8 DGX-2 nodes of 16 -> 8 of 128 ring hops cross
+    tp_group = nodes_of(list(range(128)), 16)
+    assert cross_host_fraction("all_reduce", "ring", tp_group) == 8 / 128
+    # the 400-GPU ZeRO layout: TP 16 inside a node, DP 25 strided across the 25 nodes
+    topo = Topology(400, 16, 16)
+    assert cross_host_fraction("reduce_scatter", "ring", nodes_of(topo.tp_group_of(0), 16)) == 0
+    assert cross_host_fraction("reduce_scatter", "ring", nodes_of(topo.dp_group_of(0), 16)) == 1
+
+
+def test_direct_fraction_is_off_host_peers_over_peers():
+    # 4 ranks on hosts 0,0,1,1: each sends a quarter to each of 3 peers, 2 of them on the other host
+    assert cross_host_fraction("reduce_scatter", "direct", (0, 0, 1, 1)) == pytest.approx(2 / 3)
+    # 3 ranks on hosts 0,0,1: ranks 0 and 1 have 1 of 2 peers away, rank 2 has 2 of 2 -> (1+1+2)/6
+    assert cross_host_fraction("all_gather", "direct", (0, 0, 1)) == pytest.approx(4 / 6)
+
+
+def test_broadcast_chain_and_direct_and_shared_memory():
+    # chain from index 0 over hosts 0,0,1,1: hops 0->0, 0->1, 1->1: one of three crosses
+    assert cross_host_fraction("broadcast", "ring", (0, 0, 1, 1)) == pytest.approx(1 / 3)
+    # from index 1: hops 1->2, 2->3, 3->0 on hosts 0->1, 1->1, 1->0: two of three
+    assert cross_host_fraction("broadcast", "ring", (0, 0, 1, 1), 1) == pytest.approx(2 / 3)
+    # one-to-all from index 0: peers on hosts 0, 1, 1 -> two of three
+    assert cross_host_fraction("broadcast", "direct", (0, 0, 1, 1)) == pytest.approx(2 / 3)
+    assert cross_host_fraction("all_gather", "shm", (0, 1)) == 0
+    assert split_bytes(90.0, "all_gather", "direct", (0, 0, 1)) == pytest.approx((30.0, 60.0))
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        cross_host_fraction("all_gather", "tree", (0, 1))
+
+
+def test_nodes_and_start_up_lines():
+    assert nodes_of([0, 2, 4, 6], 2) == (0, 1, 2, 3)
+    assert nodes_of([0, 2], None) == (0, 0)
+    assert "inside host 0: 0% of its bytes cross hosts" in describe_group("tp", [0, 1], 2)
+    assert "over 2 hosts: 100% of its bytes cross hosts" in describe_group("dp", [0, 2], 2)
+
+
+def test_dry_run_ledger_splits_without_process_groups():
+    state = ParallelState.dry_run(Topology(400, 16, 16), rank=17)
+    ledger = state.ledger
+    ledger.record("all_gather", state.dp, 1000, torch.bfloat16)
+    ledger.record("all_reduce", state.tp, 1000, torch.bfloat16)
+    (dp_intra, dp_cross), (tp_intra, tp_cross) = (ledger.split_totals()[("dp", "all_gather")],
+                                                  ledger.split_totals()[("tp", "all_reduce")])
+    assert dp_intra == 0 and dp_cross == pytest.approx(2000 * 24 / 25)
+    assert tp_cross == 0 and tp_intra == pytest.approx(2 * 2000 * 15 / 16)
+    assert ledger.totals()[("dp", "all_gather")] == dp_cross       # the logical volume as before
+
+
+def _two_nodes(rank, world_size):
+    """Each collective once on every group of TP 1 and of TP 2, on 2 nodes x 2 ranks; returns the
+    ledgers' split and totals per TP degree."""
+    out = {}
+    for tp in (1, 2):
+        state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=2),
+                                         dp_transport="gloo")
+        n = 8 * world_size
+        for group in (state.world, state.tp, state.dp):
+            if group.size > 1:
+                comm.all_reduce(torch.ones(n), group)
+                comm.all_gather_into(torch.empty(n), torch.ones(n // group.size), group)
+                comm.reduce_scatter_into(torch.empty(n // group.size), torch.ones(n), group)
+                comm.broadcast(torch.ones(n), group, src_index=1)
+        out[tp] = state.ledger.split_totals(), state.ledger.totals()
+    return out
+
+
+def test_ledger_split_on_two_nodes_of_two_ranks():
+    b = 32 * 4                       # 32 fp32 elements: 128 bytes per collective tensor
+    ledgers = run_on_ranks(_two_nodes, 4)[0]
+    # TP 1: DP = world = [0,1,2,3] on hosts 0,0,1,1. Ring all-reduce: 2 (3/4) b per rank, 2 of 4
+    # hops cross. gloo all-gather / reduce-scatter send b/4 to each of 3 peers, 2 of them away
+    # (2/3 of (3/4) b). gloo broadcast from index 1: b to ranks 0, 2, 3; 2 of 3 away.
+    split, totals = ledgers[1]
+    for group in ("dp", "world"):
+        assert split[(group, "all_reduce")] == pytest.approx((1.5 * b / 2, 1.5 * b / 2))
+        assert split[(group, "all_gather")] == pytest.approx((0.75 * b / 3, 0.75 * b * 2 / 3))
+        assert split[(group, "reduce_scatter")] == pytest.approx((0.75 * b / 3, 0.75 * b * 2 / 3))
+        assert split[(group, "broadcast")] == pytest.approx((b / 3, b * 2 / 3))
+        assert totals[(group, "all_gather")] == pytest.approx(0.75 * b)   # unchanged volume
+    # TP 2: TP [0,1] inside host 0 (nothing crosses), DP [0,2] over both hosts (everything does)
+    split, totals = ledgers[2]
+    for op, volume in (("all_reduce", b), ("all_gather", b / 2), ("reduce_scatter", b / 2),
+                       ("broadcast", b)):
+        assert split[("tp", op)] == pytest.approx((volume, 0.0))
+        assert split[("dp", op)] == pytest.approx((0.0, volume))
+        assert totals[("dp", op)] == pytest.approx(volume)
+
+
+def test_dry_runs_split_the_400_gpu_traffic_by_link():
+    """table5-zero-100B: DP 25 with one rank per DGX-2 node (every DP byte on InfiniBand), TP 16
+    inside a node (none); table5-megatron-100B: TP 128 over 8 nodes, 8 of 128 ring hops cross."""
+    from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.dry_run import dry_run_report, format_report
+    zero = dry_run_report(parse_args(["--config", "table5-zero-100B"])[0])
+    assert zero["dp_cross_host_bytes_per_step"] == zero["dp_bytes_per_step"] > 0
+    assert zero["tp_cross_host_bytes_per_step"] == 0
+    # ZeRO-R Pa + full recompute: 6 all-reduces a layer + Pa's all-gather, micro 32, seq 1024, h 8192
+    tp_bytes = tp_ring_bytes_per_microbatch(125, 8192, 1024, 32, 16, full_recompute=True,
+                                            partition_activations=True, activation_bytes=2)[0]
+    assert zero["tp_bytes_per_step"] == pytest.approx(tp_bytes)
+    megatron = dry_run_report(parse_args(["--config", "table5-megatron-100B"])[0])
+    assert megatron["tp_cross_host_bytes_per_step"] == pytest.approx(
+        megatron["tp_bytes_per_step"] * 8 / 128)
+    assert "(3.13 GB across nodes)" in format_report(megatron)

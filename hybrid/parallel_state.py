@@ -140,7 +140,7 @@ class ParallelState:
         dp.shm = _dp_shared_memory(dp, dp_transport, device, timeout)
         pp = _make_groups("pp", topology.pp_groups(), rank, ledger, backend, timeout)
         embedding = _make_groups("embedding", topology.embedding_groups(), rank, ledger, backend,
-                                 timeout)
+                                 timeout, member_of_all=False)
         mp = (_make_groups("mp", topology.mp_groups(), rank, ledger, backend, timeout)
               if topology.pp_size > 1 else tp)
         log.debug("rank %d: %s", rank, topology.describe())
@@ -213,9 +213,11 @@ def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
 
 
 def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: CommLedger,
-                 backend: str, timeout: timedelta) -> Group:
-    """Create every group of one kind (all ranks must take part) and return this rank's."""
-    mine = None
+                 backend: str, timeout: timedelta, member_of_all: bool = True) -> Group:
+    """Create every group of one kind (all ranks must take part) and return this rank's; without
+    ``member_of_all`` a rank in none of them (a middle pipeline stage for the embedding group)
+    gets a group of itself alone."""
+    mine = None if member_of_all else Group(kind, [rank], 0, ledger)
     for ranks in all_groups:
         pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
         if rank in ranks:

@@ -170,8 +170,10 @@ class Topology:
         return self.grid3d[:, c.dp_rank, c.tp_rank].tolist()
 
     def embedding_group_of(self, rank: int) -> list[int]:
+        """The embedding group holding ``rank``; a middle stage is in none (its own rank alone)."""
         group = self.pp_group_of(rank)
-        return sorted({group[0], group[-1]})
+        ends = sorted({group[0], group[-1]})
+        return ends if rank in ends else [rank]
 
     def mp_group_of(self, rank: int) -> list[int]:
         return self.grid3d[:, self.coords(rank).dp_rank].reshape(-1).tolist()

@@ -25,8 +25,8 @@ from torch import nn
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
-from hybrid.pipeline import (PipelineConfig, PipelineConfigError, PipelineRunner, TiedEmbedding,
-                             bubble_formula, build_schedule, simulate)
+from hybrid.pipeline import (PipelineConfig, PipelineConfigError, PipelineRunner, StageChunks,
+                             TiedEmbedding, bubble_formula, build_schedule, simulate)
 from hybrid.recompute import RecomputePlan
 from hybrid.topology import Topology, TopologyError
 from hybrid.zero import ZeroConfig, build_zero_optimizer
@@ -151,7 +151,7 @@ def _pipeline_parity(rank, world_size, tp, pp, cases, sequence_parallel=False, c
     for schedule, v, m, stage, recompute in cases:
         config = PipelineConfig(pp, m, task.config.num_layers, schedule, v)
         chunks = _stage_chunks(task, state, config, sequence_parallel, recompute)
-        engine = build_zero_optimizer(nn.ModuleList(chunks), state,
+        engine = build_zero_optimizer(StageChunks(chunks), state,
                                       ZeroConfig(stage=stage, bucket_size=300, clip_grad=clip,
                                                  gradient_accumulation_steps=m * v), task.adamw)
         s = task.config.seq_length // (tp if sequence_parallel and tp > 1 else 1)
@@ -325,7 +325,7 @@ def _overflow_on_first_stage(rank, world_size, zero_stage):
                                               pipeline_parallel_size=2))
     config = PipelineConfig(2, 2, task.config.num_layers, "1f1b")
     chunks = _stage_chunks(task, state, config, False, None)
-    engine = build_zero_optimizer(nn.ModuleList(chunks), state,
+    engine = build_zero_optimizer(StageChunks(chunks), state,
                                   ZeroConfig(stage=zero_stage, gradient_accumulation_steps=2),
                                   task.adamw)
     runner = PipelineRunner(state, config, chunks, activation_shape=(8, 4, 32), engine=engine,

@@ -3,9 +3,15 @@
 :class:`PipelineRunner` executes this stage's action list (:mod:`hybrid.pipeline.schedules`) for one
 step. Activations go forward and their gradients back through :func:`hybrid.comm.p2p` on the PP
 group (ledger kind ``pp``). The shape of every message is known up front, ``[s, b, h]`` or the
-sequence shard ``[s/t, b, h]`` with sequence parallelism, so no shape is exchanged. Receives are
-posted one action ahead and sends are not waited for until the end of the step, so transfers overlap
-compute (NCCL: batched; gloo: tagged isend/irecv).
+sequence shard ``[s/t, b, h]`` with sequence parallelism, so no shape is exchanged. Sends are not
+waited for until the end of the step. How receives are posted (``prefetch``):
+
+* gloo (default there): the next action's receive is posted before this action computes, so it
+  lands during the compute (tagged isend/irecv match by tag, in any order);
+* NCCL (default there): this action's send and the next action's receive go in one
+  ``batch_isend_irecv`` after the compute, Megatron's ``send_forward_recv_backward`` pattern. NCCL
+  serialises the sends and receives between two ranks on one stream, so a receive posted ahead of
+  a send the peer is waiting for could deadlock; grouped, they progress together.
 
 Per step and stage boundary the schedule moves m activations forward and m gradients back (m v of
 each when interleaved, over the p v - 1 boundaries of the virtual pipeline), each b s h elements
@@ -55,7 +61,7 @@ class PipelineRunner:
 
     def __init__(self, state: ParallelState, config: PipelineConfig, chunks: list[nn.Module], *,
                  activation_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                 engine=None, tied: TiedEmbedding | None = None):
+                 engine=None, tied: TiedEmbedding | None = None, prefetch: bool | None = None):
         if config.num_stages != state.pp_size:
             raise ValueError(f"the pipeline config has {config.num_stages} stages but the parallel "
                              f"state's PP group has {state.pp_size} ranks")
@@ -71,6 +77,10 @@ class PipelineRunner:
         self.shape, self.dtype, self.engine, self.tied = activation_shape, dtype, engine, tied
         self.stage, self.p, self.v = state.pp_rank, config.num_stages, config.num_model_chunks
         self.actions = build_schedule(config)[self.stage]
+        if prefetch is None:   # module docstring: gloo posts receives ahead, NCCL batches them
+            pg = state.pp.pg
+            prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"
+        self.prefetch = prefetch
 
     # ---- messages ------------------------------------------------------------------------------
     def _virtual(self, action: Action) -> int:
@@ -91,21 +101,31 @@ class PipelineRunner:
         k = self._virtual(action)
         peer = (self.stage - 1) % self.p if action.kind == "F" else (self.stage + 1) % self.p
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.state.device)
-        handle = comm.p2p([P2POp("recv", buffer, peer, self._tag(action.kind, action.micro_batch, k))],
-                          self.state.pp)
-        self._received[key] = (buffer, handle)
+        self._pending.append(P2POp("recv", buffer, peer, self._tag(action.kind, action.micro_batch, k)))
+        self._received[key] = [buffer, None]   # its handle comes with the batch (_flush)
+
+    def _send(self, tensor: torch.Tensor, kind: str, micro_batch: int, destination: int) -> None:
+        peer = (self.stage + 1) % self.p if kind == "F" else (self.stage - 1) % self.p
+        self._pending.append(P2POp("send", tensor.detach().contiguous(), peer,
+                                   self._tag(kind, micro_batch, destination)))
+
+    def _flush(self) -> None:
+        """Post the queued sends and receives as one batch."""
+        if not self._pending:
+            return
+        handle = comm.p2p(self._pending, self.state.pp)
+        for op in self._pending:
+            if op.op == "send":
+                self._sends.append((op.tensor, handle))
+        for entry in self._received.values():
+            if entry[1] is None:
+                entry[1] = handle
+        self._pending = []
 
     def _take(self, action: Action) -> torch.Tensor:
         buffer, handle = self._received.pop((action.kind, action.micro_batch, action.chunk))
         handle.wait()
         return buffer
-
-    def _send(self, tensor: torch.Tensor, kind: str, micro_batch: int, destination: int) -> None:
-        peer = (self.stage + 1) % self.p if kind == "F" else (self.stage - 1) % self.p
-        tensor = tensor.detach().contiguous()
-        handle = comm.p2p([P2POp("send", tensor, peer, self._tag(kind, micro_batch, destination))],
-                          self.state.pp)
-        self._sends.append((tensor, handle))
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
@@ -114,7 +134,7 @@ class PipelineRunner:
         if len(micro_batches) != self.config.num_micro_batches:
             raise ValueError(f"{len(micro_batches)} micro-batches, the pipeline config says "
                              f"{self.config.num_micro_batches}")
-        self._received, self._sends, self._held = {}, [], {}
+        self._received, self._sends, self._held, self._pending = {}, [], {}, []
         losses, busy, peak, start = [], 0.0, 0, time.perf_counter()
         last_backward = {c: max(i for i, a in enumerate(self.actions) if a.kind == "B" and a.chunk == c)
                          for c in range(self.v)}
@@ -122,8 +142,9 @@ class PipelineRunner:
             self.tied.begin_step()
         for i, action in enumerate(self.actions):
             self._post_receive(action)
-            if i + 1 < len(self.actions):      # the next action's input arrives during this one
+            if self.prefetch and i + 1 < len(self.actions):   # arrives during this action
                 self._post_receive(self.actions[i + 1])
+            self._flush()
             inputs = self._take(action) if self._needs_input(action) else None
             began = time.perf_counter()
             if action.kind == "F":
@@ -139,6 +160,9 @@ class PipelineRunner:
                 if final and self.tied is not None and self._virtual(action) == self.p * self.v - 1:
                     self.tied.send_gradient()
             busy += time.perf_counter() - began
+            if not self.prefetch and i + 1 < len(self.actions):   # batched with this send
+                self._post_receive(self.actions[i + 1])
+            self._flush()
         for _, handle in self._sends:
             handle.wait()
         self._sends = []

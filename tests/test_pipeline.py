@@ -403,3 +403,38 @@ def test_activation_memory_of_a_stage_is_bounded_by_p_micro_batches_in_1f1b():
         assert peaks[("gpipe", m)] == pytest.approx(one + (m - 1) * per_micro_batch, rel=0.02)
         assert peaks[("1f1b", m)] <= (one + (p - stage - 1) * per_micro_batch) * 1.02, (stage, peaks)
         assert peaks[("1f1b", m)] < peaks[("gpipe", m)]
+
+
+# ---- mixed precision -----------------------------------------------------------------------------
+def _bf16_pipeline(rank, world_size):
+    task = PipeTask()
+    data = task.data()
+    ref_losses = reference_run(task, data)[0]
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size,
+                                              pipeline_parallel_size=2))
+    config = PipelineConfig(2, 2, task.config.num_layers, "1f1b")
+    chunks = _stage_chunks(task, state, config, False, None)
+    engine = build_zero_optimizer(StageChunks(chunks), state,
+                                  ZeroConfig(stage=1, precision="bf16", gradient_accumulation_steps=2),
+                                  task.adamw)
+    if chunks[-1].output_weight is not None:   # the tied copy in the engine's 16-bit dtype
+        chunks[-1].output_weight = chunks[-1].output_weight.detach().to(torch.bfloat16).requires_grad_()
+    tied = _tied(state, chunks)
+    runner = PipelineRunner(state, config, chunks, activation_shape=(8, 4, 32),
+                            dtype=torch.bfloat16, engine=engine, tied=tied)
+    losses = []
+    for tokens, labels in data:
+        engine.zero_grad()
+        out = runner.step([(tokens[:4], labels[:4]), (tokens[4:], labels[4:])])
+        engine.step()
+        tied.sync_weight()
+        if out.loss is not None:
+            losses.append(out.loss)
+    return losses, ref_losses
+
+
+def test_bf16_pipeline_tracks_the_fp32_reference():
+    """bf16 parameters, activations and p2p messages, fp32 master: the losses follow the fp32
+    oracle to 2e-2 relative (the bound of tests/test_zero_precision.py)."""
+    losses, ref = run_on_ranks(_bf16_pipeline, 2)[-1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0)

@@ -19,7 +19,10 @@ each when interleaved, over the p v - 1 boundaries of the virtual pipeline), eac
 
 Gradients: the ZeRO engine (stages 0-2) is told each backward with ``engine.backward``; it counts
 them (``gradient_accumulation_steps`` must be m v, the backwards of this stage per step) and reduces
-over DP once per step as it already does for gradient accumulation. The last virtual stage's
+over DP once per step as it already does for gradient accumulation: stages 0 and 1 in the
+step's last backward, stage 2 in every backward (it keeps no full gradient), and with interleaving
+each of those reduces every bucket, also those of the chunks the backward did not touch (their
+gradients reduce as zeros: v times stage 2's volume; an engine per chunk would avoid it). The last virtual stage's
 backward starts from its loss (multiplied by the loss scale), every other from the received
 gradient (already scaled). The tied embedding's gradient goes from the last stage to the first
 before the first stage's last backward (:mod:`hybrid.pipeline.tied`).

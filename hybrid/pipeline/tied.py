@@ -29,8 +29,10 @@ _GRAD_TAG, _WEIGHT_TAG = 1, 2
 
 
 class TiedEmbedding:
-    """``weight`` is ``E`` on the first stage, the last stage's copy on the last (a tensor with
-    ``requires_grad``); other stages do not build one."""
+    """``weight_of()`` returns ``E`` on the first stage, the last stage's copy on the last (a tensor
+    with ``requires_grad``); other stages do not build one. The copy must have the dtype of ``E``
+    as the ZeRO engine keeps it (bf16 / fp16 with mixed precision: cast it once after building the
+    engine), since the gradient and the weight travel in that dtype."""
 
     def __init__(self, state: ParallelState, weight_of):
         if state.pp_size < 2 or not (state.is_first_stage or state.is_last_stage):

@@ -92,7 +92,7 @@ class LayerRange(nn.ModuleList):
     """Transformer layers ``start .. start + len - 1`` of the whole model, registered under their
     global index (``layers.<global index>.*``) so parameter names are the same in every stage."""
 
-    def __init__(self, modules, start: int):
+    def __init__(self, modules=(), start: int = 0):
         super().__init__()
         self.start = start
         for i, module in enumerate(modules):

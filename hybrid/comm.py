@@ -15,7 +15,12 @@ copies that into the output. Here a reduce-scatter is one all-to-all (each rank 
 its input to rank j: (n-1)/n of the tensor, a real reduce-scatter's volume) followed by a local sum
 of the n chunks received, and an all-gather sends this rank's shard straight into the output slot
 of every peer (point-to-point, all posted at once: again (n-1)/n). NCCL's native collectives are
-used as they are. A CPU group whose ranks share a host can instead take both through shared
+used as they are.
+
+Pipeline parallelism adds point-to-point transfers (:func:`p2p`): a batch of sends and receives
+between stages, posted at once (NCCL: one ``batch_isend_irecv``; gloo: ``isend``/``irecv`` with a
+tag per message, so receives posted ahead of time match by tag, not by order). A send records its
+bytes under op ``send`` and a receive under ``recv``, in the group's kind (``pp``). A CPU group whose ranks share a host can instead take both through shared
 memory: :mod:`hybrid.parallel_state` gives the DP group a transport (:mod:`hybrid.shm_collectives`,
 which builds on this module, never the other way round) and the ZeRO engines size it
 (:func:`reserve_transport`); the ledger records the same volumes either way.
@@ -42,8 +47,8 @@ from hybrid.perf.links import nodes_of, split_bytes
 
 @dataclass(frozen=True)
 class CommRecord:
-    op: str            # all_reduce | all_gather | reduce_scatter | broadcast
-    group: str         # tp | dp | world
+    op: str            # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
+    group: str         # tp | dp | world | pp | embedding | mp
     numel: int         # elements of the full (unsharded) tensor the collective is about
     dtype: torch.dtype
     bytes_per_rank: float  # logical ring volume moved by each rank
@@ -76,7 +81,8 @@ class CommLedger:
         if self.enabled and group.size > 1:
             n = group.size
             factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-                      "reduce_scatter": (n - 1) / n, "broadcast": 1.0}[op]
+                      "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "send": 1.0,
+                      "recv": 1.0}[op]
             nbytes = factor * numel * _itemsize(dtype)
             nodes = nodes_of(group.ranks, self.ranks_per_node)
             _, cross = split_bytes(nbytes, op, algorithm, nodes, src_index)
@@ -311,6 +317,43 @@ def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: 
         return _Done() if async_op else None
     group.require_process_group()
     return dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg, async_op=async_op)
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One point-to-point transfer of :func:`p2p`: ``op`` is ``send`` or ``recv``, ``peer`` the
+    index of the other rank in the group, ``tag`` tells messages between the same two ranks apart
+    (gloo matches by it; NCCL matches in posting order, so both sides must post in the same order)."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
+def p2p(ops: list[P2POp], group: Group):
+    """Post every send and receive of ``ops`` at once over ``group``; return a handle whose
+    ``wait()`` completes them all (receives are then filled). Tensors must stay untouched until
+    then; a receive tensor must be contiguous."""
+    for o in ops:
+        if o.op not in ("send", "recv"):
+            raise ValueError(f"point-to-point op must be send or recv, got {o.op!r}")
+        if o.peer == group.rank or not 0 <= o.peer < group.size:
+            raise ValueError(f"peer {o.peer} is not another rank of this {group.kind} group of "
+                             f"{group.size}")
+        group.ledger.record(o.op, group, o.tensor.numel(), o.tensor.dtype)
+    if not ops:
+        return _Done()
+    group.require_process_group()
+    if not _is_gloo(group):
+        batch = [dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor,
+                            group.ranks[o.peer], group.pg) for o in ops]
+        return _Joined(dist.batch_isend_irecv(batch))
+    works = []
+    for o in ops:
+        post = dist.isend if o.op == "send" else dist.irecv
+        works.append(post(o.tensor, group.ranks[o.peer], group=group.pg, tag=o.tag))
+    return _Joined(works)
 
 
 def barrier(group: Group) -> None:

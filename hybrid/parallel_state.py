@@ -1,4 +1,9 @@
-"""The explicit parallel state: world, TP and DP process groups of one rank (docs/design.md §1).
+"""The explicit parallel state: world, TP, DP and PP process groups of one rank (docs/design.md §1).
+
+With pipeline parallelism (``Topology.pipeline_parallel_size`` > 1) it also holds the rank's PP group
+(its position in every stage, stage order: the point-to-point peers), its embedding group (first and
+last stage: the tied word embedding's two users) and its model-parallel group (every TP rank of every
+stage of its DP replica). At PP 1 these are single-rank groups and ``mp`` is the TP group itself.
 
 Built from a pure :class:`~hybrid.topology.Topology` inside a torchrun or ``torch.multiprocessing``
 job and passed to every layer, optimizer and checkpoint that communicates. There are no module-level
@@ -35,7 +40,8 @@ DP_TRANSPORTS = ("auto", "shm", "gloo")
 
 class ParallelState:
     def __init__(self, topology: Topology, rank: int, world: Group, tp: Group, dp: Group,
-                 device: torch.device, ledger: CommLedger):
+                 device: torch.device, ledger: CommLedger, *, pp: Group | None = None,
+                 embedding: Group | None = None, mp: Group | None = None):
         self.topology = topology
         self.rank = rank
         self.world = world
@@ -43,6 +49,9 @@ class ParallelState:
         self.dp = dp
         self.device = device
         self.ledger = ledger
+        self.pp = pp if pp is not None else Group("pp", [rank], 0, ledger)
+        self.embedding = embedding if embedding is not None else Group("embedding", [rank], 0, ledger)
+        self.mp = mp if mp is not None else tp
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -60,21 +69,32 @@ class ParallelState:
         world = Group("world", list(range(topology.world_size)), rank, ledger)
         tp = Group("tp", topology.tp_group_of(rank), c.tp_rank, ledger)
         dp = Group("dp", topology.dp_group_of(rank), c.dp_rank, ledger)
-        return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger)
+        pp = Group("pp", topology.pp_group_of(rank), c.pp_rank, ledger)
+        emb_ranks = topology.embedding_group_of(rank)
+        embedding = Group("embedding", emb_ranks, emb_ranks.index(rank), ledger)
+        mp_ranks = topology.mp_group_of(rank)
+        mp = Group("mp", mp_ranks, mp_ranks.index(rank), ledger) if topology.pp_size > 1 else tp
+        return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger, pp=pp,
+                   embedding=embedding, mp=mp)
 
     @classmethod
     def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
+                        pipeline_parallel_size: int = 1,
                         gpus_per_node: int | None = None, allow_tp_across_nodes: bool = False,
                         timeout: timedelta = DEFAULT_TIMEOUT, dp_transport: str = "auto",
                         device: str | torch.device | None = None) -> "ParallelState":
         """The one constructor of entry points: one process when the launcher started none
-        (``env`` not distributed), else join the job and create its TP and DP groups. A node holds
+        (``env`` not distributed), else join the job and create its TP, DP and PP groups. A node holds
         the launcher's ``LOCAL_WORLD_SIZE`` ranks, else ``gpus_per_node``, else the whole world."""
         if not env.distributed:
+            if pipeline_parallel_size > 1:
+                raise ValueError(f"pipeline-model-parallel size {pipeline_parallel_size} needs as "
+                                 f"many ranks at least; launch with torchrun")
             return cls.single_process(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         per_node = env.local_world_size or gpus_per_node or env.world_size
         topology = Topology(env.world_size, tensor_parallel_size, gpus_per_node=per_node,
-                            allow_tp_across_nodes=allow_tp_across_nodes)
+                            allow_tp_across_nodes=allow_tp_across_nodes,
+                            pipeline_parallel_size=pipeline_parallel_size)
         return cls.initialize(topology, env=env, timeout=timeout, dp_transport=dp_transport,
                               device=device)
 
@@ -83,7 +103,8 @@ class ParallelState:
                    backend: str | None = None, init_method: str | None = None,
                    timeout: timedelta = DEFAULT_TIMEOUT, dp_transport: str = "auto",
                    device: str | torch.device | None = None) -> "ParallelState":
-        """Join (or reuse) the default process group and create every TP and DP group.
+        """Join (or reuse) the default process group and create every TP, DP and PP group (and,
+        with PP > 1, the embedding and model-parallel groups).
 
         Joining needs ``env`` (this rank, the store; default: parsed from the environment).
         ``backend`` defaults to the backend of an already joined default group, else NCCL when CUDA
@@ -117,8 +138,13 @@ class ParallelState:
         tp = _make_groups("tp", topology.tp_groups(), rank, ledger, backend, timeout)
         dp = _make_groups("dp", topology.dp_groups(), rank, ledger, backend, timeout)
         dp.shm = _dp_shared_memory(dp, dp_transport, device, timeout)
+        pp = _make_groups("pp", topology.pp_groups(), rank, ledger, backend, timeout)
+        embedding = _make_groups("embedding", topology.embedding_groups(), rank, ledger, backend,
+                                 timeout, member_of_all=False)
+        mp = (_make_groups("mp", topology.mp_groups(), rank, ledger, backend, timeout)
+              if topology.pp_size > 1 else tp)
         log.debug("rank %d: %s", rank, topology.describe())
-        return cls(topology, rank, world, tp, dp, device, ledger)
+        return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp)
 
     # ---- coordinates -----------------------------------------------------------------------
     @property
@@ -141,9 +167,27 @@ class ParallelState:
     def dp_size(self) -> int:
         return self.dp.size
 
+    @property
+    def pp_rank(self) -> int:
+        return self.pp.rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp.size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
+                f"dp={self.dp_rank}/{self.dp_size}, "
+                + (f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else "")
+                + f"device={self.device})")
 
 
 def _restart_store(init_method: str | None, env: LaunchEnv, world_size: int, timeout: timedelta):
@@ -169,9 +213,11 @@ def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
 
 
 def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: CommLedger,
-                 backend: str, timeout: timedelta) -> Group:
-    """Create every group of one kind (all ranks must take part) and return this rank's."""
-    mine = None
+                 backend: str, timeout: timedelta, member_of_all: bool = True) -> Group:
+    """Create every group of one kind (all ranks must take part) and return this rank's; without
+    ``member_of_all`` a rank in none of them (a middle pipeline stage for the embedding group)
+    gets a group of itself alone."""
+    mine = None if member_of_all else Group(kind, [rank], 0, ledger)
     for ranks in all_groups:
         pg = dist.new_group(ranks, timeout=timeout, backend=backend) if len(ranks) > 1 else None
         if rank in ranks:

@@ -1,10 +1,12 @@
-"""Pure rank topology of a hybrid TP x DP job (Megatron-LM §3 "model + data parallel"; ZeRO §7).
+"""Pure rank topology of a hybrid TP x DP x PP job (Megatron-LM §3 "model + data parallel"; ZeRO §7;
+pipeline stages: Narayanan et al. 2021 §2.2, §3.2).
 
 A :class:`Topology` maps every global rank to its node, its local index on the node, its tensor
-parallel (TP) rank and its data-parallel (DP) rank, with no torch.distributed involved, so a 400-GPU
-DGX-2 layout can be checked on a laptop.
+parallel (TP) rank, its data-parallel (DP) rank and its pipeline (PP) stage, with no
+torch.distributed involved, so a 400-GPU DGX-2 layout can be checked on a laptop.
 
-Rank order (docs/design.md §2): TP varies fastest. The rank grid is ``arange(world).view(dp, tp)``:
+Rank order (docs/design.md §2): TP varies fastest, then DP, then PP (Megatron's order). The rank
+grid is ``arange(world).view(pp, dp, tp)``; with PP 1 (the default) it is ``view(dp, tp)``:
 
     world 8, tp 2, 4 GPUs per node
         node 0: ranks 0 1 | 2 3        TP groups: [0,1] [2,3] [4,5] [6,7]   (adjacent, inside a node)
@@ -13,6 +15,11 @@ Rank order (docs/design.md §2): TP varies fastest. The rank grid is ``arange(wo
 A TP group that is larger than a node (Megatron's 384-GPU baseline with TP 128) crosses nodes; it is
 only accepted with ``allow_tp_across_nodes=True`` and is reported by :attr:`tp_crosses_nodes`, since
 its all-reduces then run over InfiniBand instead of NVSwitch.
+
+With PP > 1 each stage is a contiguous block of ``world / pp`` ranks (whole nodes in a real
+layout), so the point-to-point traffic between stages crosses nodes while TP stays inside one.
+A PP group is one (dp, tp) column through the stages; the embedding group of a column is its first
+and last stage, which hold the two uses of the tied word embedding.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class RankCoords:
     local_rank: int
     tp_rank: int
     dp_rank: int
+    pp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,13 +50,20 @@ class Topology:
     tensor_parallel_size: int = 1
     gpus_per_node: int = 16
     allow_tp_across_nodes: bool = False
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         world, tp, per_node = self.world_size, self.tensor_parallel_size, self.gpus_per_node
+        pp = self.pipeline_parallel_size
         for name, value in (("world size", world), ("tensor-model-parallel size", tp),
-                            ("GPUs per node", per_node)):
+                            ("GPUs per node", per_node), ("pipeline-model-parallel size", pp)):
             if not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if world % (tp * pp):
+            raise TopologyError(
+                f"world size {world} is not divisible by tensor-model-parallel size {tp} x "
+                f"pipeline-model-parallel size {pp} = {tp * pp}; choose degrees whose product "
+                f"divides {world}")
         if world % tp:
             raise TopologyError(
                 f"world size {world} is not divisible by tensor-model-parallel size {tp}; "
@@ -79,7 +94,11 @@ class Topology:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline_parallel_size
 
     @property
     def num_nodes(self) -> int:
@@ -93,34 +112,71 @@ class Topology:
     # ---- the rank grid ---------------------------------------------------------------------
     @cached_property
     def grid(self) -> torch.Tensor:
-        """``grid[dp_rank, tp_rank]`` is the global rank: ``arange(world).view(dp, tp)``."""
-        return torch.arange(self.world_size).view(self.dp_size, self.tensor_parallel_size)
+        """``grid[dp_rank, tp_rank]`` is the global rank: ``arange(world).view(dp, tp)`` of the
+        first pipeline stage (the whole world at PP 1); :attr:`grid3d` holds every stage."""
+        return self.grid3d[0]
+
+    @cached_property
+    def grid3d(self) -> torch.Tensor:
+        """``grid3d[pp_rank, dp_rank, tp_rank]`` is the global rank: ``arange(world).view(pp, dp, tp)``."""
+        return torch.arange(self.world_size).view(self.pipeline_parallel_size, self.dp_size,
+                                                  self.tensor_parallel_size)
 
     # ---- coordinates -----------------------------------------------------------------------
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        dp_rank, tp_rank = (self.grid == rank).nonzero()[0].tolist()   # where it sits in the grid
+        pp_rank, dp_rank, tp_rank = (self.grid3d == rank).nonzero()[0].tolist()   # where it sits
         node, local_rank = divmod(rank, self.gpus_per_node)
-        return RankCoords(rank, node, local_rank, tp_rank, dp_rank)
+        return RankCoords(rank, node, local_rank, tp_rank, dp_rank, pp_rank)
 
-    def rank_of(self, tp_rank: int, dp_rank: int) -> int:
-        return int(self.grid[dp_rank, tp_rank])
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> int:
+        return int(self.grid3d[pp_rank, dp_rank, tp_rank])
 
     # ---- groups ----------------------------------------------------------------------------
     def tp_groups(self) -> list[list[int]]:
-        """Rows of the grid: one group per DP replica, adjacent ranks."""
-        return self.grid.tolist()
+        """Rows of the grid: one group per (stage, DP replica), adjacent ranks."""
+        return self.grid3d.reshape(-1, self.tp_size).tolist()
 
     def dp_groups(self) -> list[list[int]]:
-        """Columns of the grid: one group per TP rank, ranks strided by the TP degree."""
-        return self.grid.t().tolist()
+        """Columns of each stage's grid: one group per (stage, TP rank), strided by the TP degree."""
+        return self.grid3d.transpose(1, 2).reshape(-1, self.dp_size).tolist()
+
+    def pp_groups(self) -> list[list[int]]:
+        """One group per (DP rank, TP rank): the ranks of that position in every stage, in stage
+        order (strided by ``world / pp``)."""
+        return self.grid3d.permute(1, 2, 0).reshape(-1, self.pp_size).tolist()
+
+    def embedding_groups(self) -> list[list[int]]:
+        """The first and last stage of every PP group (the tied word embedding's two users); the
+        single stage itself at PP 1."""
+        return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
+
+    def mp_groups(self) -> list[list[int]]:
+        """Model-parallel groups: every TP rank of every stage of one DP replica (what together
+        holds one copy of the model; the gradient norm of stage 0 sums over it)."""
+        return self.grid3d.transpose(0, 1).reshape(self.dp_size, -1).tolist()
 
     def tp_group_of(self, rank: int) -> list[int]:
-        return self.grid[self.coords(rank).dp_rank].tolist()
+        c = self.coords(rank)
+        return self.grid3d[c.pp_rank, c.dp_rank].tolist()
 
     def dp_group_of(self, rank: int) -> list[int]:
-        return self.grid[:, self.coords(rank).tp_rank].tolist()
+        c = self.coords(rank)
+        return self.grid3d[c.pp_rank, :, c.tp_rank].tolist()
+
+    def pp_group_of(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return self.grid3d[:, c.dp_rank, c.tp_rank].tolist()
+
+    def embedding_group_of(self, rank: int) -> list[int]:
+        """The embedding group holding ``rank``; a middle stage is in none (its own rank alone)."""
+        group = self.pp_group_of(rank)
+        ends = sorted({group[0], group[-1]})
+        return ends if rank in ends else [rank]
+
+    def mp_group_of(self, rank: int) -> list[int]:
+        return self.grid3d[:, self.coords(rank).dp_rank].reshape(-1).tolist()
 
     def nodes_of(self, ranks: list[int]) -> list[int]:
         return sorted({r // self.gpus_per_node for r in ranks})
@@ -128,8 +184,10 @@ class Topology:
     def describe(self) -> str:
         crossing = "crossing nodes" if self.tp_crosses_nodes else "inside one node each"
         return (f"{self.world_size} ranks = {self.num_nodes} node(s) x {min(self.world_size, self.gpus_per_node)}"
-                f" | TP {self.tp_size} ({self.dp_size} TP groups, {crossing})"
-                f" | DP {self.dp_size} ({self.tp_size} DP groups)")
+                f" | TP {self.tp_size} ({self.world_size // self.tp_size} TP groups, {crossing})"
+                f" | DP {self.dp_size} ({self.tp_size * self.pp_size} DP groups)"
+                + (f" | PP {self.pp_size} ({self.world_size // self.pp_size} PP groups)"
+                   if self.pp_size > 1 else ""))
 
 
 def _largest_divisor_at_most(n: int, k: int) -> int:

@@ -34,6 +34,14 @@ def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: Ze
     meta-built model) apply to stage 3 only; ``offload``: a :class:`hybrid.offload.OffloadConfig`
     (optimizer state on host or NVMe)."""
     engine = ENGINES[zero_config.stage]
+    if engine is ParameterPartitioning and state.pp_size > 1:
+        raise ValueError(
+            "ZeRO stage 3 with pipeline parallelism is not supported: stage 3 all-gathers every "
+            "layer's parameters over DP in each forward and again in each backward, so with m "
+            "micro-batches per step a stage would gather its parameters 2m times instead of twice "
+            "(m x the 3-Psi volume of ZeRO section 7), or hold them gathered across the whole "
+            "schedule and lose the memory saving (DeepSpeed refuses it too); use ZeRO stage 1 or 2 "
+            "with pipeline parallelism")
     if engine is ParameterPartitioning:
         return engine(model, state, zero_config, adamw_config, offload=offload, **stage3_options)
     if stage3_options:

@@ -196,8 +196,12 @@ class ZeroOptimizer(ZeroEngine):
         return contextlib.nullcontext(chunks)
 
     # ---- training-loop API -----------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch (the caller divides the loss by the number of them)."""
+    def backward(self, loss, grad_tensors=None) -> None:
+        """Backward of one micro-batch (the caller divides the loss by the number of them).
+
+        A pipeline stage that does not end in the loss passes its outputs and their received
+        gradients (``torch.autograd.backward``'s ``tensors`` and ``grad_tensors``), already
+        multiplied by the loss scale downstream."""
         self._before_backward()
         if any(p.grad is not v for p, v in zip(self.params, self._grad_views)):
             raise RuntimeError("param.grad no longer points into the ZeRO gradient buffer (was "
@@ -206,6 +210,9 @@ class ZeroOptimizer(ZeroEngine):
         last = self._micro_batches % self.config.gradient_accumulation_steps == 0
         self.reducer.enabled = self._communicates(last)
         self.reducer.final = last
+        if grad_tensors is not None:
+            torch.autograd.backward(loss, grad_tensors)
+            return
         scale = self.scaler.scale
         (loss * scale if scale != 1.0 else loss).backward()
 
@@ -292,7 +299,9 @@ class DataParallel(ZeroOptimizer):
         return 1, 0
 
     def _norm_group(self):
-        return self.state.tp   # DP ranks hold the same all-reduced gradients: count them once
+        # DP ranks hold the same all-reduced gradients: count them once, summing over TP and the
+        # pipeline stages of one replica (mp; the TP group itself without PP)
+        return self.state.mp
 
 
 class OptimizerStatePartitioning(ZeroOptimizer):

@@ -14,6 +14,15 @@ matmul makes the backward sum the input gradient over TP, and the cross-entropy 
 numbers per token. With sequence parallelism activations between the TP blocks are sequence shards
 ``[s/tp, b, h]``; the embedding reduce-scatters and the output layer all-gathers instead.
 
+Pipeline stages (Megatron's ``pre_process`` / ``post_process``): ``layers=(start, stop)`` builds only
+those transformer layers (named by their global index, so checkpoints and the canonical layout are
+unchanged), ``pre_process`` the embedding in front of them and ``post_process`` the final norm, the
+output layer and the loss after them. A stage without the embedding takes ``hidden_states``
+``[s(/tp), b, h]`` and, without the output layer, returns them. A last stage that is not also the
+first keeps its own copy of the tied word embedding (``output_weight``, a leaf tensor outside
+``parameters()``): the first stage owns and trains it, the pipeline sends the copy's gradient there
+and the updated weight back (:mod:`hybrid.pipeline.tied`).
+
 Build on ``device="meta"`` (nothing allocated), then :meth:`GPTModel.init_weights` materialises each
 parameter from its canonical full value (:func:`models.gpt.sharding.canonical_init`) and keeps this
 rank's shard, so every TP degree and the single-device reference start identical.
@@ -34,7 +43,8 @@ from hybrid.zero.results import Fragment, copy_overlaps
 from models.gpt.config import GPTConfig
 from models.gpt.kv_cache import KVCache
 from models.gpt.layer import TransformerLayer, build_norm, dropout
-from models.gpt.sharding import canonical_init, checkpoint_layout, gather_canonical, shard_tensor
+from models.gpt.sharding import (WORD_EMBEDDING, canonical_init, checkpoint_layout, gather_canonical,
+                                 shard_tensor)
 
 
 class PositionEmbedding(nn.Module):
@@ -90,6 +100,20 @@ class GPTEmbedding(nn.Module):
         return x + pos.unsqueeze(1)
 
 
+class LayerRange(nn.ModuleList):
+    """Transformer layers ``start .. start + len - 1`` of the whole model, registered under their
+    global index (``layers.<global index>.*``) so parameter names are the same in every stage."""
+
+    def __init__(self, modules=(), start: int = 0):
+        super().__init__()
+        self.start = start
+        for i, module in enumerate(modules):
+            self.add_module(str(start + i), module)
+
+    def _get_abs_string_index(self, idx):
+        return str(int(super()._get_abs_string_index(idx)) + self.start)
+
+
 class GPTModel(nn.Module):
     """GPT-2 over the TP group of ``state`` (see the module docstring).
 
@@ -97,14 +121,22 @@ class GPTModel(nn.Module):
     any other device (default ``state.device``) materialises at once with seed 0 - call
     ``init_weights(seed)`` for another seed. ``sequence_parallel`` needs the sequence length to be a
     multiple of the TP degree and is ignored at TP 1. ``rng`` is required for dropout at TP > 1.
-    ``recompute`` (a :class:`~hybrid.recompute.RecomputePlan`) checkpoints layers per the plan.
+    ``recompute`` (a :class:`~hybrid.recompute.RecomputePlan`) checkpoints layers per the plan (for
+    a pipeline stage: a plan of this stage's layers). ``layers``, ``pre_process``, ``post_process``:
+    a pipeline stage (module docstring).
     """
 
     def __init__(self, config: GPTConfig, state: ParallelState, *, sequence_parallel: bool = False,
                  device=None, dtype: torch.dtype = torch.float32, rng: RNGTracker | None = None,
-                 recompute: RecomputePlan | None = None):
+                 recompute: RecomputePlan | None = None, layers: tuple[int, int] | None = None,
+                 pre_process: bool = True, post_process: bool = True):
         super().__init__()
         config.validate_for_tp(state.tp_size)
+        start, stop = layers if layers is not None else (0, config.num_layers)
+        if not 0 <= start <= stop <= config.num_layers:
+            raise ValueError(f"layer range ({start}, {stop}) is not inside the model's "
+                             f"{config.num_layers} layers")
+        self.pre_process, self.post_process = pre_process, post_process
         self.config, self.state, self.rng = config, state, rng
         self.group = state.tp
         self.sequence_parallel = sequence_parallel and state.tp_size > 1
@@ -112,21 +144,25 @@ class GPTModel(nn.Module):
         sp = self.sequence_parallel
         # Built on meta, then materialised once by init_weights: no throw-away initialisation.
         meta = dict(device="meta", dtype=dtype)
-        self.embedding = GPTEmbedding(config, state, sp, rng, **meta)
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta)
-            for _ in range(config.num_layers))
-        self.final_norm = build_norm(config, state.tp, sp, **meta)
+        self.embedding = GPTEmbedding(config, state, sp, rng, **meta) if pre_process else None
+        self.layers = LayerRange(
+            (TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta)
+             for _ in range(start, stop)), start)
+        self.final_norm = build_norm(config, state.tp, sp, **meta) if post_process else None
         self.output_layer = None   # tied: the logits use the word embedding
-        if config.untie_embeddings_and_output_weights:
+        self.output_weight = None   # the last stage's copy of the tied embedding (docstring)
+        if post_process and config.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size(state.tp_size), state.tp, bias=False,
                 sequence_parallel=sp, **meta)
+        elif post_process and not pre_process:
+            self.output_weight = torch.empty(config.padded_vocab_size(state.tp_size) // state.tp_size,
+                                             config.hidden_size, device="meta", dtype=dtype)
         self.recomputer = None   # activation recompute (hybrid/recompute); None keeps everything
         if recompute is not None:
             self.recomputer = Recomputer(recompute, state.tp, sequence_parallel=sp, rng=rng,
                                          device=state.device)
-            self.recomputer.check_layers(config.num_layers)
+            self.recomputer.check_layers(stop - start)
             for i, layer in enumerate(self.layers):
                 layer.attn.recompute_core = recompute.selective(i)
         if self.device.type != "meta":
@@ -145,6 +181,9 @@ class GPTModel(nn.Module):
             self.to_empty(device=self.device)
         for name, p in self.named_parameters():
             p.copy_(self.init_parameter(name, seed))
+        if self.output_weight is not None:
+            self.output_weight = self.init_parameter(WORD_EMBEDDING, seed).to(
+                self.device, self.output_weight.dtype).requires_grad_()
 
     def init_parameter(self, name: str, seed: int) -> torch.Tensor:
         """This rank's TP shard of parameter ``name``'s canonical initial value (what ZeRO stage 3
@@ -187,14 +226,15 @@ class GPTModel(nn.Module):
 
     def sharding_units(self) -> list[nn.Module]:
         """Submodules that ZeRO stage 3 gathers one at a time, in forward order."""
-        units = [self.embedding, *self.layers, self.final_norm]
-        return units if self.output_layer is None else units + [self.output_layer]
+        units = (self.embedding, *self.layers, self.final_norm, self.output_layer)
+        return [u for u in units if u is not None]
 
     @property
     def tied_sharding_units(self) -> list[int]:
         """Indices of sharding units used again after the last one: the word embedding when its
         weight is the output layer's (ZeRO stage 3 must gather it again for the logits)."""
-        return [] if self.output_layer is not None else [0]
+        tied = self.output_layer is None and self.pre_process and self.post_process
+        return [0] if tied else []
 
     # ---- forward ---------------------------------------------------------------------------
     def new_kv_cache(self, max_len: int | None = None) -> KVCache:
@@ -203,23 +243,34 @@ class GPTModel(nn.Module):
         if self.sequence_parallel:
             raise ValueError("KV-cache decoding runs one token at a time, which sequence parallelism "
                              "cannot split; build the model with sequence_parallel=False to generate")
+        if not (self.pre_process and self.post_process):
+            raise ValueError("KV-cache decoding needs the whole model; build it without pipeline stages")
         return KVCache(self.config.num_layers, max_len or self.config.max_position_embeddings)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None, *,
                 cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] int64 -> per-token loss [b, s] (fp32) given labels [b, s], else this rank's
-        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding). With
-        ``cache`` (:meth:`new_kv_cache`) the tokens continue the cached positions, and their keys
-        and values are added to it."""
+        vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding). A pipeline
+        stage without the embedding starts from ``hidden_states``; one without the output layer
+        returns its last layer's output [s(/tp), b, h]. With ``cache`` (:meth:`new_kv_cache`) the
+        tokens continue the cached positions, and their keys and values are added to it."""
         if cache is not None:
             return self._forward_cached(tokens, cache)
         self._check_input(tokens, labels)
-        x = self.embedding(tokens)                                  # [s, b, h] ([s/tp, b, h] SP)
+        if self.pre_process:
+            x = self.embedding(tokens)                              # [s, b, h] ([s/tp, b, h] SP)
+        elif hidden_states is None:
+            raise ValueError("this pipeline stage has no embedding: pass hidden_states")
+        else:
+            x = hidden_states
         if self.recomputer is not None:
             x = self.recomputer.run(self.layers, x)                 # checkpointed per the plan
         else:
             for layer in self.layers:
                 x = layer(x)
+        if not self.post_process:
+            return x                                                # [s(/tp), b, h]
         logits = self._output_logits(self.final_norm(x))            # [s, b, V_p/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()              # [b, s, V_p/tp]
@@ -243,7 +294,8 @@ class GPTModel(nn.Module):
         if self.output_layer is not None:
             return self.output_layer(x)
         # f (or g-bar with SP) then the GEMM, backward collective overlapped with the dW GEMM
-        return column_parallel_linear(x, self.embedding.word.weight, None, self.group,
+        weight = self.embedding.word.weight if self.pre_process else self.output_weight
+        return column_parallel_linear(x, weight, None, self.group,
                                       self.sequence_parallel)
 
     def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:

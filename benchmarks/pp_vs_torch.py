@@ -1,0 +1,185 @@
+"""Issue 16 benchmark: one PP=2 training step of the same GPT, this project vs torch.distributed.pipelining.
+
+GPT: 8 layers, hidden 256, 4 heads, seq 128, vocab 8192, 4 micro-batches of 2 sequences, fp32, one
+thread per rank, 2 gloo ranks. Every variant runs the same stage modules (models.gpt.GPTModel built
+with ``layers=(start, stop)`` / ``pre_process`` / ``post_process``) on the same data; a step is the
+pipeline schedule (forward + backward of every micro-batch) + torch.optim.AdamW on each stage:
+
+    ours 1F1B                   hybrid.pipeline.PipelineRunner, schedule 1f1b
+    ours interleaved (v=2)      hybrid.pipeline.PipelineRunner, interleaved 1F1B, 2 chunks per rank
+    torch Schedule1F1B          torch.distributed.pipelining.PipelineStage + Schedule1F1B
+    torch Interleaved1F1B (v=2) PipelineStage x 2 per rank + ScheduleInterleaved1F1B
+
+Ours also keeps the tied word embedding of the first and last stage in step (its gradient sent to
+the first stage, the updated weight sent back: 2 x V h per step); torch's variants leave the last
+stage's copy untrained (it has no tied-weight mechanism), which spares them that traffic.
+
+Run:  python benchmarks/pp_vs_torch.py [--steps 10]
+Prints the median step time (the slower rank's) of every variant and the first step's loss of
+each (equal up to rounding: the same model and data), writes benchmarks/results/pp_vs_torch.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO, MICRO_BATCHES = 8, 256, 4, 128, 8192, 2, 4
+WARMUP = 2
+
+
+def _config():
+    from models.gpt.config import GPTConfig
+    return GPTConfig(LAYERS, HIDDEN, HEADS, vocab_size=VOCAB, seq_length=SEQ, hidden_dropout=0.0,
+                     attention_dropout=0.0)
+
+
+def _chunks(state, pipeline):
+    from models.gpt.model import GPTModel
+    chunks = []
+    for c in range(pipeline.num_model_chunks):
+        chunk = GPTModel(_config(), state, device="meta", layers=pipeline.layer_range(state.pp_rank, c),
+                         pre_process=pipeline.is_first(state.pp_rank, c),
+                         post_process=pipeline.is_last(state.pp_rank, c))
+        chunk.init_weights(0)
+        chunks.append(chunk)
+    return chunks
+
+
+def _ours(state, schedule, v):
+    from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks, TiedEmbedding
+    pipeline = PipelineConfig(2, MICRO_BATCHES, LAYERS, schedule, v)
+    chunks = _chunks(state, pipeline)
+    tied = (TiedEmbedding(state, lambda: chunks[0].embedding.word.weight) if state.is_first_stage
+            else TiedEmbedding(state, lambda: chunks[-1].output_weight))
+    runner = PipelineRunner(state, pipeline, chunks, activation_shape=(SEQ, MICRO, HIDDEN), tied=tied)
+    optimizer = torch.optim.AdamW(StageChunks(chunks).parameters(), lr=1e-4)
+
+    def step(tokens, labels):
+        mbs = list(zip(tokens.chunk(MICRO_BATCHES), labels.chunk(MICRO_BATCHES)))
+        loss = runner.step(mbs).loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        tied.sync_weight()
+        return loss
+    return step
+
+
+class TorchStage(nn.Module):
+    """A GPTModel stage with the one-tensor interface torch's PipelineStage calls: tokens [b, s] in
+    on the first stage, hidden states [s, b, h] between stages, logits [b, s, V] out of the last."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.gpt = chunk
+
+    def forward(self, x):
+        if self.gpt.pre_process:
+            return self.gpt(x)
+        tokens = torch.zeros(x.size(1), x.size(0), dtype=torch.long)   # its shape only
+        return self.gpt(tokens, hidden_states=x)
+
+
+def _torch(state, schedule, v):
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleaved1F1B)
+    from hybrid.pipeline import PipelineConfig, StageChunks
+    pipeline = PipelineConfig(2, MICRO_BATCHES, LAYERS, schedule, v)
+    chunks = _chunks(state, pipeline)
+    stages = [PipelineStage(TorchStage(chunk), c * 2 + state.pp_rank, 2 * v, torch.device("cpu"))
+              for c, chunk in enumerate(chunks)]
+
+    def loss_fn(logits, target):     # logits [b, s, V] of the last stage
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    sched = (Schedule1F1B(stages[0], MICRO_BATCHES, loss_fn=loss_fn) if v == 1
+             else ScheduleInterleaved1F1B(stages, MICRO_BATCHES, loss_fn=loss_fn))
+    optimizer = torch.optim.AdamW(StageChunks(chunks).parameters(), lr=1e-4)
+
+    def step(tokens, labels):
+        losses = []
+        if state.is_first_stage:
+            sched.step(tokens)
+        else:
+            sched.step(target=labels, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return float(sum(losses) / len(losses)) if losses else None
+    return step
+
+
+VARIANTS = {"ours 1F1B": (_ours, "1f1b", 1), "ours interleaved (v=2)": (_ours, "interleaved", 2),
+            "torch Schedule1F1B": (_torch, "1f1b", 1),
+            "torch Interleaved1F1B (v=2)": (_torch, "interleaved", 2)}
+
+
+def _worker(rank, world, names, steps):
+    import warnings
+    import torch.distributed as dist
+    from hybrid.parallel_state import ParallelState
+    from hybrid.topology import Topology
+    warnings.filterwarnings("ignore")
+    state = ParallelState.initialize(Topology(world, 1, gpus_per_node=world, pipeline_parallel_size=2))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (MICRO * MICRO_BATCHES, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (MICRO * MICRO_BATCHES, SEQ), generator=g)
+    runs = {name: VARIANTS[name][0](state, *VARIANTS[name][1:]) for name in names}
+    times, first_loss = {name: [] for name in names}, {}
+    for i in range(steps):
+        for name, step in runs.items():   # round-robin: the shared machine's load hits all alike
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step(tokens, labels)
+            times[name].append(time.perf_counter() - start)
+            if i == 0:
+                first_loss[name] = loss
+    return {name: (times[name][WARMUP:], first_loss[name]) for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help=f"timed steps per variant (+{WARMUP} warm-up)")
+    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="run a subset")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    from tests.multirank import run_on_ranks
+    names = args.only or list(VARIANTS)
+    per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + WARMUP), timeout=3600)
+    rows = {}
+    for name in names:
+        step_times = [max(ts) for ts in zip(*(r[name][0] for r in per_rank))]
+        rows[name] = {"median_step_ms": 1e3 * statistics.median(step_times),
+                      "first_step_loss": per_rank[-1][name][1]}
+        print(f"{name:>28}: {rows[name]['median_step_ms']:8.1f} ms/step   first-step loss "
+              f"{rows[name]['first_step_loss']:.6f}", flush=True)
+    for ours, peer in (("ours 1F1B", "torch Schedule1F1B"),
+                       ("ours interleaved (v=2)", "torch Interleaved1F1B (v=2)")):
+        if ours in rows and peer in rows:
+            print(f"{peer} / {ours} step time: "
+                  f"{rows[peer]['median_step_ms'] / rows[ours]['median_step_ms']:.2f}x")
+    out = ROOT / "benchmarks" / "results" / "pp_vs_torch.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
+                                              vocab=VOCAB, micro_batch=MICRO,
+                                              micro_batches=MICRO_BATCHES, pp=2, dtype="fp32",
+                                              threads_per_rank=1),
+                               "steps": args.steps, "results": rows}, indent=2))
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

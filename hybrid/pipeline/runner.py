@@ -1,0 +1,214 @@
+"""One runner for every pipeline schedule (Narayanan et al. 2021 §2.2; Megatron's ``schedules.py``).
+
+:class:`PipelineRunner` executes this stage's action list (:mod:`hybrid.pipeline.schedules`) for one
+step. Activations go forward and their gradients back through :func:`hybrid.comm.p2p` on the PP
+group (ledger kind ``pp``). The shape of every message is known up front, ``[s, b, h]`` or the
+sequence shard ``[s/t, b, h]`` with sequence parallelism, so no shape is exchanged. Sends are not
+waited for until the end of the step. How receives are posted (``prefetch``):
+
+* gloo (default there): the next action's receive is posted before this action computes, so it
+  lands during the compute (tagged isend/irecv match by tag, in any order);
+* NCCL (default there): this action's send and the next action's receive go in one
+  ``batch_isend_irecv`` after the compute, Megatron's ``send_forward_recv_backward`` pattern. NCCL
+  serialises the sends and receives between two ranks on one stream, so a receive posted ahead of
+  a send the peer is waiting for could deadlock; grouped, they progress together.
+
+Per step and stage boundary the schedule moves m activations forward and m gradients back (m v of
+each when interleaved, over the p v - 1 boundaries of the virtual pipeline), each b s h elements
+(b s h / t with sequence parallelism).
+
+Gradients: the ZeRO engine (stages 0-2) is told each backward with ``engine.backward``; it counts
+them (``gradient_accumulation_steps`` must be m v, the backwards of this stage per step) and reduces
+over DP once per step as it already does for gradient accumulation: stages 0 and 1 in the
+step's last backward, stage 2 in every backward (it keeps no full gradient), and with interleaving
+each of those reduces every bucket, also those of the chunks the backward did not touch (their
+gradients reduce as zeros: v times stage 2's volume; an engine per chunk would avoid it). The last virtual stage's
+backward starts from its loss (multiplied by the loss scale), every other from the received
+gradient (already scaled). The tied embedding's gradient goes from the last stage to the first
+before the first stage's last backward (:mod:`hybrid.pipeline.tied`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybrid import comm
+from hybrid.comm import P2POp
+from hybrid.parallel_state import ParallelState
+from hybrid.pipeline.config import PipelineConfig
+from hybrid.pipeline.schedules import Action, build_schedule
+from hybrid.pipeline.tied import TiedEmbedding
+
+
+@dataclass
+class StepOutput:
+    loss: float | None        # mean loss of the step's micro-batches (last stage), else None
+    step_time: float          # seconds of this stage's step
+    busy_time: float          # seconds spent computing (forward and backward)
+    peak_held: int            # most micro-batch activations (per chunk) held at once
+
+    def bubble(self, pipeline_step_time: float) -> float:
+        """This stage's idle time over the pipeline's step time (see :meth:`PipelineRunner.bubble`)."""
+        return 1.0 - self.busy_time / pipeline_step_time if pipeline_step_time else 0.0
+
+
+class PipelineRunner:
+    """Runs a step of the schedule on this rank's model chunks (``chunks[c]``: virtual stage
+    ``c * p + stage``). A chunk is called ``chunk(tokens, labels, hidden_states=x)``: the first
+    virtual stage ignores ``x``, the last returns the per-token loss [b, s], every other returns
+    its output [s(/t), b, h]."""
+
+    def __init__(self, state: ParallelState, config: PipelineConfig, chunks: list[nn.Module], *,
+                 activation_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 engine=None, tied: TiedEmbedding | None = None, prefetch: bool | None = None):
+        if config.num_stages != state.pp_size:
+            raise ValueError(f"the pipeline config has {config.num_stages} stages but the parallel "
+                             f"state's PP group has {state.pp_size} ranks")
+        if len(chunks) != config.num_model_chunks:
+            raise ValueError(f"{len(chunks)} model chunks on this stage, the config says "
+                             f"{config.num_model_chunks}")
+        backwards = config.num_micro_batches * config.num_model_chunks
+        if engine is not None and engine.config.gradient_accumulation_steps != backwards:
+            raise ValueError(f"the ZeRO engine expects {engine.config.gradient_accumulation_steps} "
+                             f"backward passes per step, the pipeline runs {backwards} on each stage "
+                             f"(micro-batches x model chunks); set gradient_accumulation_steps to it")
+        self.state, self.config, self.chunks = state, config, chunks
+        self.shape, self.dtype, self.engine, self.tied = activation_shape, dtype, engine, tied
+        self.stage, self.p, self.v = state.pp_rank, config.num_stages, config.num_model_chunks
+        self.actions = build_schedule(config)[self.stage]
+        if prefetch is None:   # module docstring: gloo posts receives ahead, NCCL batches them
+            pg = state.pp.pg
+            prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"
+        self.prefetch = prefetch
+
+    # ---- messages ------------------------------------------------------------------------------
+    def _virtual(self, action: Action) -> int:
+        return action.chunk * self.p + self.stage
+
+    def _tag(self, kind: str, micro_batch: int, destination: int) -> int:
+        """One tag per message of a step: (micro-batch, destination virtual stage, direction)."""
+        return (micro_batch * self.p * self.v + destination) * 2 + (kind == "B")
+
+    def _needs_input(self, action: Action) -> bool:
+        k = self._virtual(action)
+        return k > 0 if action.kind == "F" else k < self.p * self.v - 1
+
+    def _post_receive(self, action: Action) -> None:
+        key = (action.kind, action.micro_batch, action.chunk)
+        if key in self._received or not self._needs_input(action):
+            return
+        k = self._virtual(action)
+        peer = (self.stage - 1) % self.p if action.kind == "F" else (self.stage + 1) % self.p
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.state.device)
+        self._pending.append(P2POp("recv", buffer, peer, self._tag(action.kind, action.micro_batch, k)))
+        self._received[key] = [buffer, None]   # its handle comes with the batch (_flush)
+
+    def _send(self, tensor: torch.Tensor, kind: str, micro_batch: int, destination: int) -> None:
+        peer = (self.stage + 1) % self.p if kind == "F" else (self.stage - 1) % self.p
+        self._pending.append(P2POp("send", tensor.detach().contiguous(), peer,
+                                   self._tag(kind, micro_batch, destination)))
+
+    def _flush(self) -> None:
+        """Post the queued sends and receives as one batch."""
+        if not self._pending:
+            return
+        handle = comm.p2p(self._pending, self.state.pp)
+        for op in self._pending:
+            if op.op == "send":
+                self._sends.append((op.tensor, handle))
+        for entry in self._received.values():
+            if entry[1] is None:
+                entry[1] = handle
+        self._pending = []
+
+    def _take(self, action: Action) -> torch.Tensor:
+        buffer, handle = self._received.pop((action.kind, action.micro_batch, action.chunk))
+        handle.wait()
+        return buffer
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepOutput:
+        """Forward and backward of ``micro_batches`` (m pairs of tokens and labels [b, s], the same
+        on every stage) per the schedule; the caller then calls ``engine.step()``."""
+        if len(micro_batches) != self.config.num_micro_batches:
+            raise ValueError(f"{len(micro_batches)} micro-batches, the pipeline config says "
+                             f"{self.config.num_micro_batches}")
+        self._received, self._sends, self._held, self._pending = {}, [], {}, []
+        losses, busy, peak, start = [], 0.0, 0, time.perf_counter()
+        last_backward = {c: max(i for i, a in enumerate(self.actions) if a.kind == "B" and a.chunk == c)
+                         for c in range(self.v)}
+        if self.tied is not None:
+            self.tied.begin_step()
+        for i, action in enumerate(self.actions):
+            self._post_receive(action)
+            if self.prefetch and i + 1 < len(self.actions):   # arrives during this action
+                self._post_receive(self.actions[i + 1])
+            self._flush()
+            inputs = self._take(action) if self._needs_input(action) else None
+            began = time.perf_counter()
+            if action.kind == "F":
+                loss = self._forward(action, micro_batches[action.micro_batch], inputs)
+                if loss is not None:
+                    losses.append(loss)
+                peak = max(peak, len(self._held))
+            else:
+                final = i == last_backward[action.chunk]
+                extra = (self.tied.gradient_for_first_stage()
+                         if final and self.tied is not None and self._virtual(action) == 0 else None)
+                self._backward(action, inputs, extra)
+                if final and self.tied is not None and self._virtual(action) == self.p * self.v - 1:
+                    self.tied.send_gradient()
+            busy += time.perf_counter() - began
+            if not self.prefetch and i + 1 < len(self.actions):   # batched with this send
+                self._post_receive(self.actions[i + 1])
+            self._flush()
+        for _, handle in self._sends:
+            handle.wait()
+        self._sends = []
+        loss = sum(losses) if losses else None
+        return StepOutput(loss, time.perf_counter() - start, busy, peak)
+
+    def bubble(self, output: StepOutput) -> float:
+        """The measured bubble of this stage: idle time over the step time of the whole pipeline
+        (the longest stage's, all stages starting together after the previous optimizer step).
+        Collective over the PP group (a control all-reduce, not recorded)."""
+        longest = torch.tensor([output.step_time], dtype=torch.float64)
+        with comm.unrecorded(self.state.pp):
+            comm.all_reduce(longest, self.state.pp, op="max")
+        return output.bubble(float(longest))
+
+    def _forward(self, action: Action, batch, inputs: torch.Tensor | None) -> float | None:
+        tokens, labels = batch
+        k, last = self._virtual(action), self.config.is_last(self.stage, action.chunk)
+        if inputs is not None:
+            inputs.requires_grad_(True)
+        out = self.chunks[action.chunk](tokens, labels if last else None, hidden_states=inputs)
+        if last:   # per-token loss [b, s] -> this micro-batch's share of the step's mean
+            out = out.float().mean() / self.config.num_micro_batches
+        else:
+            self._send(out, "F", action.micro_batch, k + 1)
+        self._held[(action.micro_batch, action.chunk)] = (inputs, out)
+        return float(out.detach()) if last else None
+
+    def _backward(self, action: Action, grad: torch.Tensor | None, extra) -> None:
+        inputs, out = self._held.pop((action.micro_batch, action.chunk))
+        roots, grads = [out], [grad]
+        if extra is not None:   # the tied embedding's gradient from the last stage
+            roots.append(extra[0])
+            grads.append(extra[1])
+        if grad is None:        # the loss: scaled by the engine
+            if self.engine is not None:
+                self.engine.backward(out)
+            else:
+                out.backward()
+        elif self.engine is not None:
+            self.engine.backward(roots, grads)
+        else:
+            torch.autograd.backward(roots, grads)
+        k = self._virtual(action)
+        if k > 0:
+            self._send(inputs.grad, "B", action.micro_batch, k - 1)

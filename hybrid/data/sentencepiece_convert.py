@@ -11,7 +11,8 @@ read with a small wire-format reader, so no protobuf package is required:
     NormalizerSpec  2 precompiled_charsmap, 3 add_dummy_prefix, 4 remove_extra_whitespaces
 
 A BPE model becomes a ``tokenizers`` BPE model whose merges are ranked by the score of the merged
-piece (sentencepiece merges the highest-scoring pair first); a unigram model keeps its scores.
+piece (sentencepiece merges the highest-scoring pair first); a unigram model keeps its scores
+(where two segmentations score exactly alike, the two libraries may pick different ones).
 Whitespace is the visible ``▁`` in both, and byte pieces (``<0x41>``) give byte fallback.
 :func:`convert_sentencepiece` checks the result encodes a probe text exactly like sentencepiece.
 """
@@ -126,7 +127,11 @@ def _bpe(sp: SentencePieceModel) -> models.BPE:
 
 def _unigram(sp: SentencePieceModel) -> models.Unigram:
     unk = next((i for i, (_, _, kind) in enumerate(sp.pieces) if kind == UNKNOWN), None)
-    return models.Unigram([(p, s) for p, s, _ in sp.pieces], unk, any(k == BYTE for *_, k in sp.pieces))
+    # sentencepiece's lattice never spells text with control or byte pieces ("</s>", "<0x41>"):
+    # scored far below every normal piece they lose to the characters they are made of
+    floor = min(s for _, s, k in sp.pieces if k == NORMAL) - 1e4
+    vocab = [(p, s if k in (NORMAL, USER_DEFINED, UNKNOWN) else floor) for p, s, k in sp.pieces]
+    return models.Unigram(vocab, unk, any(k == BYTE for *_, k in sp.pieces))
 
 
 def convert_sentencepiece(path: str | Path) -> HFTokenizer:

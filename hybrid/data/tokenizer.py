@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 MAX_PIECE_INPUT = 8192
 UNK_ID, BOS_ID, EOD_ID = 0, 1, 2
 BPE_EOD = "<|endoftext|>"      # the end-of-document token of tools/train_tokenizer.py --type bpe
-# end-of-document tokens of common pretrained tokenizer.json files (GPT-2, Llama-3, Llama-2 / Mistral, Gemma)
+# end-of-document tokens of common pretrained tokenizer.json files (GPT-2, Llama-3, Llama-2, Gemma)
 EOD_TOKENS = (BPE_EOD, "<|end_of_text|>", "</s>", "<eos>")
 HF_FILE, SENTENCEPIECE_FILE = "tokenizer.json", "tokenizer.model"
 TOKENIZER_TYPES = ("sentencepiece", "bpe")

@@ -203,7 +203,8 @@ def write_tokenizer_files(out_dir: Path, tokenizer_model: str | Path) -> tuple[i
             tok.to_tokenizer_json().save(str(out_dir / TOKENIZER_JSON_FILE))
         tokenizer_class = "PreTrainedTokenizerFast"
     except ConversionError as err:
-        log.warning("no %s written (AutoTokenizer will need sentencepiece): %s", TOKENIZER_JSON_FILE, err)
+        log.warning("no %s written (AutoTokenizer will need sentencepiece): %s",
+                    TOKENIZER_JSON_FILE, err)
         tokenizer_class = "LlamaTokenizer"
     special = tok.special_tokens()
     token = {name: pair[0] if pair else None for name, pair in special.items()}

@@ -79,7 +79,8 @@ def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
-    p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model or tokenizer.json (default: see above)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model or tokenizer.json (default: see above)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompt-ids", default=None, help="JSON list of token-id lists instead of text")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
     p.add_argument("--json-key", "--json-keys", default="text",
                    help="JSONL field holding the document text")
-    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model, tokenizer.json, or a directory holding one")
+    p.add_argument("--tokenizer-model", required=True,
+                   help="sentencepiece .model, tokenizer.json, or a directory holding one")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--workers", type=positive, default=1, help="tokenizer worker processes")
     p.add_argument("--dtype", default=None, choices=["uint16", "int32", "int64"],

@@ -39,7 +39,7 @@ def bpe(tmp_path_factory) -> str:
 
 def test_bpe_training_round_trips_exactly(bpe):
     tok = Tokenizer(bpe)
-    assert tok.kind == "bpe" and tok.vocab_size == 600
+    assert tok.kind == "tokenizer.json" and tok.vocab_size == 600
     assert tok.id_to_piece(tok.eod) == BPE_EOD
     for text in [p.read_text() for p in SOURCES] + TRICKY:
         ids = tok.encode(text)
@@ -57,8 +57,14 @@ def test_kind_is_chosen_by_the_file(bpe, tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "tokenizer.json").write_bytes(Path(bpe).read_bytes())
-    assert Tokenizer(folder).kind == "bpe"
+    assert Tokenizer(folder).kind == "tokenizer.json"
     assert Tokenizer(folder).encode("x = 1") == Tokenizer(bpe).encode("x = 1")
+    spm_dir = tmp_path / "spm"
+    spm_dir.mkdir()
+    sp_model = train_tokenizer([p.read_text() for p in SOURCES], spm_dir / "tokenizer", 400)
+    assert Tokenizer(spm_dir).kind == "sentencepiece" and Tokenizer(sp_model).kind == "sentencepiece"
+    (spm_dir / "tokenizer.json").write_bytes(Path(bpe).read_bytes())
+    assert Tokenizer(spm_dir).kind == "tokenizer.json"        # a directory prefers tokenizer.json
     (tmp_path / "empty").mkdir()
     with pytest.raises(TokenizerError, match="is a directory without tokenizer.json"):
         Tokenizer(tmp_path / "empty")

@@ -63,13 +63,14 @@ def resolve_tokenizer_file(model_path: str | Path) -> str:
 
 
 class Tokenizer:
-    """encode/decode, vocab_size and eod over a sentencepiece model or a ``tokenizer.json``."""
+    """encode/decode, vocab_size and eod over a sentencepiece model or a ``tokenizer.json``;
+    ``kind`` is "sentencepiece" or "tokenizer.json"."""
 
     def __init__(self, model_path: str | Path):
         path = resolve_tokenizer_file(model_path)
         self.model_path = path
-        self.kind = "bpe" if path.endswith(".json") else "sentencepiece"
-        if self.kind == "bpe":
+        self.kind = "tokenizer.json" if path.endswith(".json") else "sentencepiece"
+        if self.kind == "tokenizer.json":
             self._hf = _load_tokenizer_json(path)
             self._eod = _hf_eod(self._hf, path)
             return
@@ -83,13 +84,13 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             return self._hf.get_vocab_size(with_added_tokens=True)
         return self._sp.vocab_size()
 
     @property
     def eod(self) -> int:
-        eos = self._eod if self.kind == "bpe" else self._sp.eos_id()
+        eos = self._eod if self.kind == "tokenizer.json" else self._sp.eos_id()
         if eos is None or eos < 0:
             raise ValueError(f"tokenizer {self.model_path!r} defines no end-of-document id; "
                              "retrain it with tools/train_tokenizer.py")
@@ -98,36 +99,36 @@ class Tokenizer:
     def special_tokens(self) -> dict[str, tuple[str, int] | None]:
         """``bos`` / ``eos`` / ``unk``: (token, id), or None where the model has none (a
         tokenizer.json's eos is its end-of-document token)."""
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             eos = (self._hf.id_to_token(self._eod), self._eod) if self._eod is not None else None
             return {"bos": None, "eos": eos, "unk": None}
         return {name: (self._sp.id_to_piece(i), i) if i >= 0 else None for name, i in
                 (("bos", self._sp.bos_id()), ("eos", self._sp.eos_id()), ("unk", self._sp.unk_id()))}
 
     def encode(self, text: str) -> list[int]:
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             return self._hf.encode(text, add_special_tokens=False).ids
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
         return self._sp.encode(texts)
 
     def decode(self, ids: Iterable[int]) -> str:
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             return self._hf.decode([int(i) for i in ids])
         return self._sp.decode([int(i) for i in ids])
 
     def id_to_piece(self, i: int) -> str:
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             return self._hf.id_to_token(int(i))
         return self._sp.id_to_piece(int(i))
 
     def to_tokenizer_json(self) -> HFTokenizer:
         """This tokenizer as a Hugging Face ``tokenizers`` object (a sentencepiece model converted
         by hybrid.data.sentencepiece_convert)."""
-        if self.kind == "bpe":
+        if self.kind == "tokenizer.json":
             return HFTokenizer.from_file(self.model_path)
         from hybrid.data.sentencepiece_convert import convert_sentencepiece
         return convert_sentencepiece(self.model_path)

@@ -197,7 +197,7 @@ def write_tokenizer_files(out_dir: Path, tokenizer_model: str | Path) -> tuple[i
     if tok.kind == "sentencepiece":
         shutil.copyfile(tok.model_path, out_dir / TOKENIZER_FILE)
     try:
-        if tok.kind == "bpe":
+        if tok.kind == "tokenizer.json":
             shutil.copyfile(tok.model_path, out_dir / TOKENIZER_JSON_FILE)
         else:
             tok.to_tokenizer_json().save(str(out_dir / TOKENIZER_JSON_FILE))

@@ -92,8 +92,9 @@ class Tokenizer:
     def eod(self) -> int:
         eos = self._eod if self.kind == "tokenizer.json" else self._sp.eos_id()
         if eos is None or eos < 0:
-            raise ValueError(f"tokenizer {self.model_path!r} defines no end-of-document id; "
-                             "retrain it with tools/train_tokenizer.py")
+            fix = ("name its end-of-document token as eos_token in a tokenizer_config.json beside it"
+                   if self.kind == "tokenizer.json" else "retrain it with tools/train_tokenizer.py")
+            raise ValueError(f"tokenizer {self.model_path!r} defines no end-of-document id; {fix}")
         return eos
 
     def special_tokens(self) -> dict[str, tuple[str, int] | None]:

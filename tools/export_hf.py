@@ -3,9 +3,11 @@ Llama-style model - rope, RMSNorm, SwiGLU - to a ``LlamaForCausalLM`` one, model
 
     python tools/export_hf.py --load checkpoints/tiny --out exports/tiny-hf
 
-Writes config.json, model.safetensors and generation_config.json, plus tokenizer.model and a
-tokenizer_config.json that transformers' ``AutoTokenizer`` loads as a LlamaTokenizer over our
-sentencepiece model (same ids, no BOS added, no prefix space; tested with transformers 5.x).
+Writes config.json, model.safetensors and generation_config.json, plus tokenizer.json and a
+tokenizer_config.json that transformers' ``AutoTokenizer`` loads as a fast tokenizer without
+sentencepiece installed (same ids, no BOS added, no prefix space; tested with transformers 5.x): a
+byte-level BPE tokenizer.json is copied, a sentencepiece model converted (and copied as
+tokenizer.model too).
 Then ``GPT2LMHeadModel.from_pretrained(out)`` gives the same logits as our model (fp32, tested).
 The tied ``lm_head`` is not stored (HF re-ties it); the vocab padding rows are dropped.
 
@@ -24,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 import torch  # noqa: E402
 
 from hybrid.data.tokenizer import Tokenizer  # noqa: E402
-from models.gpt.hf import CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, save_hf_directory  # noqa: E402
+from models.gpt.hf import (CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_JSON_FILE, WEIGHTS_FILE,  # noqa: E402
+                           save_hf_directory)
 from models.gpt.weights import load_canonical  # noqa: E402
 from tools._cli import (ArgumentParser, check_output_dir, install_files, run_cli,  # noqa: E402
                         staging_dir)
@@ -33,7 +36,7 @@ from tools.generate import resolve_tokenizer  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # every file save_hf_directory may write: what --overwrite replaces (a stale tokenizer included)
 EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, "generation_config.json", TOKENIZER_FILE,
-                "tokenizer_config.json")
+                TOKENIZER_JSON_FILE, "tokenizer_config.json")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true",
                    help="export into a non-empty --out, replacing only the files an export writes")
     p.add_argument("--tokenizer-model", default=None,
-                   help="sentencepiece .model to ship (default: the training run's)")
+                   help="sentencepiece .model or tokenizer.json to ship (default: the training run's)")
     p.add_argument("--no-tokenizer", action="store_true", help="export the weights only")
     p.add_argument("--weights", choices=("master", "model"), default="master")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer is None and not args.no_tokenizer:
         print("note: no tokenizer found; exporting weights only (pass --tokenizer-model)")
     if tokenizer is not None:
-        Tokenizer(tokenizer)   # a sentencepiece model, or a one-line error before any work
+        Tokenizer(tokenizer)   # a readable tokenizer, or a one-line error before any work
     state_dict, config = load_canonical(args.load, args.weights)
     with staging_dir(out) as tmp:
         staged = save_hf_directory(tmp / "hf", config, state_dict, tokenizer_model=tokenizer,

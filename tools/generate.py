@@ -63,11 +63,12 @@ def default_corpus(run: dict) -> tuple[str, str]:
 
 
 def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
-    """The sentencepiece model for ``load``: explicit, the HF directory's, or the training run's."""
+    """The tokenizer for ``load``: explicit, the HF directory's, or the training run's."""
     if explicit:
         return explicit
-    if (Path(load) / "tokenizer.model").is_file():
-        return str(Path(load) / "tokenizer.model")
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (Path(load) / name).is_file():
+            return str(Path(load) / name)
     run = training_run_config(load)
     if run is None:
         return None
@@ -78,7 +79,8 @@ def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
-    p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model (default: see above)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece .model or tokenizer.json (default: see above)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompt-ids", default=None, help="JSON list of token-id lists instead of text")
     p.add_argument("--max-new-tokens", type=int, default=64)

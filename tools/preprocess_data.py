@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
     p.add_argument("--json-key", "--json-keys", default="text",
                    help="JSONL field holding the document text")
-    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
+    p.add_argument("--tokenizer-model", required=True,
+                   help="sentencepiece .model, tokenizer.json, or a directory holding one")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
     p.add_argument("--workers", type=positive, default=1, help="tokenizer worker processes")
     p.add_argument("--dtype", default=None, choices=["uint16", "int32", "int64"],
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     outputs = [Path(data_path(args.output_prefix)), Path(index_path(args.output_prefix))]
     check_output_files(outputs, flag="--output-prefix", overwrite=args.overwrite,
                        inputs=[Path(p) for p in (*args.input, args.tokenizer_model)])
-    Tokenizer(args.tokenizer_model)   # a sentencepiece model, before any output exists
+    Tokenizer(args.tokenizer_model)   # a readable tokenizer, before any output exists
     outputs[0].parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stats = preprocess(args.input, args.output_prefix, args.tokenizer_model, workers=args.workers,

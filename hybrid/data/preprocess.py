@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
-import sentencepiece as spm
 
 from hybrid.data.indexed_dataset import IndexedDatasetWriter, best_token_dtype
 from hybrid.data.tokenizer import Tokenizer
@@ -60,9 +59,9 @@ def _json_text(line: str, key: str, path: Path, lineno: int) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _processor(model_path: str) -> spm.SentencePieceProcessor:
+def _processor(model_path: str) -> Tokenizer:
     # one loaded model per process and path; workers load it on their first batch
-    return spm.SentencePieceProcessor(model_file=model_path)
+    return Tokenizer(model_path)
 
 
 @dataclass(frozen=True)
@@ -72,11 +71,11 @@ class _BatchEncoder:
     append_eod: bool
 
     def __call__(self, docs: list[str]) -> list[np.ndarray]:
-        sp = _processor(self.model_path)
+        tok = _processor(self.model_path)
         out = []
-        for ids in sp.encode(docs):
+        for ids in tok.encode_batch(docs):
             if self.append_eod:
-                ids.append(sp.eos_id())
+                ids.append(tok.eod)
             out.append(np.asarray(ids, dtype=np.int32))  # half the bytes back from workers
         return out
 
@@ -110,11 +109,10 @@ def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     model = str(tokenizer_model)
-    Tokenizer(model)   # a readable sentencepiece model, or TokenizerError naming the file
-    vocab = _processor(model).vocab_size()
-    if append_eod and _processor(model).eos_id() < 0:
-        raise ValueError(f"tokenizer {model!r} has no end-of-document id; retrain it with "
-                         "tools/train_tokenizer.py")
+    tok = _processor(model)   # a readable tokenizer, or TokenizerError naming the file
+    vocab = tok.vocab_size
+    if append_eod:
+        _ = tok.eod   # ValueError naming the file when the tokenizer has no end-of-document id
     encoder = _BatchEncoder(model, append_eod)
     batches = _batches(read_documents(paths, json_key), batch_docs)
     t0, docs, tokens = time.perf_counter(), 0, 0

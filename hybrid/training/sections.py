@@ -181,7 +181,7 @@ class DataSection:
                                  default_factory=list)
     split: str = _help("train,valid,test proportions", default="969,30,1")
     eod_mask_loss: bool = _help("no loss where the input token is end-of-document", default=False)
-    tokenizer_model: str | None = _help("sentencepiece model (default: the embedded corpus's)",
+    tokenizer_model: str | None = _help("sentencepiece .model or tokenizer.json (default: the embedded corpus's)",
                                         default=None)
     data_cache_dir: str = _help("where the embedded corpus and sample indices are cached",
                                 default="data-cache")

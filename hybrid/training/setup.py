@@ -70,8 +70,8 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
         prefix, default_tokenizer = ensure_default_dataset(d.data_cache_dir, vocab)
         data_path, tokenizer_model = [prefix], tokenizer_model or default_tokenizer
     if tokenizer_model is None:
-        raise ValueError("--data-path was given without --tokenizer-model; pass the sentencepiece "
-                         "model the data was tokenized with")
+        raise ValueError("--data-path was given without --tokenizer-model; pass the tokenizer "
+                         "(.model or tokenizer.json) the data was tokenized with")
     tokenizer = Tokenizer(tokenizer_model)
     t = cfg.training
     global_batch = cfg.global_batch(state.world_size)

@@ -33,6 +33,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hybrid.data.sentencepiece_convert import ConversionError
+from hybrid.data.tokenizer import Tokenizer
 from models.gpt.config import ConfigError, GPTConfig
 from models.gpt import hf_llama
 from models.gpt.sharding import canonical_shapes
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 INDEX_FILE = "model.safetensors.index.json"   # sharded checkpoints: {"weight_map": {key: file}}
 TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_JSON_FILE = "tokenizer.json"
 _TOP = {"embedding.word.weight": "wte.weight", "embedding.position.weight": "wpe.weight",
         "final_norm.weight": "ln_f.weight", "final_norm.bias": "ln_f.bias"}
 _LAYER = {"ln1": "ln_1", "ln2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
@@ -155,8 +158,8 @@ def gpt_config_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128) ->
 def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[str, torch.Tensor], *,
                       tokenizer_model: str | Path | None = None,
                       dtype: torch.dtype = torch.float32) -> Path:
-    """Write a ``GPT2LMHeadModel`` directory: config.json, model.safetensors, and (given the
-    sentencepiece model) tokenizer files. Written to ``<out>.tmp`` and renamed, so a crash never
+    """Write a ``GPT2LMHeadModel`` directory: config.json, model.safetensors, and (given a
+    tokenizer file, :class:`hybrid.data.tokenizer.Tokenizer`) tokenizer files. Written to ``<out>.tmp`` and renamed, so a crash never
     leaves a half directory under the final name."""
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -185,19 +188,32 @@ def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[st
 
 
 def write_tokenizer_files(out_dir: Path, tokenizer_model: str | Path) -> tuple[int | None, int | None]:
-    """Copy the sentencepiece model as ``tokenizer.model`` with a ``tokenizer_config.json`` that
-    ``AutoTokenizer`` loads as a ``LlamaTokenizer`` (transformers converts the sentencepiece model;
-    no BOS/EOS added, no prefix space - our encoding exactly). Returns (bos id, eos id)."""
-    import sentencepiece as spm
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
-    shutil.copyfile(tokenizer_model, out_dir / TOKENIZER_FILE)
-    piece = {i: sp.id_to_piece(i) if i >= 0 else None for i in (sp.bos_id(), sp.eos_id(), sp.unk_id())}
-    meta = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+    """Write ``tokenizer.json`` and a ``tokenizer_config.json`` that ``AutoTokenizer`` loads as a
+    fast tokenizer without sentencepiece (no BOS/EOS added, no prefix space: our encoding exactly).
+    A sentencepiece model is converted (hybrid/data/sentencepiece_convert.py) and also copied as
+    ``tokenizer.model``; one the converter cannot reproduce ships as ``tokenizer.model`` alone,
+    loaded as a ``LlamaTokenizer``. Returns (bos id, eos id)."""
+    tok = Tokenizer(tokenizer_model)
+    if tok.kind == "sentencepiece":
+        shutil.copyfile(tok.model_path, out_dir / TOKENIZER_FILE)
+    try:
+        if tok.kind == "tokenizer.json":
+            shutil.copyfile(tok.model_path, out_dir / TOKENIZER_JSON_FILE)
+        else:
+            tok.to_tokenizer_json().save(str(out_dir / TOKENIZER_JSON_FILE))
+        tokenizer_class = "PreTrainedTokenizerFast"
+    except ConversionError as err:
+        log.warning("no %s written (AutoTokenizer will need sentencepiece): %s",
+                    TOKENIZER_JSON_FILE, err)
+        tokenizer_class = "LlamaTokenizer"
+    special = tok.special_tokens()
+    token = {name: pair[0] if pair else None for name, pair in special.items()}
+    meta = {"tokenizer_class": tokenizer_class, "add_bos_token": False, "add_eos_token": False,
             "add_prefix_space": False, "legacy": False, "clean_up_tokenization_spaces": False,
-            "bos_token": piece[sp.bos_id()], "eos_token": piece[sp.eos_id()],
-            "unk_token": piece[sp.unk_id()], "pad_token": piece[sp.eos_id()]}
+            "bos_token": token["bos"], "eos_token": token["eos"], "unk_token": token["unk"],
+            "pad_token": token["eos"]}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return (sp.bos_id() if sp.bos_id() >= 0 else None), (sp.eos_id() if sp.eos_id() >= 0 else None)
+    return tuple(special[name][1] if special[name] else None for name in ("bos", "eos"))
 
 
 def is_hf_directory(path: str | Path) -> bool:

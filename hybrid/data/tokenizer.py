@@ -201,12 +201,7 @@ def _train_sentencepiece(texts: Iterable[str], output_prefix: str | Path, vocab_
     Deterministic for a given input: no sentence sampling, fixed special ids
     (unk 0, bos 1, eod/eos 2, no pad).
     """
-    if vocab_size < 300:
-        raise ValueError(f"vocab size {vocab_size} is too small: byte fallback alone needs 256 "
-                         "ids plus specials; use at least 300")
-    chunks = list(training_chunks(texts))
-    if not chunks:
-        raise ValueError("cannot train a tokenizer on an empty corpus: no non-blank text found")
+    chunks = _checked_chunks(texts, vocab_size)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(chunks), model_writer=model, vocab_size=vocab_size,
@@ -227,6 +222,17 @@ def _train_sentencepiece(texts: Iterable[str], output_prefix: str | Path, vocab_
     return path
 
 
+def _checked_chunks(texts: Iterable[str], vocab_size: int) -> list[str]:
+    """The training chunks of ``texts``, after the checks both tokenizer kinds share."""
+    if vocab_size < 300:
+        raise ValueError(f"vocab size {vocab_size} is too small: the 256 byte ids alone need it, plus "
+                         "specials; use at least 300")
+    chunks = list(training_chunks(texts))
+    if not chunks:
+        raise ValueError("cannot train a tokenizer on an empty corpus: no non-blank text found")
+    return chunks
+
+
 def train_bpe_tokenizer(texts: Iterable[str], output_prefix: str | Path, vocab_size: int) -> str:
     """Train a byte-level BPE ``tokenizer.json`` (GPT-2 / Llama-3 style) on ``texts``; returns the
     ``OUTPUT_PREFIX.json`` path.
@@ -235,12 +241,7 @@ def train_bpe_tokenizer(texts: Iterable[str], output_prefix: str | Path, vocab_s
     decodes back exactly; GPT-2's pre-tokenizer regex splits words, numbers and whitespace runs
     before merging. ``<|endoftext|>`` (id 0) is the end-of-document token.
     """
-    if vocab_size < 300:
-        raise ValueError(f"vocab size {vocab_size} is too small: the byte alphabet alone needs 256 "
-                         "ids plus specials; use at least 300")
-    chunks = list(training_chunks(texts))
-    if not chunks:
-        raise ValueError("cannot train a tokenizer on an empty corpus: no non-blank text found")
+    chunks = _checked_chunks(texts, vocab_size)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

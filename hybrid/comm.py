@@ -77,14 +77,17 @@ class CommLedger:
     ranks_per_node: int | None = None
 
     def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype,
-               algorithm: str = "ring", src_index: int = 0) -> None:
+               algorithm: str = "ring", src_index: int = 0, peer: int | None = None) -> None:
+        """``peer``: for a send/recv, the other rank's index in ``group`` (the pair's hosts decide
+        whether its bytes cross, not the whole group's)."""
         if self.enabled and group.size > 1:
             n = group.size
             factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
                       "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "send": 1.0,
                       "recv": 1.0}[op]
             nbytes = factor * numel * _itemsize(dtype)
-            nodes = nodes_of(group.ranks, self.ranks_per_node)
+            ranks = group.ranks if peer is None else [group.ranks[group.rank], group.ranks[peer]]
+            nodes = nodes_of(ranks, self.ranks_per_node)
             _, cross = split_bytes(nbytes, op, algorithm, nodes, src_index)
             self.records.append(CommRecord(op, group.kind, numel, dtype, nbytes, cross, algorithm))
             if len(self.records) > self.max_records:
@@ -341,7 +344,7 @@ def p2p(ops: list[P2POp], group: Group):
         if o.peer == group.rank or not 0 <= o.peer < group.size:
             raise ValueError(f"peer {o.peer} is not another rank of this {group.kind} group of "
                              f"{group.size}")
-        group.ledger.record(o.op, group, o.tensor.numel(), o.tensor.dtype)
+        group.ledger.record(o.op, group, o.tensor.numel(), o.tensor.dtype, peer=o.peer)
     if not ops:
         return _Done()
     group.require_process_group()

@@ -75,6 +75,20 @@ def test_dry_run_ledger_splits_without_process_groups():
     assert ledger.totals()[("dp", "all_gather")] == dp_cross       # the logical volume as before
 
 
+def test_point_to_point_bytes_cross_only_to_a_peer_on_another_host():
+    """A send/recv is split by the pair's hosts, not the group's ring: rank 17 of a 400-rank world
+    (16 a node, node 1 = ranks 16-31) exchanges with DP peers on its node and on node 2."""
+    state = ParallelState.dry_run(Topology(400, 4, 16), rank=17)   # DP group: 1, 5, 9, 13, 17, ...
+    ledger = state.ledger
+    me = state.dp.rank
+    ledger.record("send", state.dp, 1000, torch.float32, peer=me + 1)   # rank 21: same node
+    ledger.record("recv", state.dp, 1000, torch.float32, peer=me + 2)   # rank 25: same node
+    ledger.record("send", state.dp, 1000, torch.float32, peer=me + 4)   # rank 33: node 2
+    (send_intra, send_cross), (recv_intra, recv_cross) = (ledger.split_totals()[("dp", "send")],
+                                                          ledger.split_totals()[("dp", "recv")])
+    assert (send_intra, send_cross) == (4000, 4000) and (recv_intra, recv_cross) == (4000, 0)
+
+
 def _two_nodes(rank, world_size):
     """Each collective once on every group of TP 1 and of TP 2, on 2 nodes x 2 ranks; returns the
     ledgers' split and totals per TP degree."""

@@ -15,16 +15,22 @@ TensorBoard ``iteration-time`` (median after warm-up), and the bytes that crosse
 from the link-aware ledger (``comm/{tp,dp}-cross-host-bytes-per-step``).
 
 Beside each measurement, the throughput model of hybrid/perf/throughput.py predicts the iteration
-for the same shaped cluster, calibrated on this machine: the component rates at this model's shapes
-measured with benchmarks/calibrate_perf_model.py's probes (GEMMs, attention core, elementwise ops,
-AdamW, host overhead per layer; thread CPU time), gloo's intra-host bandwidth and latency from
-docs/paper/calibration.json, and the inter-host link as gloo really gets it through the filter
-(benchmarks/shaped_link_probe.py, on the test bed before each bandwidth's runs: a 2-rank all-reduce
-alone, and two at once). The link is shared by the streams that cross it at once, counted from the
-ring split of hybrid/perf/links.py: the TP 4 ring over hosts (0,0,1,1) crosses at 2 of its 4 hops,
-one stream per host and direction; the two DP 2 groups of (b) both cross, two streams per host and
-direction. The model's inter-node ring bandwidth is the probe's bandwidth per stream for that many
-streams.
+for the same shaped cluster, calibrated on this machine, never on the shaped runs themselves:
+
+- the inter-host link as each layout's collectives really get it through the filter
+  (benchmarks/shaped_link_probe.py, on the test bed before each bandwidth's runs): a line
+  latency + volume / bandwidth per algorithm at the run's message sizes - gloo's ring all-reduce
+  over the TP 4 group for (a), hybrid.comm's direct all-gather and reduce-scatter over both DP
+  pairs at once for (b), whose incoming data and outgoing ACKs share the bucket and get less;
+- the token bucket's burst (10 ms of traffic): the work between two crossing calls refills it, so
+  each call overlaps up to a burst with the work before it (throughput.link_overlap) - (a)'s
+  dozens of small all-reduces hide nearly all their compute, (b)'s two large ones hardly any;
+- compute at the component rates measured with benchmarks/calibrate_perf_model.py's probes
+  (GEMMs, attention core, elementwise ops, AdamW, host overhead per layer; thread CPU time), gloo's
+  intra-host bandwidth and latency from docs/paper/calibration.json, plus a step overhead: each
+  layout's step measured once on the test bed at unlimited bandwidth minus the model's estimate of
+  that step (host work outside the layers, gloo calls' CPU, 4 ranks sharing 2 cores), held fixed
+  for every bandwidth.
 
     python -m benchmarks.figure2_mini [--rates 25 50 100] [--iters 6] [--out docs/paper]
     python -m benchmarks.figure2_mini --render docs/paper/figure2_mini.json   # table + plot again
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,11 +52,9 @@ from pathlib import Path
 
 import torch
 
-from hybrid.perf.flops import pad_vocab
+from hybrid.perf.flops import gpt_param_count, pad_vocab
 from hybrid.perf.hardware import Cluster
-from hybrid.perf.links import cross_host_fraction, nodes_of
 from hybrid.perf.throughput import ThroughputAssumptions, estimate_iteration
-from hybrid.topology import Topology
 
 HOSTS, RANKS_PER_HOST = 2, 2
 MODEL = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=64)
@@ -98,18 +103,6 @@ def train_args(corpus: dict, cache: Path, tb_dir: Path, tp: int, stage: int, ite
 
 
 # ---- prediction ------------------------------------------------------------------------------
-def streams_per_link(tp: int, dp: int) -> dict[str, float]:
-    """Streams that cross one host's link in one direction at once, per group kind: the group's
-    ring cross-host fraction x its ranks x the groups running together / the hosts."""
-    topo = Topology(tp * dp, tp, RANKS_PER_HOST, allow_tp_across_nodes=True)
-    out = {}
-    for kind, groups in (("tp", topo.tp_groups()), ("dp", topo.dp_groups())):
-        crossing = sum(cross_host_fraction("all_reduce", "ring", nodes_of(g, RANKS_PER_HOST)) * len(g)
-                       for g in groups if len(g) > 1)
-        out[kind] = crossing / HOSTS
-    return out
-
-
 def component_rates(tp: int, vocab: int) -> dict[str, float]:
     """This model's component rates on one thread (benchmarks/calibrate_perf_model.py's probes)."""
     from benchmarks.calibrate_perf_model import (adam_bandwidth, attention_core_rate, elementwise_bandwidth,
@@ -123,38 +116,61 @@ def component_rates(tp: int, vocab: int) -> dict[str, float]:
             "adam_Bps": adam_bandwidth(), "layer_overhead_s": layer_overhead()}
 
 
-def predict(tp: int, dp: int, stage: int, vocab: int, link: dict, rates: dict,
-            calibration: dict) -> dict:
-    """Seconds per iteration from hybrid.perf.throughput for the shaped cluster. A TP group that
-    crosses hosts runs its rings at the link over its streams; so do the DP groups (the model has
-    one inter-node ring bandwidth: the layout's crossing group sets it)."""
+def probe_sizes(vocab: int) -> dict[str, str]:
+    """The messages benchmarks/shaped_link_probe.py times: Megatron's TP all-reduce of the b s h
+    activations, and ZeRO's DP reduce-scatter / all-gather of one TP rank's Ψ (one bucket)."""
+    m = MODEL
+    psi = gpt_param_count(m["num_layers"], m["hidden_size"], pad_vocab(vocab, 2, VOCAB_MULTIPLE),
+                          m["seq_length"], tp=2)
+    return {"PROBE_TP_NUMEL": str(MICRO_BATCH * m["seq_length"] * m["hidden_size"]),
+            "PROBE_DP_NUMEL": str(psi)}
+
+
+def predict(tp: int, dp: int, stage: int, vocab: int, link: dict, rates: dict, calibration: dict,
+            unlimited_s: float, burst_s: float) -> dict:
+    """Seconds per iteration from hybrid.perf.throughput for the shaped cluster.
+
+    Inside a host: gloo's bandwidth and latency from docs/paper/calibration.json. Across hosts: a
+    TP group runs gloo's ring all-reduce at the probe's ring line (bandwidth per rank, latency per
+    call), ZeRO's DP collectives are hybrid.comm's direct ones at the probe's direct line; the
+    token bucket's burst (``burst_s`` of line-rate traffic) overlaps each crossing call with the work
+    before it. Compute at the component rates, plus the step overhead: the layout's measured step
+    at unlimited bandwidth (``unlimited_s``) minus the model's estimate of that same step (both
+    links at the intra-host rates), held fixed across the bandwidths."""
     machine = calibration["machine"]
-    streams = streams_per_link(tp, dp)
-    crossing = streams["tp"] if streams["tp"] else streams["dp"]
-    per_stream = link["one_stream_Bps"] if crossing <= 1 else link["two_streams_Bps_each"]
-    cluster = Cluster(name="shaped netns hosts", gpus_per_node=RANKS_PER_HOST,
-                      peak_flops=rates["gemm_flops"], memory_bytes=8e9,
-                      hbm_bandwidth=rates["adam_Bps"],
-                      intra_node_bandwidth=machine["gloo_allreduce_GBps"] * 1e9,
-                      intra_node_efficiency=1.0,
-                      ib_link_bandwidth=per_stream * RANKS_PER_HOST, ib_links_per_node=1,
-                      collective_latency=machine["gloo_latency_us"] * 1e-6,
-                      elementwise_bandwidth=rates["elementwise_Bps"],
-                      attention_core_flops=rates["attention_flops"],
-                      layer_overhead_s=rates["layer_overhead_s"])
+    ring, direct = link["ring"], link["direct"]
+    intra_Bps, intra_latency = machine["gloo_allreduce_GBps"] * 1e9, machine["gloo_latency_us"] * 1e-6
+    unshaped = Cluster(name="netns hosts, unshaped", gpus_per_node=RANKS_PER_HOST,
+                       peak_flops=rates["gemm_flops"], memory_bytes=8e9,
+                       hbm_bandwidth=rates["adam_Bps"], intra_node_bandwidth=intra_Bps,
+                       intra_node_efficiency=1.0, ib_link_bandwidth=intra_Bps * RANKS_PER_HOST,
+                       ib_links_per_node=1, collective_latency=intra_latency,
+                       elementwise_bandwidth=rates["elementwise_Bps"],
+                       attention_core_flops=rates["attention_flops"],
+                       layer_overhead_s=rates["layer_overhead_s"])
     a = ThroughputAssumptions(max_efficiency=1.0, half_efficiency_tokens=0.0,
                               half_efficiency_hidden=0.0, activation_bytes=4, grad_bytes=4,
                               zero_dp_overlap=0.0, baseline_dp_overlap=0.0,
-                              elementwise_in_efficiency=False)
+                              elementwise_in_efficiency=False, dp_algorithm="direct")
     m = MODEL
-    est = estimate_iteration(layers=m["num_layers"], hidden=m["hidden_size"], seq=m["seq_length"],
-                             vocab=pad_vocab(vocab, tp, VOCAB_MULTIPLE), micro_batch=MICRO_BATCH,
-                             tp=tp, dp=dp, stage=stage,
-                             grad_accumulation=GLOBAL_BATCH // (MICRO_BATCH * dp),
-                             recompute="none", cluster=cluster, assumptions=a)
-    return {"predicted_s": est.time_s, "compute_s": est.compute_s + est.memory_s + est.overhead_s,
-            "tp_comm_s": est.tp_comm_s, "dp_comm_s": est.dp_comm_s, "optimizer_s": est.optimizer_s,
-            "streams_per_link": streams}
+
+    def estimate(cluster: Cluster):
+        return estimate_iteration(layers=m["num_layers"], hidden=m["hidden_size"], seq=m["seq_length"],
+                                  vocab=pad_vocab(vocab, tp, VOCAB_MULTIPLE), micro_batch=MICRO_BATCH,
+                                  tp=tp, dp=dp, stage=stage,
+                                  grad_accumulation=GLOBAL_BATCH // (MICRO_BATCH * dp),
+                                  recompute="none", cluster=cluster, assumptions=a)
+    step_overhead = max(0.0, unlimited_s - estimate(unshaped).time_s)
+    shaped = unshaped.with_changes(name="netns hosts, shaped", ib_link_bandwidth=ring["Bps"] * RANKS_PER_HOST,
+                                   inter_node_latency=ring["latency_s"],
+                                   inter_node_direct_bandwidth=direct["Bps"],
+                                   inter_node_direct_latency=direct["latency_s"],
+                                   link_burst_s=burst_s, step_overhead_s=step_overhead)
+    est = estimate(shaped)
+    return {"predicted_s": est.time_s, "compute_s": est.compute_s + est.memory_s,
+            "step_overhead_s": step_overhead, "tp_comm_s": est.tp_comm_s,
+            "dp_comm_s": est.dp_comm_s, "optimizer_s": est.optimizer_s,
+            "link_overlap_s": est.link_overlap_s}
 
 
 # ---- measurement -----------------------------------------------------------------------------
@@ -190,21 +206,30 @@ def run(rates_mbit, iters: int, work: Path) -> dict:
     corpus = build_corpus(work / "corpus")
     calibration = json.loads(CALIBRATION.read_text())
     rates = {tp: component_rates(tp, corpus["vocab"]) for _, tp, _, _ in LAYOUTS}
+    with NetnsCluster(HOSTS, RANKS_PER_HOST, rate_mbit=None) as cluster:
+        unlimited = {tp: measure(cluster, corpus, work, tp, stage, iters, f"unshaped_tp{tp}")["measured_s"]
+                     for _, tp, _, stage in LAYOUTS}
+    print("unlimited bandwidth: " + ", ".join(f"TP {tp} {s:.3f} s/it" for tp, s in unlimited.items()),
+          flush=True)
     rows = []
     for rate in rates_mbit:
         with NetnsCluster(HOSTS, RANKS_PER_HOST, rate_mbit=rate) as cluster:
             link_mbit = cluster.measure_mbit(0, 1, int(rate * 1e6 / 8))
             probe = cluster.torchrun("benchmarks/shaped_link_probe.py", work, f"probe{int(rate)}",
-                                     env=child_env())
+                                     env=child_env(**probe_sizes(corpus["vocab"])))
             link = json.loads([line for line in probe[0].splitlines() if line.startswith("{")][-1])
+            burst_s = cluster.burst_bytes / (rate * 1e6 / 8)
             for name, tp, dp, stage in LAYOUTS:
                 job = f"r{int(rate)}_tp{tp}"
+                load = os.getloadavg()[0]
                 measured = measure(cluster, corpus, work, tp, stage, iters, job)
-                predicted = predict(tp, dp, stage, corpus["vocab"], link, rates[tp], calibration)
+                predicted = predict(tp, dp, stage, corpus["vocab"], link, rates[tp], calibration,
+                                    unlimited[tp], burst_s)
                 error = predicted["predicted_s"] / measured["measured_s"] - 1
                 rows.append({"layout": name, "tp": tp, "dp": dp, "stage": stage,
                              "rate_mbit": rate, "link_measured_mbit": link_mbit,
-                             "gloo_link_Bps": link,
+                             "link_probe": link, "burst_s": burst_s, "load_average": load,
+                             "unlimited_s": unlimited[tp],
                              **measured, **predicted, "relative_error": error,
                              "within_tolerance": abs(error) <= TOLERANCE,
                              "tokens_per_s": GLOBAL_BATCH * MODEL["seq_length"] / measured["measured_s"]})
@@ -222,12 +247,14 @@ def _row_line(r: dict) -> str:
 
 
 def table(result: dict) -> str:
-    lines = ["| link | layout | measured s/it | tokens/s | predicted s/it | error | cross-host MB per rank per step |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| link | layout | measured s/it | tokens/s | predicted s/it | error | "
+             "cross-host MB per rank per step | step at unlimited bandwidth, s | load average |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["runs"]:
         lines.append(f"| {r['rate_mbit']:.0f} Mbit/s | {r['layout']} | {r['measured_s']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['predicted_s']:.3f} | {r['relative_error']:+.1%} | "
-                     f"{(r['tp_cross_host_bytes'] + r['dp_cross_host_bytes']) / 1e6:.2f} |")
+                     f"{(r['tp_cross_host_bytes'] + r['dp_cross_host_bytes']) / 1e6:.2f} | "
+                     f"{r['unlimited_s']:.3f} | {r['load_average']:.1f} |")
     return "\n".join(lines)
 
 

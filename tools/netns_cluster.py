@@ -140,9 +140,13 @@ class NetnsCluster:
         _sh("ip", "netns", "add", ns)
         self._made.append(ns)
 
+    @property
+    def burst_bytes(self) -> int:
+        """The token bucket's burst: 10 ms of traffic at the shaped rate, at least 32 KB."""
+        return max(32 * 1024, int(self.rate_mbit * 1e6 / 8 / 100))
+
     def _shape(self, ns: str, dev: str) -> None:
-        rate_bytes = self.rate_mbit * 1e6 / 8
-        burst = max(32 * 1024, int(rate_bytes / 100))      # 10 ms of traffic, at least 32 KB
+        burst = self.burst_bytes
         _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
             "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "100ms")
 

@@ -35,6 +35,26 @@ class Cluster:
     # autograd dispatch). 0 on a V100: kernel launches are asynchronous and hide behind layers of
     # h >= 1536; the CPU calibration measures it with an empty (tiny) layer's forward + backward.
     layer_overhead_s: float = 0.0
+    # Seconds a collective call whose group crosses nodes pays beyond its bytes; 0 = the
+    # ``collective_latency`` of any call. The shaped CPU test bed measures it per algorithm
+    # (benchmarks/shaped_link_probe.py): TCP round trips through the link's token-bucket queue.
+    inter_node_latency: float = 0.0
+    # Collectives built of point-to-point sends and receives all posted at once ("direct" in
+    # hybrid.perf.links: hybrid.comm's gloo all-gather and all-to-all reduce-scatter) send and
+    # receive at the same time on the node's link. Bytes/s per GPU they get across nodes and their
+    # latency per call; 0 = the ring's (inter_node_ring_bandwidth, inter_node_latency). On a V100
+    # cluster NCCL runs rings: both 0.
+    inter_node_direct_bandwidth: float = 0.0
+    inter_node_direct_latency: float = 0.0
+    # Seconds of line-rate traffic a node's link sends at once after being idle: a token bucket's
+    # burst / rate on the shaped CPU test bed (tools/netns_cluster.py), 0 on InfiniBand. Work between
+    # two cross-node collective calls refills it, so up to this much of each call's transfer
+    # overlaps the work before it (IterationEstimate.link_overlap_s).
+    link_burst_s: float = 0.0
+    # Seconds per iteration the model's terms leave out, measured: on the CPU test bed the step at
+    # unlimited inter-host bandwidth minus the model's estimate of that step (host work outside the
+    # layers, gloo calls' CPU time, ranks sharing cores); 0 on the V100 (folded into the efficiency).
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "peak_flops", "memory_bytes", "hbm_bandwidth",
@@ -46,7 +66,9 @@ class Cluster:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], "
                                  f"got {getattr(self, name)}")
-        for name in ("attention_core_flops", "layer_overhead_s", "collective_latency"):
+        for name in ("attention_core_flops", "layer_overhead_s", "collective_latency",
+                     "inter_node_latency", "inter_node_direct_bandwidth", "inter_node_direct_latency",
+                     "link_burst_s", "step_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be >= 0, got {getattr(self, name)}")
 
@@ -67,6 +89,20 @@ class Cluster:
 
     def ring_bandwidth(self, crosses_nodes: bool) -> float:
         return self.inter_node_ring_bandwidth if crosses_nodes else self.intra_node_ring_bandwidth
+
+    def link(self, crosses_nodes: bool, algorithm: str = "ring") -> tuple[float, float]:
+        """(bytes/s per GPU, seconds per call) of a collective of ``algorithm`` (ring | direct,
+        hybrid.perf.links) whose group does or does not cross nodes."""
+        if algorithm not in ("ring", "direct"):
+            raise ValueError(f"algorithm must be ring or direct, got {algorithm!r}")
+        if not crosses_nodes:
+            return self.intra_node_ring_bandwidth, self.collective_latency
+        bandwidth = self.inter_node_ring_bandwidth
+        latency = self.inter_node_latency or self.collective_latency
+        if algorithm == "direct":
+            bandwidth = self.inter_node_direct_bandwidth or bandwidth
+            latency = self.inter_node_direct_latency or latency
+        return bandwidth, latency
 
     def with_changes(self, **changes) -> "Cluster":
         return replace(self, **changes)

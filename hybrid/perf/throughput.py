@@ -22,6 +22,12 @@ time = compute + exposed TP communication + exposed DP communication + optimizer
 - attention core at ``attention_core_flops`` when the cluster gives it a rate of its own, and a host
   ``layer_overhead_s`` per layer per micro-batch (both 0 on the V100: folded into the efficiency).
 
+Each collective call costs latency + bytes / bandwidth, both from :meth:`Cluster.link` for the
+links its group uses and its algorithm (TP: ring; DP: ``dp_algorithm``). A cluster may add a
+measured ``step_overhead_s`` per iteration; on a link with a token bucket (``link_burst_s`` > 0)
+each call that crosses nodes overlaps up to the burst with the work before it
+(:func:`link_overlap`).
+
 Every assumption is a field of :class:`ThroughputAssumptions` or of the :class:`Cluster`.
 """
 
@@ -78,8 +84,13 @@ class ThroughputAssumptions:
     # term is already inside it: reported in details, not added. The CPU calibration measures a
     # pure GEMM rate instead and sets it False.
     elementwise_in_efficiency: bool = True
+    # How the DP collectives move their bytes (hybrid.perf.links): NCCL's rings on GPUs; on gloo,
+    # hybrid.comm's point-to-point all-gather and all-to-all reduce-scatter are "direct".
+    dp_algorithm: str = "ring"
 
     def __post_init__(self) -> None:
+        if self.dp_algorithm not in ("ring", "direct"):
+            raise ValueError(f"dp_algorithm must be ring or direct, got {self.dp_algorithm!r}")
         if not 0 < self.max_efficiency <= 1:
             raise ValueError(f"max_efficiency must be in (0, 1], got {self.max_efficiency}")
         for name in ("zero_dp_overlap", "baseline_dp_overlap"):
@@ -112,12 +123,13 @@ class IterationEstimate:
     optimizer_s: float
     memory_s: float = 0.0        # memory-bound elementwise ops
     overhead_s: float = 0.0      # host overhead per layer (0 on the V100)
+    link_overlap_s: float = 0.0  # work hidden behind token-bucket bursts (shaped test bed only)
     details: dict = field(default_factory=dict, compare=False)
 
     @property
     def time_s(self) -> float:
         return (self.compute_s + self.tp_comm_s + self.dp_comm_s + self.optimizer_s + self.memory_s
-                + self.overhead_s)
+                + self.overhead_s - self.link_overlap_s)
 
     def tflops_per_gpu(self, hardware: bool = True) -> float:
         flops = self.hardware_flops_per_gpu if hardware else self.model_flops_per_gpu
@@ -157,6 +169,7 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
     memory_alone = memory
     memory = 0.0 if a.elementwise_in_efficiency else memory
     overhead = grad_accumulation * layers * cluster.layer_overhead_s
+    overhead += cluster.step_overhead_s
     tp_comm = grad_accumulation * _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp,
                                                           full_recompute, partition_activations,
                                                           topo.tp_crosses_nodes, cluster, a)
@@ -165,11 +178,20 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
     dp_total = _dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
-    dp_exposed += _dp_calls(stage, dp, layers, grad_accumulation, a) * cluster.collective_latency
+    dp_latency = cluster.link(_dp_crosses_nodes(topo), a.dp_algorithm)[1]
+    dp_exposed += _dp_calls(stage, dp, layers, grad_accumulation, a) * dp_latency
     updated = psi_rank / dp if stage >= 1 else psi_rank
     optimizer = updated * a.optimizer_bytes_per_param / cluster.hbm_bandwidth
+    tp_crosses, dp_crosses = topo.tp_crosses_nodes, _dp_crosses_nodes(topo)
+    crossing_calls = ((grad_accumulation * _tp_calls(layers, tp, full_recompute, partition_activations, a)
+                       if tp_crosses else 0)
+                      + (_dp_calls(stage, dp, layers, grad_accumulation, a) if dp_crosses else 0))
+    crossing_comm = (tp_comm if tp_crosses else 0.0) + (dp_exposed if dp_crosses else 0.0)
+    overlap = link_overlap(compute + memory + overhead + optimizer, crossing_calls, crossing_comm,
+                           cluster.link_burst_s)
     return IterationEstimate(gpus, model / gpus, hw / gpus, compute, tp_comm, dp_exposed, optimizer,
-                             memory, overhead, details={"efficiency": eff, "memory_bound_s": memory_alone,
+                             memory, overhead, overlap,
+                             details={"efficiency": eff, "memory_bound_s": memory_alone,
                                       "dp_total_s": dp_total,
                                       "tp_crosses_nodes": topo.tp_crosses_nodes,
                                       "params_per_rank": psi_rank})
@@ -217,12 +239,35 @@ def tp_ring_bytes_per_microbatch(layers: int, hidden: int, seq: int, micro_batch
     return ring, calls
 
 
+def link_overlap(work_s: float, crossing_calls: float, crossing_comm_s: float, burst_s: float) -> float:
+    """Seconds of ``work_s`` (everything but communication) hidden by a token-bucket link.
+
+    A bucket refills while the node computes and then sends up to ``burst_s`` of traffic at line
+    rate, so the gap before each of the ``crossing_calls`` calls that cross nodes overlaps that
+    call's transfer, up to the burst: with the work spread evenly over the gaps, hidden =
+    calls x min(work / calls, burst) = min(work, calls x burst), and never more than those calls'
+    own time ``crossing_comm_s``. Megatron's TP across hosts makes
+    dozens of calls with gaps shorter than the burst: nearly all its work hides; ZeRO-1's two large
+    DP calls per step hide at most two bursts.
+    """
+    if crossing_calls <= 0 or burst_s <= 0:
+        return 0.0
+    return min(work_s, crossing_calls * burst_s, crossing_comm_s)
+
+
+def _tp_calls(layers: int, tp: int, full_recompute: bool, partitioned: bool,
+              a: ThroughputAssumptions) -> int:
+    return tp_ring_bytes_per_microbatch(layers, 1, 1, 1, tp, full_recompute=full_recompute,
+                                        partition_activations=partitioned, assumptions=a)[1]
+
+
 def _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp, full_recompute, partitioned,
                             crosses_nodes, cluster: Cluster, a: ThroughputAssumptions) -> float:
     ring, calls = tp_ring_bytes_per_microbatch(
         layers, hidden, seq, micro_batch, tp, full_recompute=full_recompute,
         partition_activations=partitioned, activation_bytes=a.activation_bytes, assumptions=a)
-    return ring / cluster.ring_bandwidth(crosses_nodes) + calls * cluster.collective_latency
+    bandwidth, latency = cluster.link(crosses_nodes, "ring")
+    return ring / bandwidth + calls * latency
 
 
 def _dp_time(psi_rank, stage, dp, grad_accumulation, crosses_nodes, cluster: Cluster,
@@ -235,7 +280,7 @@ def _dp_time(psi_rank, stage, dp, grad_accumulation, crosses_nodes, cluster: Clu
     elif stage == 3:
         elements *= grad_accumulation                               # gathers + reduce-scatter each
     volume = elements * a.grad_bytes * (dp - 1) / dp
-    return volume / cluster.ring_bandwidth(crosses_nodes)
+    return volume / cluster.link(crosses_nodes, a.dp_algorithm)[0]
 
 
 def _dp_calls(stage: int, dp: int, layers: int, grad_accumulation: int,

@@ -143,10 +143,13 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                        dp: int, stage: int, grad_accumulation: int = 1, recompute: str = "full",
                        partition_activations: bool = False, cluster: Cluster | None = None,
                        assumptions: ThroughputAssumptions = ThroughputAssumptions(),
-                       heads: int | None = None, arch: Architecture = GPT2) -> IterationEstimate:
+                       heads: int | None = None, arch: Architecture = GPT2,
+                       dp_seconds: float | None = None) -> IterationEstimate:
     """Time of one iteration of ``grad_accumulation`` micro-batches of ``micro_batch`` sequences per
     replica on ``tp`` x ``dp`` GPUs (TP fastest, docs/design.md §2). ``arch`` (with ``heads`` for
-    GQA) changes the FLOPs and the parameters; the elementwise and TP traffic terms stay GPT-2's."""
+    GQA) changes the FLOPs and the parameters; the elementwise and TP traffic terms stay GPT-2's.
+    ``dp_seconds``: the DP collectives' seconds per iteration when the caller models them itself
+    (hybrid.perf.zeropp's topology-aware options); None: ZeRO §7's 2Ψ / 3Ψ."""
     cluster = cluster or dgx2_v100_cluster()
     topo = Topology(tp * dp, tp, cluster.gpus_per_node, allow_tp_across_nodes=True)
     gpus, a = topo.world_size, assumptions
@@ -175,7 +178,8 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                                                           topo.tp_crosses_nodes, cluster, a)
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
                                arch=arch)
-    dp_total = _dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
+    dp_total = (_dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
+                if dp_seconds is None else dp_seconds)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
     dp_latency = cluster.link(_dp_crosses_nodes(topo), a.dp_algorithm)[1]

@@ -16,10 +16,12 @@ import argparse
 from pathlib import Path
 
 from hybrid.perf.flops import gpt_param_count, pad_vocab
+from hybrid.perf.hardware import dgx2_v100_cluster
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import GB
 from hybrid.perf.throughput import estimate_iteration
-from hybrid.perf.zeropp import ZeroOptions, dp_traffic, estimate_step, model_state_bytes_per_gpu
+from hybrid.perf.zeropp import (ZeroOptions, dp_ranks_per_node, dp_traffic, estimate_step,
+                                model_state_bytes_per_gpu)
 from models.gpt.presets import PAPER_RUNS, PaperRun
 from tools._cli import ArgumentParser, check_output_files, run_cli
 from tools.paper_numbers import DEVICE_BYTES, run_layout
@@ -40,35 +42,37 @@ HEADER = ("option", "cross-node GB/GPU/step", "vs stage 3", "DP comm s", "step s
           "model states GB", "total GB", "fits 32 GB")
 
 
-def _run_dims(run: PaperRun) -> dict:
-    c = run.config
-    return dict(layers=c.num_layers, hidden=c.hidden_size, seq=c.seq_length, vocab=c.vocab_size,
-                micro_batch=run.micro_batch, tp=run.tp, dp=run.dp)
-
-
 def row_lines(run: PaperRun) -> tuple[list[dict], int, str]:
-    """One dict per line of a Table 5 row: stage 2 (the paper's run), then each option."""
+    """One dict per line of a Table 5 row - stage 2 (the paper's run), then each option - with
+    d (DP ranks of a group per node) and the row's ZeRO-R configuration. Each line's
+    ``vs_stage3`` is its cross-node bytes over plain stage 3's."""
     c = run.config
     config, partition, cpu = run_layout(run)
-    dims = _run_dims(run)
-    memory = dict(heads=c.num_attention_heads, partition_activations=partition, cpu_offload=cpu,
-                  **{k: dims[k] for k in ("layers", "hidden", "seq", "vocab", "micro_batch", "tp", "dp")})
+    dims = dict(layers=c.num_layers, hidden=c.hidden_size, seq=c.seq_length, vocab=c.vocab_size,
+                micro_batch=run.micro_batch, tp=run.tp, dp=run.dp)
+    memory = dict(dims, heads=c.num_attention_heads, partition_activations=partition, cpu_offload=cpu)
     psi = gpt_param_count(c.num_layers, c.hidden_size, pad_vocab(c.vocab_size, run.tp), c.seq_length,
                           tp=run.tp)
-    stage2_mem = device_memory(stage=2, **memory)
+    per_node = dp_ranks_per_node(run.tp, run.dp, dgx2_v100_cluster().gpus_per_node)
+    stage3_cross = dp_traffic(psi, run.dp, per_node).cross_node
     stage2 = estimate_iteration(**dims, stage=2, partition_activations=partition)
-    lines = [{"option": "stage 2 (the paper's run)", "cross_node_bytes": 2 * psi * 2 * (run.dp - 1) / run.dp, "dp_comm_s": stage2.dp_comm_s,
-              "step_s": stage2.time_s, "tflops": stage2.tflops_per_gpu(),
-              "model_states": stage2_mem.model_states.total, "total": stage2_mem.total}]
+    stage2_mem = device_memory(stage=2, **memory)
+    lines = [{"option": "stage 2 (the paper's run)",
+              "cross_node_bytes": 2 / 3 * stage3_cross,          # ZeRO §7: 2Ψ where stage 3 has 3Ψ
+              "dp_comm_s": stage2.dp_comm_s, "step_s": stage2.time_s,
+              "tflops": stage2.tflops_per_gpu(), "model_states": stage2_mem.model_states.total,
+              "total": stage2_mem.total}]
     stage3_mem = device_memory(stage=3, **memory)
-    per_node = 1
+    others = stage3_mem.total - stage3_mem.model_states.total    # activations, buffers, reserve
     for label, options in OPTIONS:
-        est, traffic, per_node = estimate_step(**dims, options=options, partition_activations=partition)
-        states = model_state_bytes_per_gpu(psi, run.dp, per_node, options)
-        lines.append({"option": label, "cross_node_bytes": traffic.cross_node, "dp_comm_s": est.dp_comm_s,
-                      "step_s": est.time_s, "tflops": est.tflops_per_gpu(),
-                      "model_states": states["total"],
-                      "total": stage3_mem.total - stage3_mem.model_states.total + states["total"]})
+        est, traffic, _ = estimate_step(**dims, options=options, partition_activations=partition)
+        states = model_state_bytes_per_gpu(psi, run.dp, per_node, options)["total"]
+        lines.append({"option": label, "cross_node_bytes": traffic.cross_node,
+                      "dp_comm_s": est.dp_comm_s, "step_s": est.time_s,
+                      "tflops": est.tflops_per_gpu(), "model_states": states,
+                      "total": others + states})
+    for line in lines:
+        line["vs_stage3"] = line["cross_node_bytes"] / stage3_cross
     return lines, per_node, config
 
 
@@ -78,15 +82,14 @@ def render() -> str:
         run = PAPER_RUNS[name]
         lines, per_node, config = row_lines(run)
         c = run.config
-        plain = dp_traffic(1.0, run.dp, per_node).cross_node
         out += [f"{run.size_label}: {run.gpus} GPUs, MP {run.tp}, DP {run.dp}, {c.num_layers} layers, "
                 f"hidden {c.hidden_size}, batch {run.micro_batch} per replica, ZeRO-R {config}; "
                 f"d = {per_node} DP rank(s) of a group per node", ""]
         rows = [HEADER] + [(ln["option"], f"{ln['cross_node_bytes'] / GB:.2f}",
-                            f"{ln['cross_node_bytes'] / (plain * _psi(run)):.2f}",
-                            f"{ln['dp_comm_s']:.2f}", f"{ln['step_s']:.2f}", f"{ln['tflops']:.1f}",
-                            f"{ln['model_states'] / GB:.1f}", f"{ln['total'] / GB:.1f}",
-                            "yes" if ln["total"] <= DEVICE_BYTES else "no") for ln in lines]
+                            f"{ln['vs_stage3']:.2f}", f"{ln['dp_comm_s']:.2f}", f"{ln['step_s']:.2f}",
+                            f"{ln['tflops']:.1f}", f"{ln['model_states'] / GB:.1f}",
+                            f"{ln['total'] / GB:.1f}", "yes" if ln["total"] <= DEVICE_BYTES else "no")
+                           for ln in lines]
         widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
         out += ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                           for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
@@ -96,12 +99,6 @@ def render() -> str:
     out += [f"  {label:44s} --zero-stage 3 {o.flags}".rstrip() for label, o in OPTIONS] + [""]
     out += [NOTE]
     return "\n".join(out) + "\n"
-
-
-def _psi(run: PaperRun) -> float:
-    c = run.config
-    return gpt_param_count(c.num_layers, c.hidden_size, pad_vocab(c.vocab_size, run.tp), c.seq_length,
-                           tp=run.tp)
 
 
 NOTE = """How to read it. GB = 10^9 bytes, per GPU per step (one micro-batch per step in these rows);

@@ -178,26 +178,26 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                                                           topo.tp_crosses_nodes, cluster, a)
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
                                arch=arch)
-    dp_total = (_dp_time(psi_rank, stage, dp, grad_accumulation, _dp_crosses_nodes(topo), cluster, a)
+    tp_crosses, dp_crosses = topo.tp_crosses_nodes, _dp_crosses_nodes(topo)
+    dp_total = (_dp_time(psi_rank, stage, dp, grad_accumulation, dp_crosses, cluster, a)
                 if dp_seconds is None else dp_seconds)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
-    dp_latency = cluster.link(_dp_crosses_nodes(topo), a.dp_algorithm)[1]
+    dp_latency = cluster.link(dp_crosses, a.dp_algorithm)[1]
     dp_exposed += _dp_calls(stage, dp, layers, grad_accumulation, a) * dp_latency
     updated = psi_rank / dp if stage >= 1 else psi_rank
     optimizer = updated * a.optimizer_bytes_per_param / cluster.hbm_bandwidth
-    tp_crosses, dp_crosses = topo.tp_crosses_nodes, _dp_crosses_nodes(topo)
     crossing_calls = ((grad_accumulation * _tp_calls(layers, tp, full_recompute, partition_activations, a)
                        if tp_crosses else 0)
                       + (_dp_calls(stage, dp, layers, grad_accumulation, a) if dp_crosses else 0))
     crossing_comm = (tp_comm if tp_crosses else 0.0) + (dp_exposed if dp_crosses else 0.0)
-    overlap = link_overlap(compute + memory + overhead + optimizer, crossing_calls, crossing_comm,
-                           cluster.link_burst_s)
+    hidden_by_link = link_overlap(compute + memory + overhead + optimizer, crossing_calls,
+                                  crossing_comm, cluster.link_burst_s)
     return IterationEstimate(gpus, model / gpus, hw / gpus, compute, tp_comm, dp_exposed, optimizer,
-                             memory, overhead, overlap,
+                             memory, overhead, hidden_by_link,
                              details={"efficiency": eff, "memory_bound_s": memory_alone,
                                       "dp_total_s": dp_total,
-                                      "tp_crosses_nodes": topo.tp_crosses_nodes,
+                                      "tp_crosses_nodes": tp_crosses,
                                       "params_per_rank": psi_rank})
 
 
@@ -250,9 +250,9 @@ def link_overlap(work_s: float, crossing_calls: float, crossing_comm_s: float, b
     rate, so the gap before each of the ``crossing_calls`` calls that cross nodes overlaps that
     call's transfer, up to the burst: with the work spread evenly over the gaps, hidden =
     calls x min(work / calls, burst) = min(work, calls x burst), and never more than those calls'
-    own time ``crossing_comm_s``. Megatron's TP across hosts makes
-    dozens of calls with gaps shorter than the burst: nearly all its work hides; ZeRO-1's two large
-    DP calls per step hide at most two bursts.
+    own time ``crossing_comm_s``. Megatron's TP across hosts makes dozens of calls with gaps shorter
+    than the burst: nearly all its work hides; ZeRO-1's two large DP calls per step hide at most two
+    bursts.
     """
     if crossing_calls <= 0 or burst_s <= 0:
         return 0.0

@@ -1,11 +1,13 @@
 """The trainer with pipeline parallelism (hybrid.training.pipeline_stage) against the same config
-at PP 1 in one process, fp32: per-iteration losses and the validation loss within rtol 1e-5 for
-PP 2 x DP 2 (1F1B) and PP 2 x TP 2 (interleaved, 2 chunks per stage); a run saved at PP 2 resumes
-at PP 1 on the uninterrupted PP 1 curve; the log line carries the measured bubble and the PP bytes.
+at PP 1 in one process, fp32: per-iteration losses, gradient norms (clipped at 1.0: the norm spans
+every stage) and the validation loss within rtol 1e-5 for PP 2 x DP 2 (1F1B, ZeRO 1, full
+recompute) and PP 2 x TP 2 + SP (interleaved, 2 chunks per stage, ZeRO 2); fp16 loss-scale
+overflows skip the same steps on every rank as at PP 1; a run saved at PP 2 resumes at PP 1 on the
+uninterrupted PP 1 curve; the log line carries the measured bubble and the PP bytes.
 
 PP bytes per step (hybrid.pipeline.runner): each of the p v - 1 boundaries of the (virtual)
 pipeline carries one activation forward and one gradient back per micro-batch, b s h elements each
-(no sequence parallelism here), so a PP column sends 2 m (p v - 1) b s h x bytes per step; the
+(b s h / t with sequence parallelism), so a PP column sends 2 m (p v - 1) b s h x bytes per step; the
 ledger counts a message at its sender. With p = 2, v = 1 stage 0 sends m activations and stage 1
 m gradients: m b s h x 4 bytes (fp32) each, 2 m (p - 1) b s h x 4 together.
 """
@@ -30,7 +32,8 @@ def _train(args):
 
 
 def _run(rank, world_size, args):
-    """Train, then evaluate once; every rank's losses, validation loss and logged metrics."""
+    """Train, then evaluate once; every rank's losses, validation loss, logged metrics of each
+    iteration (--log-interval 1), skipped steps and final loss scale."""
     trainer = make_trainer(args)
     logged = []
     write = trainer.metrics.log
@@ -38,34 +41,38 @@ def _run(rank, world_size, args):
     trainer.train()
     valid = trainer.evaluate()
     trainer.metrics.close()
-    pp = next(m for m in logged if "iteration-time" in m) if trainer.pipeline else None
+    steps = [m for m in logged if "iteration-time" in m]
     return {"losses": trainer.losses, "valid": valid, "stage": trainer.state.pp_rank,
-            "dp": trainer.state.dp_rank, "tp": trainer.state.tp_rank, "log": pp}
+            "dp": trainer.state.dp_rank, "tp": trainer.state.tp_rank, "log": steps[0],
+            "grad_norms": [m["grad-norm"] for m in steps], "skipped": trainer.ts.skipped_iterations,
+            "scale": trainer.optimizer.scaler.scale}
 
 
-def _reference(extra):
-    trainer = _train(tiny_args(iters=3, extra=LAYERS + EVAL + extra))
-    return trainer.losses, trainer.evaluate()
+LAYOUTS = {"pp2-dp2-1f1b": (1, ["--zero-stage", "1", "--recompute", "full"]),
+           "pp2-tp2-sp-interleaved": (2, ["--zero-stage", "2", "--sequence-parallel",
+                                          "--num-layers-per-virtual-pipeline-stage", "1"])}
 
 
-@pytest.mark.parametrize("layout", ["pp2-dp2-1f1b", "pp2-tp2-interleaved"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_pipeline_trainer_matches_pp1(tmp_path, layout):
     tb = tmp_path / "tb"
-    pp = ["--pipeline-model-parallel-size", "2", "--log-interval", "1", "--tensorboard-dir", str(tb)]
-    tp = 1
-    if layout == "pp2-tp2-interleaved":
-        tp, pp = 2, pp + ["--num-layers-per-virtual-pipeline-stage", "1"]
-    ref_losses, ref_valid = _reference([])
-    results = run_on_ranks(_run, 4, args=(tiny_args(tp=tp, iters=3, extra=LAYERS + EVAL + pp),),
-                           timeout=400)
-    for r in results:   # every rank reports the last stage's loss
+    tp, options = LAYOUTS[layout]
+    logging = ["--log-interval", "1"]
+    ref = _run(0, 1, tiny_args(iters=3, extra=LAYERS + EVAL + logging))
+    pp = ["--pipeline-model-parallel-size", "2", "--tensorboard-dir", str(tb)] + options
+    results = run_on_ranks(_run, 4, args=(tiny_args(tp=tp, iters=3, extra=LAYERS + EVAL + logging
+                                                    + pp),), timeout=400)
+    ref_losses = ref["losses"]
+    for r in results:   # every rank reports the last stage's loss and the whole model's norm
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), (layout, r)
-        assert r["valid"] == pytest.approx(ref_valid, rel=1e-5), (layout, r)
+        assert r["valid"] == pytest.approx(ref["valid"], rel=1e-5), (layout, r)
+        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), (layout, r)
+    assert min(ref["grad_norms"]) > 1.0      # --clip-grad 1.0 clipped every step
     for r in results:
         assert 0.0 < r["log"]["pipeline/bubble-fraction"] < 1.0, r["log"]
     dp = 4 // (2 * tp)
     m, v = GLOBAL // (MICRO * dp), (2 if tp == 2 else 1)
-    message = MICRO * SEQ * HIDDEN * 4                                    # b s h fp32 bytes
+    message = MICRO * SEQ * HIDDEN * 4 / tp                   # b s h fp32 bytes (/ t with SP)
     for dp_rank in range(dp):
         for tp_rank in range(tp):
             column = [r for r in results if (r["dp"], r["tp"]) == (dp_rank, tp_rank)]
@@ -80,6 +87,23 @@ def test_pipeline_trainer_matches_pp1(tmp_path, layout):
     assert len(bubbles) == 3 and all(0.0 < b < 1.0 for b in bubbles)
     assert acc.Scalars("comm/pp-bytes-per-step")[-1].value == results[0]["log"]["comm/pp-bytes-per-step"]
     assert [e.value for e in acc.Scalars("lm loss")] == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_fp16_overflows_skip_the_same_steps_on_every_stage():
+    """A loss scale of 2^20 overflows the first fp16 steps: the overflow is found in some stage's
+    gradients and every rank of both stages skips (the engine's norm spans the stages), as at PP 1
+    with the same DP degree (each rank then sums the same m fp16 micro-batch gradients; whether a
+    sum overflows depends on how many are summed before the DP reduction)."""
+    scaler = ["--initial-loss-scale", str(2.0 ** 20), "--hysteresis", "1", "--log-interval", "1"]
+    ref = run_on_ranks(_run, 2, args=(tiny_args(precision="fp16", iters=3,
+                                                extra=LAYERS + EVAL + scaler),), timeout=400)[0]
+    results = run_on_ranks(_run, 4, args=(tiny_args(precision="fp16", iters=3, extra=LAYERS + EVAL
+                                                    + scaler + ["--pipeline-model-parallel-size",
+                                                                "2"]),), timeout=400)
+    assert ref["skipped"] > 0
+    for r in results:
+        assert (r["skipped"], r["scale"]) == (ref["skipped"], ref["scale"]), r
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-2, nan_ok=True), r
 
 
 def _save_at_pp2(rank, world_size, args):

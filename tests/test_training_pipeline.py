@@ -119,3 +119,44 @@ def test_saved_at_pp2_resumes_at_pp1(tmp_path):
     assert first[0] == pytest.approx(full[:2], rel=1e-5)
     second = _train(base + ["--train-iters", "4", "--load", str(tmp_path)]).losses
     assert second == pytest.approx(full[2:], rel=1e-5)
+
+
+def test_start_up_report_names_the_pipeline_layout():
+    from hybrid.parallel_state import ParallelState
+    from hybrid.topology import Topology
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.setup import link_report
+    cfg, _ = parse_args(["--world-size", "8", "--gpus-per-node", "2", "--num-layers", "8",
+                         "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
+                         "1", "--micro-batch-size", "1", "--global-batch-size", "8"])
+    state = ParallelState.dry_run(Topology(8, 1, gpus_per_node=2, pipeline_parallel_size=4), rank=3)
+    text = link_report(state, cfg)
+    assert "pp group [1, 3, 5, 7]: 3 of its 3 stage boundaries cross hosts" in text
+    assert ("pipeline: interleaved, PP 4 stages x 2 model chunk(s) of 1 layers, m 4 micro-batches "
+            "per step; stage 1 holds layers [1, 2), [5, 6); bubble (p-1)/(v m+p-1) = 0.273") in text
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_forward_only_schedule_is_the_training_forwards(schedule, v):
+    """Evaluation runs each stage's forwards in the training schedule's order and nothing else;
+    simulated without backwards (every forward waits only on the previous virtual stage), it
+    completes."""
+    from hybrid.pipeline import PipelineConfig, build_schedule
+    from hybrid.pipeline.schedules import forward_only
+    config = PipelineConfig(4, 8, 16, schedule, v)
+    for train, evaluation in zip(build_schedule(config), forward_only(config)):
+        assert evaluation == [a for a in train if a.kind == "F"]
+        assert len(evaluation) == 8 * v
+    done, position = set(), [0] * 4
+    lists = forward_only(config)
+    while any(position[s] < len(lists[s]) for s in range(4)):
+        progressed = False
+        for s in range(4):
+            if position[s] < len(lists[s]):
+                a = lists[s][position[s]]
+                k = a.chunk * 4 + s
+                if k == 0 or (a.micro_batch, k - 1) in done:
+                    done.add((a.micro_batch, k))
+                    position[s] += 1
+                    progressed = True
+        assert progressed, "forward-only schedule deadlocks"

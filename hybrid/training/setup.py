@@ -24,7 +24,7 @@ from hybrid import comm
 from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
-from hybrid.perf.links import describe_group
+from hybrid.perf.links import describe_group, nodes_of
 from hybrid.training.config import TrainConfig
 from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
@@ -387,11 +387,14 @@ def link_report(state: ParallelState, cfg: TrainConfig | None = None) -> str:
     bytes that cross hosts (start-up report; the ledger measures it per step, hybrid.perf.links),
     then the pipeline layout."""
     per_node = state.ledger.ranks_per_node
-    groups = (state.tp, state.dp) + ((state.pp,) if state.pp_size > 1 else ())
-    lines = [describe_group(g.kind, g.ranks, per_node) for g in groups]
+    lines = [describe_group(g.kind, g.ranks, per_node) for g in (state.tp, state.dp)]
     pcfg = cfg.pipeline_config(state.world_size) if cfg is not None else None
     if pcfg is not None:
-        lines.append(pipeline_report(pcfg, state.pp_rank))
+        hosts = nodes_of(state.pp.ranks, per_node)
+        crossings = sum(a != b for a, b in zip(hosts, hosts[1:]))
+        lines += [f"pp group {state.pp.ranks}: {crossings} of its {state.pp_size - 1} stage "
+                  f"boundaries cross hosts (point-to-point activations and gradients)",
+                  pipeline_report(pcfg, state.pp_rank)]
     return "\n".join(lines)
 
 

@@ -160,3 +160,24 @@ def test_forward_only_schedule_is_the_training_forwards(schedule, v):
                     position[s] += 1
                     progressed = True
         assert progressed, "forward-only schedule deadlocks"
+
+
+def _first_loss_from_hf(rank, world_size, hf_dir):
+    record: list = []
+    trainer = make_trainer(tiny_args(iters=1, extra=["--init-from-hf", hf_dir,
+                                                     "--pipeline-model-parallel-size", "2"]), record)
+    trainer.train()
+    return trainer.losses[0], [i for batch in record for i in batch]
+
+
+def test_init_from_hf_fills_every_stage(tmp_path):
+    """--init-from-hf at PP 2: each stage's chunks take their layers, the first stage the word
+    embedding and the last stage's tied copy follows it; the first loss is the reference GPT's with
+    those weights."""
+    from models.gpt.hf import save_hf_directory
+    from tests.test_training_init_from_hf import CONFIG, _random_weights, _reference_loss
+    weights = _random_weights()
+    hf_dir = str(save_hf_directory(tmp_path / "hf", CONFIG, weights))
+    for loss, samples in run_on_ranks(_first_loss_from_hf, 2, args=(hf_dir,), timeout=300):
+        assert len(samples) == 8
+        assert loss == pytest.approx(_reference_loss(weights, samples), abs=1e-5)

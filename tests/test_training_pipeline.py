@@ -181,3 +181,19 @@ def test_init_from_hf_fills_every_stage(tmp_path):
     for loss, samples in run_on_ranks(_first_loss_from_hf, 2, args=(hf_dir,), timeout=300):
         assert len(samples) == 8
         assert loss == pytest.approx(_reference_loss(weights, samples), abs=1e-5)
+
+
+def _losses_on_rank(rank, world_size, args):
+    return _train(args).losses
+
+
+def test_untied_output_layer_with_offloaded_optimizer():
+    """PP 2 with its own output layer on the last stage (no tied copy) and ZeRO 2 with the
+    optimizer state on the CPU (ZeRO-Offload) matches PP 1 with the same options."""
+    args = tiny_args(iters=3, extra=LAYERS + ["--untie-embeddings-and-output-weights", "--zero-stage",
+                                              "2", "--offload-optimizer", "cpu"])
+    ref = _train(args).losses
+    results = run_on_ranks(_losses_on_rank, 2, args=(args + ["--pipeline-model-parallel-size", "2"],),
+                           timeout=300)
+    for losses in results:
+        assert losses == pytest.approx(ref, rel=1e-5)

@@ -91,13 +91,12 @@ def test_pipeline_trainer_matches_pp1(tmp_path, layout):
 
 def test_fp16_overflows_skip_the_same_steps_on_every_stage():
     """A loss scale of 2^20 overflows the first fp16 steps: the overflow is found in some stage's
-    gradients and every rank of both stages skips (the engine's norm spans the stages), as at PP 1
-    with the same DP degree (each rank then sums the same m fp16 micro-batch gradients; whether a
-    sum overflows depends on how many are summed before the DP reduction)."""
+    gradients and both stages skip (the engine's norm spans the stages), as at PP 1 with the same
+    DP degree (each rank then sums the same m fp16 micro-batch gradients; whether a sum overflows
+    depends on how many are summed before the DP reduction)."""
     scaler = ["--initial-loss-scale", str(2.0 ** 20), "--hysteresis", "1", "--log-interval", "1"]
-    ref = run_on_ranks(_run, 2, args=(tiny_args(precision="fp16", iters=3,
-                                                extra=LAYERS + EVAL + scaler),), timeout=400)[0]
-    results = run_on_ranks(_run, 4, args=(tiny_args(precision="fp16", iters=3, extra=LAYERS + EVAL
+    ref = _run(0, 1, tiny_args(precision="fp16", iters=3, extra=LAYERS + EVAL + scaler))
+    results = run_on_ranks(_run, 2, args=(tiny_args(precision="fp16", iters=3, extra=LAYERS + EVAL
                                                     + scaler + ["--pipeline-model-parallel-size",
                                                                 "2"]),), timeout=400)
     assert ref["skipped"] > 0

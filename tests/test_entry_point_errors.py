@@ -127,6 +127,29 @@ TRAINER = [
     Case("lr-not-a-number", "pretrain", lambda w, c: w.trainer("--lr", "nan"), ("--lr",)),
     Case("init-from-hf-not-hf", "pretrain", lambda w, c: w.trainer("--init-from-hf", str(c)),
          ("--init-from-hf", "Hugging Face")),
+    Case("pp-with-zero3", "pretrain", lambda w, c: w.trainer(
+        "--pipeline-model-parallel-size", "2", "--zero-stage", "3"),
+         ("--zero-stage 3", "--pipeline-model-parallel-size", "2m gathers", "--zero-stage 1 or 2")),
+    Case("pp-layers-not-divisible", "pretrain", lambda w, c: w.trainer(
+        "--pipeline-model-parallel-size", "2", "--num-layers", "3"),
+         ("--num-layers 3", "--pipeline-model-parallel-size 2")),
+    Case("pp-virtual-not-divisor", "pretrain", lambda w, c: w.trainer(
+        "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+        "--num-layers-per-virtual-pipeline-stage", "3"),
+         ("--num-layers-per-virtual-pipeline-stage 3", "divisor of 2")),
+    Case("pp-virtual-with-1f1b", "pretrain", lambda w, c: w.trainer(
+        "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+        "--num-layers-per-virtual-pipeline-stage", "1"), ("interleaved", "go together")),
+    Case("pp-unknown-schedule", "pretrain", lambda w, c: w.trainer(
+        "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zigzag"),
+         ("--pipeline-schedule", "zigzag", "1f1b")),
+    Case("pp-world-not-divisible", "pretrain", lambda w, c: w.trainer(
+        "--pipeline-model-parallel-size", "2"), ("1 ranks", "TP 1 x PP 2", "launch a multiple of 2")),
+    Case("pp-interleaved-too-few-micro-batches", "pretrain", lambda w, c: w.trainer(
+        "--dry-run", "--world-size", "8", "--gpus-per-node", "8", "--pipeline-model-parallel-size",
+        "4", "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--global-batch-size", "4"), ("micro-batches per step (1)", "pipeline-model-parallel size 4",
+                                      "--global-batch-size")),
 ]
 
 GENERATE = [
@@ -295,7 +318,7 @@ DEFAULT_SUITE = {
     "gen-prompt-ids-not-json", "eval-seq-longer-than-model", "export-into-non-empty-dir",
     "export-onto-its-checkpoint", "import-out-exists", "pre-output-is-input", "tok-vocab-too-small",
     "dry-run-unknown-flag", "paper-tables-out-is-file", "perf-heads-not-split-by-tp",
-    "corpus-cache-is-file",
+    "corpus-cache-is-file", "pp-with-zero3", "pp-interleaved-too-few-micro-batches",
 }
 PARAMS = [pytest.param(c, id=c.name, marks=() if c.name in DEFAULT_SUITE else pytest.mark.slow)
           for c in CASES]

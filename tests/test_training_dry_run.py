@@ -69,3 +69,26 @@ def test_offloaded_optimizer_state_leaves_the_device():
     s = base["model_states_per_rank"]
     assert off["offloaded_per_rank"] == s["master_fp32"] + s["adam_moments"]
     assert total_bytes(base) - total_bytes(off) == pytest.approx(off["offloaded_per_rank"])
+
+
+def test_pipeline_dry_run_counts_each_stage():
+    """--dry-run at PP 4 x TP 2 x DP 2 (16 ranks, 1F1B): the stages' parameters add up to the model's
+    (the last stage's copy of the tied embedding is not a parameter of its own), stage s holds the
+    activations of p - s micro-batches, and a middle stage sends an activation and a gradient of
+    b s h 16-bit elements per micro-batch (2 m b s h x 2 bytes), the first and last stage half."""
+    args = ["--world-size", "16", "--gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "4", "--num-layers", "8", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "1000",
+            "--micro-batch-size", "2", "--global-batch-size", "16", "--bf16"]
+    cfg, _ = parse_args(args)
+    stage_ranks = [0, 4, 8, 12]          # TP rank 0, DP rank 0 of each stage (grid pp x dp x tp)
+    reports = [dry_run_report(cfg, rank) for rank in stage_ranks]
+    assert [r["pp_rank"] for r in reports] == [0, 1, 2, 3]
+    whole, _ = parse_args(args + ["--pipeline-model-parallel-size", "1", "--world-size", "4"])
+    assert sum(r["params_per_rank"] for r in reports) == dry_run_report(whole)["params_per_rank"]
+    assert [r["micro_batches_held"] for r in reports] == [4, 3, 2, 1]
+    m, message = 16 // (2 * 2), 2 * 32 * 64 * 2
+    assert [r["pp_bytes_per_step"] for r in reports] == [m * message, 2 * m * message,
+                                                        2 * m * message, m * message]
+    assert reports[1]["pp_cross_host_bytes_per_step"] == m * message    # to stage 2, on node 1
+    assert "pipeline: 1f1b, PP 4 stages" in format_report(reports[0])

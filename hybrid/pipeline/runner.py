@@ -40,7 +40,7 @@ from hybrid import comm
 from hybrid.comm import P2POp
 from hybrid.parallel_state import ParallelState
 from hybrid.pipeline.config import PipelineConfig
-from hybrid.pipeline.schedules import Action, build_schedule
+from hybrid.pipeline.schedules import Action, build_schedule, forward_only
 from hybrid.pipeline.tied import TiedEmbedding
 
 
@@ -180,6 +180,34 @@ class PipelineRunner:
         with comm.unrecorded(self.state.pp):
             comm.all_reduce(longest, self.state.pp, op="max")
         return output.bubble(float(longest))
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        """Evaluation: the forwards of ``micro_batches`` (:func:`~hybrid.pipeline.schedules.forward_only`),
+        no backward and no gradient; the mean loss on the last stage, else None."""
+        if len(micro_batches) != self.config.num_micro_batches:
+            raise ValueError(f"{len(micro_batches)} micro-batches, the pipeline config says "
+                             f"{self.config.num_micro_batches}")
+        actions = forward_only(self.config)[self.stage]
+        self._received, self._sends, self._held, self._pending = {}, [], {}, []
+        losses = []
+        for i, action in enumerate(actions):
+            self._post_receive(action)
+            if self.prefetch and i + 1 < len(actions):
+                self._post_receive(actions[i + 1])
+            self._flush()
+            inputs = self._take(action) if self._needs_input(action) else None
+            loss = self._forward(action, micro_batches[action.micro_batch], inputs)
+            self._held.clear()
+            if loss is not None:
+                losses.append(loss)
+            if not self.prefetch and i + 1 < len(actions):
+                self._post_receive(actions[i + 1])
+            self._flush()
+        for _, handle in self._sends:
+            handle.wait()
+        self._sends = []
+        return sum(losses) if losses else None
 
     def _forward(self, action: Action, batch, inputs: torch.Tensor | None) -> float | None:
         tokens, labels = batch

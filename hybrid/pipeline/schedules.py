@@ -76,6 +76,13 @@ def build_schedule(config: PipelineConfig) -> list[list[Action]]:
     return [interleaved(p, m, v, s) for s in range(p)]
 
 
+def forward_only(config: PipelineConfig) -> list[list[Action]]:
+    """Evaluation: every stage runs the forwards of its training schedule in their order and no
+    backward. Dropping the backwards removes dependencies only, so the list completes whenever the
+    training schedule does; no stage holds an activation past its forward."""
+    return [[a for a in actions if a.kind == "F"] for actions in build_schedule(config)]
+
+
 def bubble_formula(config: PipelineConfig) -> float:
     p, m, v = config.num_stages, config.num_micro_batches, config.num_model_chunks
     return (p - 1) / (v * m + p - 1)

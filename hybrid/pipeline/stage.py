@@ -18,6 +18,11 @@ class StageChunks(nn.Module):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
+    @property
+    def config(self):
+        """The whole model's config (every chunk holds it)."""
+        return self.chunks[0].config
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """Every chunk's parameters under its own (global) names."""
         return chain.from_iterable(c.named_parameters(prefix, recurse, remove_duplicate)

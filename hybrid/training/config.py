@@ -47,6 +47,7 @@ class TrainConfig:
             self.model.validate_for_tp(tp)
         except ConfigError as err:
             raise TrainConfigError(str(err)) from None
+        self._check_pipeline_layers()
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(
@@ -54,16 +55,49 @@ class TrainConfig:
                 f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
                 f"is a multiple of {tp} or drop --sequence-parallel")
 
+    def _check_pipeline_layers(self) -> None:
+        """The layers split into PP stages (x virtual stages of the given size)."""
+        p, layers = self.parallel, self.model.num_layers
+        pp, per_virtual = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+        if pp == 1:
+            return
+        if layers % pp:
+            raise TrainConfigError(f"--num-layers {layers} does not split into "
+                                   f"--pipeline-model-parallel-size {pp} stages of equal size; use a "
+                                   f"multiple of {pp} layers or another pipeline size")
+        if per_virtual is not None and (layers // pp) % per_virtual:
+            raise TrainConfigError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not "
+                                   f"divide the {layers // pp} layers of each of the {pp} stages; "
+                                   f"choose a divisor of {layers // pp}")
+
     def data_parallel_size(self, world_size: int) -> int:
-        tp = self.parallel.tensor_model_parallel_size
-        if world_size % tp:
-            raise TrainConfigError(f"{world_size} ranks cannot be split into TP groups of {tp}; "
-                                   f"launch a multiple of {tp} ranks or change "
-                                   f"--tensor-model-parallel-size")
-        return world_size // tp
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        if world_size % (tp * pp):
+            what = (f"TP groups of {tp}" if pp == 1 else
+                    f"TP {tp} x PP {pp} = {tp * pp} ranks per data-parallel replica")
+            raise TrainConfigError(f"{world_size} ranks cannot be split into {what}; launch a "
+                                   f"multiple of {tp * pp} ranks or change "
+                                   f"--tensor-model-parallel-size"
+                                   + (" / --pipeline-model-parallel-size" if pp > 1 else ""))
+        return world_size // (tp * pp)
+
+    def pipeline_config(self, world_size: int):
+        """The :class:`hybrid.pipeline.PipelineConfig` of this run (PP > 1), else None; its checks
+        (micro-batches per step m >= p and a multiple of p for interleaving, ...) as config errors."""
+        from hybrid.pipeline.config import PipelineConfig, PipelineConfigError
+        p = self.parallel
+        if p.pipeline_model_parallel_size == 1:
+            return None
+        try:
+            return PipelineConfig.from_layers_per_virtual_stage(
+                p.pipeline_model_parallel_size, self.grad_accumulation_steps(world_size),
+                self.model.num_layers, p.num_layers_per_virtual_pipeline_stage, p.schedule)
+        except PipelineConfigError as err:
+            raise TrainConfigError(str(err)) from None
 
     def grad_accumulation_steps(self, world_size: int) -> int:
-        """global batch = micro batch x DP x accumulation steps (Megatron's rule)."""
+        """global batch = micro batch x DP x accumulation steps (Megatron's rule); with pipeline
+        parallelism the accumulation steps are the pipeline's micro-batches per step, m."""
         dp = self.data_parallel_size(world_size)
         micro = self.data.micro_batch_size
         glob = self.global_batch(world_size)
@@ -90,6 +124,7 @@ class TrainConfig:
                 f"check --global-batch-size")
         self.grad_accumulation_steps(world_size)
         self.check_sections()
+        self.pipeline_config(world_size)
         o = self.optimizer
         if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:
             raise TrainConfigError(f"--lr-decay-iters {o.lr_decay_iters} is shorter than "

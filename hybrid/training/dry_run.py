@@ -8,6 +8,12 @@ FLOPs per iteration (Megatron's formula, docs/design.md §Paper), plus the activ
 :func:`hybrid.perf.memory.device_memory` for ``--recompute``. DP and TP traffic are split into the
 bytes that stay inside a node and those that cross nodes (:mod:`hybrid.perf.links`, NCCL rings
 in rank order over the rank's groups).
+
+With pipeline parallelism the rank holds its stage's model chunks only (their parameters are counted
+from the meta-built chunks), the activations of the micro-batches its schedule keeps in flight
+(1F1B: p - stage, GPipe: m, interleaved: the schedule's chunk count / v; hybrid.pipeline.schedules)
+through its L / p layers, and the logits on the last stage only; its point-to-point bytes are the
+activations and gradients it sends per step.
 """
 
 from __future__ import annotations
@@ -35,12 +41,22 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     cfg.validate_for_world(world)
     p, m, o = cfg.parallel, cfg.model, cfg.optimizer
     topology = Topology(world, p.tensor_model_parallel_size, gpus_per_node=p.gpus_per_node,
-                        allow_tp_across_nodes=p.allow_tp_across_nodes)
+                        allow_tp_across_nodes=p.allow_tp_across_nodes,
+                        pipeline_parallel_size=p.pipeline_model_parallel_size)
     state = ParallelState.dry_run(topology, rank)
     gcfg = gpt_config(cfg, m.vocab_size or 50257)
     gcfg.validate_for_tp(state.tp_size)
-    model = GPTModel(gcfg, state, sequence_parallel=p.sequence_parallel, device="meta")
-    psi_rank = sum(t.numel() for t in model.parameters())
+    pcfg = cfg.pipeline_config(world)
+    stage_layers = m.num_layers // state.pp_size
+    if pcfg is None:
+        chunks = [GPTModel(gcfg, state, sequence_parallel=p.sequence_parallel, device="meta")]
+    else:
+        chunks = [GPTModel(gcfg, state, sequence_parallel=p.sequence_parallel, device="meta",
+                           layers=pcfg.layer_range(state.pp_rank, c),
+                           pre_process=pcfg.is_first(state.pp_rank, c),
+                           post_process=pcfg.is_last(state.pp_rank, c))
+                  for c in range(pcfg.num_model_chunks)]
+    psi_rank = sum(t.numel() for chunk in chunks for t in chunk.parameters())
     param_bytes = _BYTES[o.precision]
     mixed = o.precision != "fp32"
     states = model_state_bytes(float(psi_rank), p.zero_stage, state.dp_size, param_bytes=param_bytes,
@@ -55,7 +71,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     mode = cfg.training.recompute
     if mode == "auto":   # the planner's per-layer plan, estimated for a GPU rank
         mode = _auto_plan_mode(cfg, gcfg, state)
-    estimate = device_memory(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
+    estimate = device_memory(layers=stage_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                              seq=m.seq_length, vocab=gcfg.vocab_size,
                              micro_batch=cfg.data.micro_batch_size,
                              tp=state.tp_size, dp=dp, stage=p.zero_stage,
@@ -65,12 +81,24 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                              cpu_offload=mode == "full-pa-cpu",
                              bucket_elements=p.zero_bucket_size if p.zero_stage else None,
                              arch=arch["arch"])
+    flight = _micro_batches_held(pcfg, state.pp_rank)
+    full = mode.startswith("full")
+    activations = (estimate.checkpoints * flight + estimate.working * (1 if full else flight)
+                   + (estimate.logits if state.is_last_stage else 0.0))
+    pp_bytes = _pp_bytes_sent(pcfg, state.pp_rank, cfg.data.micro_batch_size * m.seq_length
+                              * m.hidden_size * param_bytes
+                              / (state.tp_size if p.sequence_parallel else 1))
     tp_bytes = cfg.grad_accumulation_steps(world) * tp_ring_bytes_per_microbatch(
-        m.num_layers, m.hidden_size, m.seq_length, cfg.data.micro_batch_size, state.tp_size,
+        stage_layers, m.hidden_size, m.seq_length, cfg.data.micro_batch_size, state.tp_size,
         full_recompute=mode.startswith("full"), partition_activations=mode.startswith("full-pa"),
         activation_bytes=param_bytes)[0]
     return {"topology": topology.describe(), "rank": rank, "tp_rank": state.tp_rank,
             "dp_rank": state.dp_rank, "tp_group": state.tp.ranks, "dp_group": state.dp.ranks,
+            "pp_rank": state.pp_rank, "pp_group": state.pp.ranks, "pipeline": pcfg,
+            "micro_batches_held": flight, "pp_bytes_per_step": pp_bytes,
+            "pp_cross_host_bytes_per_step": pp_bytes * _p2p_cross(state.pp.ranks, state.pp_rank, topology,
+                                                                  pcfg is not None
+                                                                  and pcfg.num_model_chunks > 1),
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states.as_dict(), "dp_bytes_per_step": comm_bytes,
@@ -80,11 +108,46 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "offload_optimizer": p.offload_optimizer,
             "offloaded_per_rank": (states.master_fp32 + states.adam_moments
                                    if p.offload_optimizer != "none" else 0.0),
-            "recompute": mode, "activations_per_rank": estimate.activations,
+            "recompute": mode, "activations_per_rank": activations,
             "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
             "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
+
+
+def _micro_batches_held(pcfg, stage: int) -> float:
+    """Micro-batches (of the stage's L / p layers) whose activations the stage holds at its peak."""
+    if pcfg is None:
+        return 1.0
+    p, m, v = pcfg.num_stages, pcfg.num_micro_batches, pcfg.num_model_chunks
+    if pcfg.schedule == "gpipe":
+        return float(m)
+    if pcfg.schedule == "1f1b":
+        return float(min(p - stage, m))
+    chunks = m * v if m == p else min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+    return chunks / v
+
+
+def _pp_bytes_sent(pcfg, stage: int, message: float) -> float:
+    """Bytes the stage sends per step: an activation per micro-batch from each chunk that is not the
+    last virtual stage, a gradient per micro-batch from each that is not the first."""
+    if pcfg is None:
+        return 0.0
+    sends = sum((not pcfg.is_last(stage, c)) + (not pcfg.is_first(stage, c))
+                for c in range(pcfg.num_model_chunks))
+    return sends * pcfg.num_micro_batches * message
+
+
+def _p2p_cross(ranks: list[int], stage: int, topology: Topology, wraps: bool) -> float:
+    """Share of the stage's sends that cross nodes: a middle stage sends as much to the previous
+    stage as to the next, the first and last stage one way only, unless the interleaved schedule
+    (``wraps``) links the last stage to the first."""
+    if len(ranks) == 1:
+        return 0.0
+    node = ranks[stage] // topology.gpus_per_node
+    p = len(ranks)
+    peers = [ranks[s % p] for s in (stage - 1, stage + 1) if wraps or 0 <= s < p]
+    return sum(r // topology.gpus_per_node != node for r in peers) / len(peers)
 
 
 def total_bytes(r: dict) -> float:
@@ -120,11 +183,21 @@ def format_report(r: dict) -> str:
              f"({_bytes(r['dp_cross_host_bytes_per_step'])} across nodes); TP traffic "
              f"{_bytes(r['tp_bytes_per_step'])} ({_bytes(r['tp_cross_host_bytes_per_step'])} "
              f"across nodes)",
+             *(_pipeline_lines(r) if r["pipeline"] is not None else []),
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
              f"rank; at the {r['peak_tflops']:.0f} TFLOP/s peak, >= "
              f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"]
     return "\n".join(lines)
+
+
+def _pipeline_lines(r: dict) -> list[str]:
+    from hybrid.training.setup import pipeline_report
+    return [pipeline_report(r["pipeline"], r["pp_rank"]),
+            f"PP rank {r['pp_rank']} in {_span(r['pp_group'])}; activations of "
+            f"{r['micro_batches_held']:g} micro-batch(es) held at the peak; PP traffic sent per "
+            f"step {_bytes(r['pp_bytes_per_step'])} ({_bytes(r['pp_cross_host_bytes_per_step'])} "
+            f"across nodes)"]
 
 
 def _ring_cross(ranks: list[int], topology: Topology) -> float:

@@ -6,7 +6,9 @@ per rank, as in Megatron), ``mem-*``, and for evaluation ``lm loss validation`` 
 ``lm loss validation ppl``. Beyond Megatron we log the measured model-state bytes per category
 (``model-state/<category>-bytes``, ZeRO §5), the bytes each rank moved per step per group
 (``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7) and the part of them that crossed
-hosts (``comm/dp-cross-host-bytes-per-step``, ...), and the seconds spent outside
+hosts (``comm/dp-cross-host-bytes-per-step``, ...), with pipeline parallelism the measured bubble
+(``pipeline/bubble-fraction``) and the bytes sent to the neighbouring stages
+(``comm/pp-bytes-per-step``), and the seconds spent outside
 training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
 Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);
@@ -209,6 +211,9 @@ def console_line(m: dict[str, float], iteration: int, train_iters: int, eta_seco
              f"skipped {int(m['skipped-iterations'])}",
              f"mem {mem / 2**20:.0f} MB",
              f"ETA {format_duration(eta_seconds)}"]
+    if "pipeline/bubble-fraction" in m:   # pipeline parallelism: before the ETA
+        parts[-1:-1] = [f"bubble {m['pipeline/bubble-fraction']:.3f}",
+                        f"pp {m['comm/pp-bytes-per-step'] / 2**20:.2f} MB/step"]
     return " | ".join(parts)
 
 

@@ -30,6 +30,7 @@ from hybrid.checkpoint.state import CheckpointState, load_state, save_state
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel.random import RNGStates
 from models.gpt.config import GPTConfig
+from hybrid.pipeline.stage import StageChunks
 from models.gpt.model import GPTModel
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ def fresh_run_id(state: ParallelState) -> str:
 
 def _layout(state: ParallelState, zero_stage: int) -> dict:
     return {"world_size": state.world_size, "tensor_model_parallel_size": state.tp_size,
-            "data_parallel_size": state.dp_size, "zero_stage": zero_stage}
+            "pipeline_model_parallel_size": state.pp_size, "data_parallel_size": state.dp_size,
+            "zero_stage": zero_stage}
 
 
 def rng_tensors(rng) -> dict[str, torch.Tensor]:
@@ -73,7 +75,7 @@ def rng_tensors(rng) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(path: str | Path, train_state: TrainState, model: GPTModel, optimizer: CheckpointState,
+def save(path: str | Path, train_state: TrainState, model: GPTModel | StageChunks, optimizer: CheckpointState,
          state: ParallelState, config, *, rng=None, keep_last: int = 2) -> Path:
     """Collective over ``state.world``: write one checkpoint of the current iteration, marked with
     the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``)."""
@@ -103,7 +105,7 @@ def check_model_compatible(saved: dict, mine: dict) -> None:
                               "holds its config) or another checkpoint")
 
 
-def load(path: str | Path, model: GPTModel, optimizer: CheckpointState, state: ParallelState, config,
+def load(path: str | Path, model: GPTModel | StageChunks, optimizer: CheckpointState, state: ParallelState, config,
          *, rng=None) -> TrainState:
     """Fill model and optimizer of this rank (any layout) from a checkpoint; return its TrainState.
     Model and optimizer state are always loaded together: the engines rebuild the 16-bit parameters
@@ -118,16 +120,18 @@ def load(path: str | Path, model: GPTModel, optimizer: CheckpointState, state: P
     train_state = TrainState(**{**reader.metadata["train_state"], "run_id": reader.run_id})
     _restore_rng(reader, state, config, rng, train_state.iteration)
     saved = reader.metadata["layout"]
-    log.info("loaded checkpoint %s (iteration %d, written at TP %d x DP %d, ZeRO stage %d)",
+    log.info("loaded checkpoint %s (iteration %d, written at TP %d x PP %d x DP %d, ZeRO stage %d)",
              reader.directory, train_state.iteration, saved["tensor_model_parallel_size"],
-             saved["data_parallel_size"], saved["zero_stage"])
+             saved.get("pipeline_model_parallel_size", 1), saved["data_parallel_size"],
+             saved["zero_stage"])
     return train_state
 
 
 def _restore_rng(reader: CheckpointReader, state: ParallelState, config, rng, iteration: int) -> None:
     saved = reader.metadata["layout"]
     same = (saved["world_size"] == state.world_size
-            and saved["tensor_model_parallel_size"] == state.tp_size)
+            and saved["tensor_model_parallel_size"] == state.tp_size
+            and saved.get("pipeline_model_parallel_size", 1) == state.pp_size)
     if same:
         t = reader.extra(state.rank)
         if rng is not None and "tp" in t:

@@ -62,9 +62,18 @@ def build_model_config(values: dict) -> GPTConfig:
 
 @dataclass
 class ParallelSection:
-    """Layout: TP inside a node, DP across (Megatron-LM §3; ZeRO §7); ZeRO-DP stage."""
+    """Layout: TP inside a node, PP across nodes, DP across replicas (Megatron-LM §3; Narayanan et
+    al. 2021 §2.2; ZeRO §7); ZeRO-DP stage."""
 
     tensor_model_parallel_size: int = _help("TP degree (ranks sharing each layer)", default=1)
+    pipeline_model_parallel_size: int = _help("PP degree (pipeline stages, each a contiguous block "
+                                              "of layers)", default=1)
+    num_layers_per_virtual_pipeline_stage: int | None = _help(
+        "layers per model chunk of the interleaved schedule (v = num_layers / (PP x this) chunks "
+        "per stage; default: one chunk per stage)", default=None)
+    pipeline_schedule: str | None = _help("1f1b | gpipe | interleaved (default: 1f1b, interleaved "
+                                          "when --num-layers-per-virtual-pipeline-stage is set)",
+                                          default=None)
     sequence_parallel: bool = _help("shard LayerNorm/dropout activations along the sequence",
                                     default=False)
     zero_stage: int = _help("ZeRO-DP stage: 0 baseline, 1 Pos, 2 Pos+g, 3 Pos+g+p", default=1)
@@ -91,8 +100,9 @@ class ParallelSection:
             self.offload_config()
         except ValueError as err:
             raise TrainConfigError(str(err)) from None
-        _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node")
-        _positive(self, "world_size", allow_none=True)
+        _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node",
+                  "pipeline_model_parallel_size")
+        _positive(self, "world_size", "num_layers_per_virtual_pipeline_stage", allow_none=True)
         if not self.distributed_timeout_minutes > 0:
             raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
                                    f"{self.distributed_timeout_minutes}")
@@ -109,6 +119,40 @@ class ParallelSection:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; "
                                    "drop the flag or raise the TP degree")
+        self._check_pipeline()
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule: --pipeline-schedule, else interleaved with virtual stages, else 1f1b."""
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
+        return "interleaved" if self.num_layers_per_virtual_pipeline_stage is not None else "1f1b"
+
+    def _check_pipeline(self) -> None:
+        """The PP checks that need this section only (layers and micro-batches: TrainConfig)."""
+        from hybrid.pipeline.config import SCHEDULES
+        pp = self.pipeline_model_parallel_size
+        if self.pipeline_schedule is not None and self.pipeline_schedule not in SCHEDULES:
+            raise TrainConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
+                                   f"{self.pipeline_schedule!r}")
+        if pp == 1 and (self.num_layers_per_virtual_pipeline_stage is not None
+                        or self.pipeline_schedule is not None):
+            raise TrainConfigError("--num-layers-per-virtual-pipeline-stage and --pipeline-schedule "
+                                   "need --pipeline-model-parallel-size > 1; raise it or drop them")
+        virtual = self.num_layers_per_virtual_pipeline_stage is not None
+        if virtual != (self.schedule == "interleaved"):
+            raise TrainConfigError(
+                "--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage go "
+                "together: the interleaved schedule runs several model chunks per stage; set both, "
+                "or neither for 1f1b / gpipe")
+        if pp > 1 and self.zero_stage == 3:
+            raise TrainConfigError(
+                "--zero-stage 3 with --pipeline-model-parallel-size > 1 is not supported: stage 3 "
+                "all-gathers a stage's parameters over DP in every micro-batch's forward and again "
+                "in its backward, so m micro-batches per step cost 2m gathers instead of 2 (m x the "
+                "3-Psi volume of ZeRO section 7), or the gathered parameters stay resident through "
+                "the schedule and the saving is gone (DeepSpeed refuses it too); use --zero-stage 1 "
+                "or 2 with pipeline parallelism")
 
     def offload_config(self):
         """The hybrid.offload.OffloadConfig of these flags (None: no offload)."""

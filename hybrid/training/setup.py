@@ -24,7 +24,7 @@ from hybrid import comm
 from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
-from hybrid.perf.links import describe_group
+from hybrid.perf.links import describe_group, nodes_of
 from hybrid.training.config import TrainConfig
 from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
@@ -44,7 +44,8 @@ def build_parallel_state(cfg: TrainConfig, env: LaunchEnv | None = None) -> Para
     cfg.validate_for_world(env.world_size)
     p = cfg.parallel
     return ParallelState.from_launch_env(
-        env, tensor_parallel_size=p.tensor_model_parallel_size, gpus_per_node=p.gpus_per_node,
+        env, tensor_parallel_size=p.tensor_model_parallel_size,
+        pipeline_parallel_size=p.pipeline_model_parallel_size, gpus_per_node=p.gpus_per_node,
         allow_tp_across_nodes=p.allow_tp_across_nodes, dp_transport=p.dp_transport,
         timeout=timedelta(minutes=p.distributed_timeout_minutes))
 
@@ -101,7 +102,15 @@ def gpt_config(cfg: TrainConfig, vocab_size: int):
 
 
 def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
-    """The TP GPT and its RNG tracker; materialised in fp32 (ZeRO casts), on meta for stage 3."""
+    """The TP GPT and its RNG tracker; materialised in fp32 (ZeRO casts), on meta for stage 3.
+    With PP > 1 the model is this rank's stage (:class:`StageChunks`); :func:`build_stage_model`
+    returns the stage itself."""
+    model, rng, _ = build_stage_model(cfg, state, vocab_size)
+    return model, rng
+
+
+def build_stage_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
+    """(model, RNG tracker, :class:`~hybrid.training.pipeline_stage.PipelineStage` or None)."""
     from hybrid.tensor_parallel import RNGTracker
     from models.gpt.model import GPTModel
     rng = RNGTracker(cfg.training.seed, state.tp_rank, state.device)
@@ -111,13 +120,20 @@ def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
                          f"{vocab_size}; drop --vocab-size or raise it to at least {vocab_size}")
     gcfg = gpt_config(cfg, vocab_size)
     gcfg.validate_for_tp(state.tp_size)
+    pcfg = cfg.pipeline_config(state.world_size)
+    if pcfg is not None:
+        from hybrid.training.pipeline_stage import build_stage
+        stage = build_stage(pcfg, gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
+                            device=state.device, rng=rng, plan=recompute_plan(cfg, gcfg, state),
+                            seed=cfg.training.seed)
+        return stage.model, rng, stage
     meta = cfg.parallel.zero_stage == 3
     model = GPTModel(gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
                      device="meta" if meta else state.device, dtype=torch.float32, rng=rng,
                      recompute=recompute_plan(cfg, gcfg, state))
     if not meta:
         model.init_weights(cfg.training.seed)
-    return model, rng
+    return model, rng, None
 
 
 def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | None = None):
@@ -176,20 +192,22 @@ def init_from_hf(cfg: TrainConfig, model):
     log.info("initialising the model from the Hugging Face directory %s", path)
     if cfg.parallel.zero_stage == 3:
         return pretrained_init_fn(path, model)
-    init_from_pretrained(model, path)
+    for chunk in getattr(model, "chunks", [model]):   # a pipeline stage: each of its chunks
+        init_from_pretrained(chunk, path)
     return None
 
 
 def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None):
     """The ZeRO engine of --zero-stage (stage 0 = plain data parallel), AdamW, mixed precision,
     optionally with the optimizer state offloaded to host memory or NVMe (hybrid.offload).
-    ``init_fn(name)``: stage 3's source of initial values (default: the seeded init)."""
+    ``init_fn(name)``: stage 3's source of initial values (default: the seeded init). With PP it
+    counts m v backwards per step (micro-batches x model chunks of the stage)."""
     from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
     from hybrid.zero.factory import build_zero_optimizer
     o = cfg.optimizer
     zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
-                      gradient_accumulation_steps=cfg.grad_accumulation_steps(state.world_size),
+                      gradient_accumulation_steps=_backwards_per_step(cfg, state),
                       loss_scale=LossScaleConfig(initial_scale=o.initial_loss_scale,
                                                  min_scale=o.min_loss_scale,
                                                  growth_interval=o.loss_scale_window,
@@ -202,6 +220,13 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
         return build_zero_optimizer(model, state, zcfg, acfg, offload, seed=cfg.training.seed,
                                     init_fn=init_fn)
     return build_zero_optimizer(model, state, zcfg, acfg, offload)
+
+
+def _backwards_per_step(cfg: TrainConfig, state: ParallelState) -> int:
+    pcfg = cfg.pipeline_config(state.world_size)
+    if pcfg is None:
+        return cfg.grad_accumulation_steps(state.world_size)
+    return pcfg.num_micro_batches * pcfg.num_model_chunks
 
 
 def make_loader_factory(data: DataBundle, cfg: TrainConfig, state: ParallelState):
@@ -226,15 +251,22 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     if cfg.parallel.host_memory_budget is not None:   # before any model state is allocated
         from hybrid.offload.budget import return_freed_buffers_to_os
         return_freed_buffers_to_os()
-    model, rng = build_model(cfg, state, data.vocab_size)
+    model, rng, stage = build_stage_model(cfg, state, data.vocab_size)
     resume = resume_wanted(cfg)
     if resume and cfg.checkpoint.init_from_hf:
         log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
     optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
+    if stage is not None:
+        from hybrid.training.pipeline_stage import attach_runner
+        attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,
+                      micro_batch=cfg.data.micro_batch_size, seq_length=cfg.model.seq_length,
+                      hidden=cfg.model.hidden_size, sequence_parallel=cfg.parallel.sequence_parallel)
     if resume:
         train_state = load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
     else:
         train_state = TrainState(run_id=fresh_run_id(state))
+    if stage is not None and stage.tied is not None:   # the last stage's copy = the loaded E
+        stage.tied.sync_weight()
     m = cfg.model
     flops = model_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                       m.hidden_size, model.config.padded_vocab_size(state.tp_size),
@@ -246,7 +278,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                       make_loader=make_loader or make_loader_factory(data, cfg, state),
                       metrics=metrics,
                       throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops),
-                      rng=rng, train_state=train_state)
+                      rng=rng, train_state=train_state, pipeline=stage)
     if resume and cfg.checkpoint.save == cfg.checkpoint.load:
         trainer.last_saved_iteration = train_state.iteration   # no need to write it again
     return trainer
@@ -330,8 +362,8 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
         check_save_dir(cfg)
         check_output_dirs(cfg)
         state = build_parallel_state(cfg, env)
-        log.info("%s\n%s\nresolved config:\n%s", state.topology.describe(), link_report(state),
-                 cfg.describe())
+        log.info("%s\n%s\nresolved config:\n%s", state.topology.describe(),
+                 link_report(state, cfg), cfg.describe())
         timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
         with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
             try:
@@ -350,11 +382,31 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     return trainer
 
 
-def link_report(state: ParallelState) -> str:
-    """This rank's TP and DP groups: the hosts they span and the share of their bytes that cross
-    hosts (start-up report; the ledger measures it per step, hybrid.perf.links)."""
+def link_report(state: ParallelState, cfg: TrainConfig | None = None) -> str:
+    """This rank's TP and DP groups (and PP group): the hosts they span and the share of their
+    bytes that cross hosts (start-up report; the ledger measures it per step, hybrid.perf.links),
+    then the pipeline layout."""
     per_node = state.ledger.ranks_per_node
-    return "\n".join(describe_group(g.kind, g.ranks, per_node) for g in (state.tp, state.dp))
+    lines = [describe_group(g.kind, g.ranks, per_node) for g in (state.tp, state.dp)]
+    pcfg = cfg.pipeline_config(state.world_size) if cfg is not None else None
+    if pcfg is not None:
+        hosts = nodes_of(state.pp.ranks, per_node)
+        crossings = sum(a != b for a, b in zip(hosts, hosts[1:]))
+        lines += [f"pp group {state.pp.ranks}: {crossings} of its {state.pp_size - 1} stage "
+                  f"boundaries cross hosts (point-to-point activations and gradients)",
+                  pipeline_report(pcfg, state.pp_rank)]
+    return "\n".join(lines)
+
+
+def pipeline_report(pcfg, stage: int) -> str:
+    """The PP layout in one line: schedule, stages, chunks, micro-batches, this stage's layers and
+    the bubble the schedule implies (hybrid.pipeline.schedules)."""
+    from hybrid.pipeline import bubble_formula
+    layers = ", ".join("[%d, %d)" % pcfg.layer_range(stage, c) for c in range(pcfg.num_model_chunks))
+    return (f"pipeline: {pcfg.schedule}, PP {pcfg.num_stages} stages x {pcfg.num_model_chunks} "
+            f"model chunk(s) of {pcfg.layers_per_chunk} layers, m {pcfg.num_micro_batches} "
+            f"micro-batches per step; stage {stage} holds layers {layers}; bubble "
+            f"(p-1)/(v m+p-1) = {bubble_formula(pcfg):.3f}")
 
 
 def restart_hint(cfg: TrainConfig) -> str:

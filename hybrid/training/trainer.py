@@ -13,6 +13,11 @@ Global batch = micro batch x DP x accumulation steps; each DP rank reads its sli
 from a sampler driven by the consumed-samples count, which the checkpoint stores, so a resumed run
 continues at exactly the next sample.
 
+With pipeline parallelism (:mod:`hybrid.training.pipeline_stage`) the accumulation steps are the
+pipeline's m micro-batches: a step is one run of the schedule over them, the loss comes from the last
+stage (shared with every rank by the step's agreement all-reduce), evaluation runs the forward-only
+schedule, and each log line adds the measured bubble and the PP bytes per step.
+
 Evaluation and checkpoint saves run off the training clock: their seconds are their own scalars
 (``eval-time``, ``checkpoint-save-time``), not part of ``iteration-time`` and the tokens/s, TFLOP/s
 and MFU derived from it, and their collectives are not in the per-step bytes of the comm ledger.
@@ -50,16 +55,19 @@ class IntervalStats:
     last_grad_norm: float = float("nan")
     last_loss_scale: float = 1.0
     ledger_mark: int = 0
+    bubble_sum: float = 0.0       # pipeline: measured bubble fractions of the iterations
 
 
 class Trainer:
     def __init__(self, cfg, state: ParallelState, model, optimizer, *, schedule, make_loader,
                  metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
-                 train_state: TrainState | None = None):
-        """``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank."""
+                 train_state: TrainState | None = None, pipeline=None):
+        """``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank;
+        ``pipeline``: this rank's :class:`~hybrid.training.pipeline_stage.PipelineStage` (PP > 1)."""
         self.cfg, self.state, self.model, self.optimizer = cfg, state, model, optimizer
         self.schedule, self.make_loader, self.metrics = schedule, make_loader, metrics
-        self.throughput, self.rng = throughput, rng
+        self.throughput, self.rng, self.pipeline = throughput, rng, pipeline
+        self._step_bubble = 0.0
         self.ts = train_state or TrainState()
         self.accum = cfg.grad_accumulation_steps(state.world_size)
         self.global_batch = cfg.global_batch(state.world_size)
@@ -98,13 +106,16 @@ class Trainer:
         """One optimizer step over ``accum`` micro-batches; returns (DP-mean loss, StepResult)."""
         self.model.train()
         self.optimizer.zero_grad()
-        total, nonfinite = 0.0, False
-        for _ in range(self.accum):
-            loss = self._micro_batch_loss(next(loader))
-            self.optimizer.backward(loss / self.accum)
-            value = loss.item()
-            nonfinite |= not math.isfinite(value)
-            total += value / self.accum
+        if self.pipeline is not None:
+            total, nonfinite = self._pipeline_losses(loader)
+        else:
+            total, nonfinite = 0.0, False
+            for _ in range(self.accum):
+                loss = self._micro_batch_loss(next(loader))
+                self.optimizer.backward(loss / self.accum)
+                value = loss.item()
+                nonfinite |= not math.isfinite(value)
+                total += value / self.accum
         mean_loss, any_nonfinite = self._step_agreement(total, nonfinite)
         if any_nonfinite and self._guard_nonfinite:
             self._on_nonfinite(f"non-finite loss (this rank: {total})")
@@ -118,19 +129,30 @@ class Trainer:
             self._on_nonfinite(f"non-finite gradient (global norm {result.grad_norm})")
         return mean_loss, result
 
+    def _pipeline_losses(self, loader) -> tuple[float, bool]:
+        """One run of the pipeline schedule over the step's m micro-batches: (this rank's mean
+        loss, 0 off the last stage; whether it is non-finite); measures the step's bubble."""
+        from hybrid.training.pipeline_stage import micro_batches, pipeline_bubble
+        output = self.pipeline.runner.step(micro_batches(loader, self.accum, self.state.device))
+        self._step_bubble = pipeline_bubble(self.pipeline, output, self.state)
+        loss = output.loss if output.loss is not None else 0.0
+        return loss, not math.isfinite(loss)
+
     def _step_agreement(self, loss: float, nonfinite: bool) -> tuple[float, bool]:
         """One world all-reduce per step (bookkeeping, kept out of the comm ledger): the DP-mean
-        loss (TP ranks hold the same loss, so the world sum over world size is the DP mean) and
-        whether any rank saw a non-finite loss, so every rank takes the same branch."""
-        t = torch.tensor([0.0 if nonfinite else loss, float(nonfinite)], dtype=torch.float64,
-                         device=self.state.device)
+        loss (TP ranks hold the same loss, so the world sum over world size is the DP mean; with
+        PP only the last stage's dp x tp ranks add theirs) and whether any rank saw a non-finite
+        loss, so every rank takes the same branch."""
+        adds = self.pipeline is None or self.state.is_last_stage
+        t = torch.tensor([0.0 if nonfinite or not adds else loss, float(nonfinite)],
+                         dtype=torch.float64, device=self.state.device)
         world = self.state.world
         enabled, world.ledger.enabled = world.ledger.enabled, False
         try:
             comm.all_reduce(t, world)
         finally:
             world.ledger.enabled = enabled
-        return float(t[0].item()) / world.size, bool(t[1].item() > 0)
+        return float(t[0].item()) / (world.size // self.state.pp_size), bool(t[1].item() > 0)
 
     def _on_nonfinite(self, what: str) -> None:
         """bf16/fp32 NaN/Inf before any update: --on-nonfinite stop raises on every rank (they all
@@ -151,7 +173,10 @@ class Trainer:
 
     def _optimizer_step(self, lr: float):
         self.optimizer.lr = lr
-        return self.optimizer.step()
+        result = self.optimizer.step()
+        if self.pipeline is not None and self.pipeline.tied is not None:
+            self.pipeline.tied.sync_weight()   # the first stage's updated E to the last stage
+        return result
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -159,8 +184,15 @@ class Trainer:
         self.model.eval()
         loader = self.make_loader("valid", self.ts.consumed_valid_samples)
         total, n = 0.0, self.cfg.training.eval_iters * self.accum
-        for _ in range(n):
-            total += self._micro_batch_loss(next(loader)).item() / n
+        if self.pipeline is not None:   # the forward-only schedule, m micro-batches at a time
+            from hybrid.training.pipeline_stage import micro_batches
+            for _ in range(self.cfg.training.eval_iters):
+                loss = self.pipeline.runner.forward_only(
+                    micro_batches(loader, self.accum, self.state.device))
+                total += (loss or 0.0) / self.cfg.training.eval_iters
+        else:
+            for _ in range(n):
+                total += self._micro_batch_loss(next(loader)).item() / n
         self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.global_batch
         _close(loader)
         loss, _ = self._step_agreement(total, False)
@@ -200,6 +232,7 @@ class Trainer:
         self.ts.consumed_train_samples += self.global_batch
         self.losses.append(loss)
         stats.iterations += 1
+        stats.bubble_sum += self._step_bubble
         stats.last_loss_scale = result.loss_scale
         if result.skipped:
             stats.skipped += 1
@@ -226,17 +259,23 @@ class Trainer:
              "consumed-samples": float(self.ts.consumed_train_samples),
              **memory_bytes(self.state.device), **self._model_state_bytes(),
              **self._comm_per_step(stats)}
+        if self.pipeline is not None:
+            m["pipeline/bubble-fraction"] = stats.bubble_sum / stats.iterations
         self.metrics.log(m, self.ts.iteration)
         eta = wall / stats.iterations * (self.train_iters - self.ts.iteration)   # evals, saves too
         log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))
 
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
         """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger),
-        and the part of them that crossed hosts (group average, hybrid.perf.links)."""
-        out = {f"comm/{g}-{part}bytes-per-step": 0.0 for g in ("dp", "tp")
+        and the part of them that crossed hosts (group average, hybrid.perf.links); with PP also
+        the bytes it sent to its neighbouring stages (activations forward, gradients back)."""
+        groups = ("dp", "tp", "pp") if self.pipeline is not None else ("dp", "tp")
+        out = {f"comm/{g}-{part}bytes-per-step": 0.0 for g in groups
                for part in ("", "cross-host-")}
         for r in self.state.ledger.since(stats.ledger_mark):
-            if r.group in ("dp", "tp"):
+            if r.group == "pp" and r.op != "send":   # each message once, at its sender
+                continue
+            if r.group in groups:
                 out[f"comm/{r.group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
                 out[f"comm/{r.group}-cross-host-bytes-per-step"] += (r.cross_host_bytes
                                                                      / stats.iterations)

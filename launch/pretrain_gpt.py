@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(err)
     if options.dry_run:
         from hybrid.training.dry_run import dry_run_report, format_report
-        print(format_report(dry_run_report(cfg, options.dry_run_rank)))
+        try:
+            print(format_report(dry_run_report(cfg, options.dry_run_rank)))
+        except USER_ERRORS as err:   # the layout the dry run checks (hosts, degrees)
+            return report_error(err)
         return 0
     from hybrid.training.setup import run
     log = logging.getLogger("pretrain_gpt")

@@ -189,6 +189,7 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
     o = cfg.optimizer
     zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
+                      **cfg.parallel.zero_config_options(),
                       gradient_accumulation_steps=cfg.grad_accumulation_steps(state.world_size),
                       loss_scale=LossScaleConfig(initial_scale=o.initial_loss_scale,
                                                  min_scale=o.min_loss_scale,

@@ -11,8 +11,6 @@ way round, and the next step's loss is the one the saving run computes.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -27,7 +25,8 @@ from models.gpt.sharding import canonical_init, shard_tensor
 from tests.multirank import run_on_ranks
 from tests.test_zero_stage3 import ADAMW, CONFIG, SEED, data, train_step
 
-WORLD, PER_HOST, STEPS = 4, 2, 3
+WORLD, PER_HOST, STEPS = 4, 2, 3   # STEPS: the checkpoint case's; parity runs TRAIN_STEPS
+TRAIN_STEPS = 2
 VARIANTS3 = {"plain": {}, "hpz": {"hpz": True}, "hsdp": {"hybrid_shard": True}}
 
 
@@ -63,12 +62,14 @@ def unit_bytes(opt) -> float:
     return opt.layout.numel * opt.param_bytes
 
 
-def run_variant(state: ParallelState, stage: int, sp: bool = False, **options) -> dict:
-    model, opt = build(state, stage, sequence_parallel=sp, **options)
-    tokens, labels = data(steps=STEPS)
+def run_variant(state: ParallelState, stage: int, sp: bool = False, accum: int = 1,
+                **options) -> dict:
+    model, opt = build(state, stage, sequence_parallel=sp, gradient_accumulation_steps=accum,
+                       **options)
+    tokens, labels = data(steps=TRAIN_STEPS)
     losses = []
-    for i in range(STEPS):
-        losses.append(train_step(model, opt, state, tokens[i], labels[i], 1)[0])
+    for i in range(TRAIN_STEPS):
+        losses.append(train_step(model, opt, state, tokens[i], labels[i], accum)[0])
         opt.zero_grad()
     records = dp_records(opt)
     report = opt.memory_report()
@@ -96,15 +97,27 @@ def checkpoint_case(state: ParallelState, directory: str, save_options: dict, lo
     return saver, loader
 
 
-def _rank_main(rank: int, world: int, tmp: str) -> dict:
-    hosts = ParallelState.initialize(Topology(world, 1, gpus_per_node=PER_HOST), dp_transport="gloo")
+def hosts_state(world: int, tp: int = 1) -> ParallelState:
+    # gloo, not shared memory: on this one machine the whole DP group could map it, on real hosts not
+    return ParallelState.initialize(Topology(world, tp, gpus_per_node=PER_HOST), dp_transport="gloo")
+
+
+def _rank_core(rank: int, world: int) -> dict:
+    hosts = hosts_state(world)
     out = {"groups": (hosts.dp_intra_host_group.ranks, hosts.dp_inter_host_group.ranks)}
     for name, options in VARIANTS3.items():
         out[("stage3", name)] = run_variant(hosts, 3, **options)
+    return out
+
+
+def _rank_more(rank: int, world: int, tmp: str) -> dict:
+    hosts, out = hosts_state(world), {}
     for stage in (1, 2):
         out[(f"stage{stage}", "plain")] = run_variant(hosts, stage)
         out[(f"stage{stage}", "hsdp")] = run_variant(hosts, stage, hybrid_shard=True)
-    tp2 = ParallelState.initialize(Topology(world, 2, gpus_per_node=PER_HOST), dp_transport="gloo")
+    for name, options in VARIANTS3.items():   # hpZ: later micro-batches gather inside the host
+        out[("accum2", name)] = run_variant(hosts, 3, accum=2, **options)
+    tp2 = hosts_state(world, tp=2)
     for name, options in VARIANTS3.items():
         out[("tp2sp", name)] = run_variant(tp2, 3, sp=True, **options)
     out["ckpt"] = {
@@ -115,14 +128,17 @@ def _rank_main(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def results(tmp: str) -> list[dict]:
-    return run_on_ranks(_rank_main, WORLD, args=(tmp,), timeout=900)
+@pytest.fixture(scope="module")
+def core():
+    """Stage 3 plain / hpZ / hybrid sharding on 2 hosts x 2 (the default suite's multi-rank run)."""
+    return run_on_ranks(_rank_core, WORLD, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return results(str(tmp_path_factory.mktemp("hostgroups")))
+def more(tmp_path_factory):
+    """Stages 1-2, TP 2 + sequence parallel, checkpoints (slow suite)."""
+    return run_on_ranks(_rank_more, WORLD, args=(str(tmp_path_factory.mktemp("hostgroups")),),
+                        timeout=900)
 
 
 def _same(a: dict, b: dict, what) -> None:
@@ -163,6 +179,29 @@ def test_unequal_hosts_are_refused():
         state.require_host_groups("--zero-hpz")
 
 
+def test_dry_run_of_the_options():
+    """8 ranks as 2 hosts of 4, TP 2: DP n = 4, h = 2, k = 2; NCCL rings (a DP ring crosses at k of
+    its n hops): plain stage 3 3Ψ(n-1)/n k/n, hpZ 2Ψ(n-1)/n k/n, hybrid sharding 2(Ψ/h)(k-1)/k."""
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.dry_run import dry_run_report, format_report
+    base = ["--config", "tiny-cpu", "--world-size", "8", "--gpus-per-node", "4", "--zero-stage", "3",
+            "--bf16", "--dry-run"]
+    plain, hpz, hsdp = (dry_run_report(parse_args(base + extra)[0]) for extra in
+                        ([], ["--zero-hpz"], ["--zero-hybrid-shard"]))
+    psi_b, n, h, k = 2 * plain["params_per_rank"], 4, 2, 2
+    assert plain["dp_cross_host_bytes_per_step"] == pytest.approx(3 * psi_b * (n - 1) / n * k / n)
+    assert hpz["dp_cross_host_bytes_per_step"] == pytest.approx(2 * psi_b * (n - 1) / n * k / n)
+    assert hsdp["dp_cross_host_bytes_per_step"] == pytest.approx(2 * psi_b / h * (k - 1) / k)
+    assert hpz["dp_bytes_per_step"] == pytest.approx(2 * psi_b * (n - 1) / n + psi_b * (h - 1) / h)
+    secondary = hpz["model_states_per_rank"]["params_16bit_secondary"]
+    assert secondary == pytest.approx(psi_b / h)                                   # 2Ψ/h in bf16
+    assert hpz["model_states_per_rank"]["total"] == pytest.approx(
+        plain["model_states_per_rank"]["total"] + secondary)
+    assert hsdp["model_states_per_rank"]["total"] == pytest.approx(
+        plain["model_states_per_rank"]["total"] * n / h)                           # /h, not /n
+    assert "hpZ secondary params" in format_report(hpz)
+
+
 # ---- option errors ------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, message", [
     (dict(stage=0, hybrid_shard=True), "stage 0 partitions nothing"),
@@ -189,32 +228,36 @@ def test_trainer_flags_are_checked():
 
 
 # ---- multi-rank: groups, parity, ledger, memory, checkpoints ------------------------------------
-@pytest.mark.slow
-def test_parallel_state_groups(ranks):
-    for rank, out in enumerate(ranks):
+def test_parallel_state_groups(core):
+    for rank, out in enumerate(core):
         intra, inter = out["groups"]
         assert intra == [2 * (rank // 2), 2 * (rank // 2) + 1] and inter == [rank % 2, rank % 2 + 2]
 
 
+def test_stage3_options_equal_plain(core):
+    for rank, out in enumerate(core):
+        for name in ("hpz", "hsdp"):
+            _same(out[("stage3", name)], out[("stage3", "plain")], (rank, name))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["stage3", "tp2sp"])
-def test_stage3_options_equal_plain(ranks, layout):
-    for rank, out in enumerate(ranks):
+@pytest.mark.parametrize("layout", ["tp2sp", "accum2"])
+def test_stage3_options_equal_plain_with_tp_sp_and_accumulation(more, layout):
+    for rank, out in enumerate(more):
         for name in ("hpz", "hsdp"):
             _same(out[(layout, name)], out[(layout, "plain")], (rank, layout, name))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
-def test_hybrid_shard_stage_1_2_equals_plain(ranks, stage):
-    for rank, out in enumerate(ranks):
+def test_hybrid_shard_stage_1_2_equals_plain(more, stage):
+    for rank, out in enumerate(more):
         _same(out[(f"stage{stage}", "hsdp")], out[(f"stage{stage}", "plain")], (rank, stage))
 
 
-@pytest.mark.slow
-def test_cross_host_bytes_match_formulas(ranks):
+def test_stage3_cross_host_bytes_match_formulas(core):
     n, h, k = WORLD, PER_HOST, WORLD // PER_HOST
-    for rank, out in enumerate(ranks):
+    for rank, out in enumerate(core):
         plain, hpz, hsdp = (out[("stage3", v)] for v in ("plain", "hpz", "hsdp"))
         assert plain["total"] == pytest.approx(3 * plain["psi_b"] * (n - 1) / n)
         assert plain["cross"] == pytest.approx(3 * plain["psi_b"] * (n - h) / n)
@@ -222,16 +265,21 @@ def test_cross_host_bytes_match_formulas(ranks):
         assert hpz["total"] == pytest.approx(2 * hpz["psi_b"] * (n - 1) / n + hpz["psi_b"] * (h - 1) / h)
         assert hsdp["cross"] == pytest.approx(2 * hsdp["psi_b"] * (k - 1) / n)
         assert ("dp_inter", "all_reduce") in hsdp["groups"] and ("dp", "all_gather") not in hsdp["groups"]
-        for stage in (1, 2):
-            p, s = out[(f"stage{stage}", "plain")], out[(f"stage{stage}", "hsdp")]
-            assert p["cross"] == pytest.approx(2 * p["psi_b"] * (n - h) / n)
-            assert s["cross"] == pytest.approx(2 * s["psi_b"] * (k - 1) / n)
         assert hsdp["cross"] < hpz["cross"] < plain["cross"]
 
 
 @pytest.mark.slow
-def test_memory_reports(ranks):
-    for rank, out in enumerate(ranks):
+def test_stage_1_2_cross_host_bytes_match_formulas(more):
+    n, h, k = WORLD, PER_HOST, WORLD // PER_HOST
+    for rank, out in enumerate(more):
+        for stage in (1, 2):
+            p, s = out[(f"stage{stage}", "plain")], out[(f"stage{stage}", "hsdp")]
+            assert p["cross"] == pytest.approx(2 * p["psi_b"] * (n - h) / n)
+            assert s["cross"] == pytest.approx(2 * s["psi_b"] * (k - 1) / n)
+
+
+def test_memory_reports(core):
+    for rank, out in enumerate(core):
         plain, hpz, hsdp = (out[("stage3", v)] for v in ("plain", "hpz", "hsdp"))
         psi = sum(v.size for v in plain["params"].values())
         assert hpz["formula"]["param16_secondary"] == pytest.approx(4 * psi / PER_HOST)   # fp32
@@ -245,7 +293,7 @@ def test_memory_reports(ranks):
 
 
 @pytest.mark.slow
-def test_checkpoints_load_with_and_without_the_options(ranks):
-    for rank, out in enumerate(ranks):
+def test_checkpoints_load_with_and_without_the_options(more):
+    for rank, out in enumerate(more):
         for case, (saver, loader) in out["ckpt"].items():
             assert loader == pytest.approx(saver, rel=1e-6), (rank, case)

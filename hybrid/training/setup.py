@@ -355,7 +355,10 @@ def link_report(state: ParallelState) -> str:
     """This rank's TP and DP groups: the hosts they span and the share of their bytes that cross
     hosts (start-up report; the ledger measures it per step, hybrid.perf.links)."""
     per_node = state.ledger.ranks_per_node
-    return "\n".join(describe_group(g.kind, g.ranks, per_node) for g in (state.tp, state.dp))
+    groups = [state.tp, state.dp]
+    if state.dp_intra_host_group is not None and state.dp_inter_host_group.size > 1:
+        groups += [state.dp_intra_host_group, state.dp_inter_host_group]   # hybrid shard, hpZ
+    return "\n".join(describe_group(g.kind, g.ranks, per_node) for g in groups)
 
 
 def restart_hint(cfg: TrainConfig) -> str:

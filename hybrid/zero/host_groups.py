@@ -9,12 +9,15 @@ host; ``dp_inter_host_group``: the k ranks at this position on the k hosts; DP n
 
 * hybrid sharding (``hybrid_shard``): stages 1-3 partition over the intra-host group and replicate
   across hosts. Parameters are gathered inside the host; gradients are reduce-scattered inside the
-  host, then this rank's slice all-reduced over the inter-host group (:func:`hybrid.comm.
-  reduce_scatter_replicated`): the sum over all n DP ranks, exactly. Model states cost /h not /n.
+  host, then this rank's slice all-reduced over the inter-host group
+  (:func:`hybrid.comm.reduce_scatter_replicated`): the sum over all n DP ranks, exactly. Model
+  states cost /h instead of /n.
 * hpZ (``hpz``, stage 3): partitions over the whole DP group as plain stage 3; after a unit's first
   all-gather of a step (in forward) this rank keeps its 1/h slice of the gathered 16-bit unit (the
   secondary partition), and later gathers of that step run over the intra-host group from it.
-  Extra memory: 2Ψ/h bytes per rank in bf16 (Ψ/h elements of the compute dtype).
+  Extra memory: 2Ψ/h bytes per rank in bf16 (Ψ/h elements of the compute dtype). ZeRO++'s hpZ (Wang et
+  al. 2023) keeps it for the backward; here it also serves the next micro-batches' gathers
+  until the step writes new parameters.
 
 Cross-host bytes per rank per step, Ψ the bytes of the (padded) 16-bit parameters, over gloo's
 direct collectives of :mod:`hybrid.comm` (a peer on another host is (n-h)/(n-1) of the n-1 peers):
@@ -43,8 +46,7 @@ def partition_groups(state: ParallelState, config: ZeroConfig) -> tuple[Group, G
     or None): (DP, None) plainly, (intra-host, inter-host) with hybrid sharding."""
     if not config.hybrid_shard:
         return state.dp, None
-    intra, inter = _host_groups(state, HYBRID_FLAG)
-    return intra, inter
+    return _host_groups(state, HYBRID_FLAG)
 
 
 def secondary_group(state: ParallelState, config: ZeroConfig) -> Group | None:

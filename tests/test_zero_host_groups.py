@@ -81,17 +81,19 @@ def run_variant(state: ParallelState, stage: int, sp: bool = False, accum: int =
             "overhead": opt.expected_overhead_bytes() if stage == 3 else {}}
 
 
-def checkpoint_case(state: ParallelState, directory: str, save_options: dict, load_options: dict):
+def checkpoint_case(state: ParallelState, directory: str, save_options: dict, load_options: dict,
+                    stage: int = 3):
     """Train 2 steps with ``save_options``, save; a fresh engine with ``load_options`` loads it.
     Returns the third step's loss of both."""
     tokens, labels = data(steps=STEPS)
-    model, opt = build(state, 3, **save_options)
+    model, opt = build(state, stage, **save_options)
     for i in range(2):
         train_step(model, opt, state, tokens[i], labels[i], 1)
+        opt.zero_grad()
     save_state(directory, 2, opt, model.checkpoint_layout(), state, extra={}, metadata={},
                keep_last=1)
     saver = train_step(model, opt, state, tokens[2], labels[2], 1)[0]
-    model2, opt2 = build(state, 3, **load_options)
+    model2, opt2 = build(state, stage, **load_options)
     load_state(directory, opt2, model2.checkpoint_layout(), state)
     loader = train_step(model2, opt2, state, tokens[2], labels[2], 1)[0]
     return saver, loader
@@ -124,7 +126,9 @@ def _rank_more(rank: int, world: int, tmp: str) -> dict:
         "hsdp->plain": checkpoint_case(hosts, f"{tmp}/a", {"hybrid_shard": True}, {}),
         "plain->hsdp": checkpoint_case(hosts, f"{tmp}/b", {}, {"hybrid_shard": True}),
         "hpz->plain": checkpoint_case(hosts, f"{tmp}/c", {"hpz": True}, {}),
-        "plain->hpz": checkpoint_case(hosts, f"{tmp}/d", {}, {"hpz": True})}
+        "plain->hpz": checkpoint_case(hosts, f"{tmp}/d", {}, {"hpz": True}),
+        "stage2 hsdp->plain": checkpoint_case(hosts, f"{tmp}/e", {"hybrid_shard": True}, {}, 2),
+        "stage1 plain->hsdp": checkpoint_case(hosts, f"{tmp}/f", {}, {"hybrid_shard": True}, 1)}
     return out
 
 

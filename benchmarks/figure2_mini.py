@@ -183,12 +183,13 @@ def predict(tp: int, dp: int, stage: int, vocab: int, link: dict, rates: dict, c
 
 # ---- measurement -----------------------------------------------------------------------------
 def measure(cluster, corpus: dict, work: Path, tp: int, stage: int, iters: int, job: str,
-            global_batch: int = GLOBAL_BATCH) -> dict:
-    """Train the layout on the test bed; seconds per iteration and cross-host bytes per step."""
+            global_batch: int = GLOBAL_BATCH, extra_args: list[str] = ()) -> dict:
+    """Train the layout on the test bed; seconds per iteration and cross-host bytes per step.
+    ``extra_args``: more trainer flags (benchmarks/zeropp_options.py's variants)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tests.reliability_helpers import child_env
     tb_dir = work / f"tb_{job}"
-    args = train_args(corpus, work / "cache", tb_dir, tp, stage, iters, global_batch)
+    args = train_args(corpus, work / "cache", tb_dir, tp, stage, iters, global_batch) + list(extra_args)
     codes = cluster.run_job(args, work, job, timeout=600, env=child_env(PYTHON=sys.executable))
     if codes != [0] * cluster.hosts:
         log = (work / f"{job}_host0.log").read_text()[-3000:]

@@ -312,6 +312,20 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     return _finish(_Joined([work], reduce_locally), async_op)
 
 
+def reduce_scatter_replicated(output: torch.Tensor, full: torch.Tensor, group: Group,
+                              replicas: Group | None, async_op: bool = False,
+                              scratch: torch.Tensor | None = None):
+    """Hybrid sharding's gradient reduction (FSDP2 HSDP, MiCS): :func:`reduce_scatter_into` over
+    ``group`` (the shard group, inside a host), then an all-reduce of this rank's slice ``output``
+    over ``replicas`` (the ranks holding the same slice on the other hosts), started once the
+    reduce-scatter has landed: the sum over every rank of both. ``replicas`` None or of one rank:
+    the reduce-scatter alone. Both collectives are recorded with their own groups."""
+    handle = reduce_scatter_into(output, full, group, async_op=True, scratch=scratch)
+    across = (lambda: all_reduce(output, replicas)) if replicas is not None and replicas.size > 1 \
+        else None
+    return _finish(_Joined([handle], across), async_op)
+
+
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):
     """Broadcast ``tensor`` from the group member with index ``src_index``."""
     algorithm = "direct" if group.pg is not None and _is_gloo(group) else "ring"

@@ -15,6 +15,13 @@ the group's ranks are CPU processes of one host that can all map it, gloo otherw
 (shared memory or an error saying why not) or ``gloo`` (:mod:`hybrid.shm_collectives`). The ZeRO
 engines only size it (:func:`hybrid.comm.reserve_transport`).
 
+Hybrid sharding and ZeRO++ hpZ split each DP group by host (:meth:`Topology.dp_host_groups`):
+``dp_intra_host_group`` holds the DP ranks of this rank's DP group on its host, ``dp_inter_host_group``
+the ranks at the same position on the other hosts. They are built here with the other groups (a
+DP group on one host reuses its process group: intra is the DP group, inter this rank alone), so
+every user gets the same ones; where the hosts hold unequal shares of a DP group both are None and
+:meth:`ParallelState.require_host_groups` says why.
+
 ``ParallelState.single_process()`` needs no process group at all; its groups have size 1 and every
 collective degenerates to a local copy.
 """
@@ -41,7 +48,9 @@ DP_TRANSPORTS = ("auto", "shm", "gloo")
 class ParallelState:
     def __init__(self, topology: Topology, rank: int, world: Group, tp: Group, dp: Group,
                  device: torch.device, ledger: CommLedger, *, pp: Group | None = None,
-                 embedding: Group | None = None, mp: Group | None = None):
+                 embedding: Group | None = None, mp: Group | None = None,
+                 host_groups: tuple[Group, Group] | None = None,
+                 host_split_problem: str | None = None):
         self.topology = topology
         self.rank = rank
         self.world = world
@@ -52,6 +61,12 @@ class ParallelState:
         self.pp = pp if pp is not None else Group("pp", [rank], 0, ledger)
         self.embedding = embedding if embedding is not None else Group("embedding", [rank], 0, ledger)
         self.mp = mp if mp is not None else tp
+        self._host_split_problem = host_split_problem   # the topology's reason there are none
+        if host_split_problem is not None:
+            self.dp_intra_host_group = self.dp_inter_host_group = None
+        else:
+            self.dp_intra_host_group, self.dp_inter_host_group = (
+                host_groups if host_groups is not None else _one_host_groups(dp, ledger))
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -74,8 +89,13 @@ class ParallelState:
         embedding = Group("embedding", emb_ranks, emb_ranks.index(rank), ledger)
         mp_ranks = topology.mp_group_of(rank)
         mp = Group("mp", mp_ranks, mp_ranks.index(rank), ledger) if topology.pp_size > 1 else tp
+        problem, host_groups = topology.dp_host_split_problem(), None
+        if problem is None:
+            intra, inter = (topology.dp_intra_host_group_of(rank), topology.dp_inter_host_group_of(rank))
+            host_groups = (Group(INTRA, intra, intra.index(rank), ledger),
+                           Group(INTER, inter, inter.index(rank), ledger))
         return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger, pp=pp,
-                   embedding=embedding, mp=mp)
+                   embedding=embedding, mp=mp, host_groups=host_groups, host_split_problem=problem)
 
     @classmethod
     def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
@@ -143,8 +163,21 @@ class ParallelState:
                                  timeout, member_of_all=False)
         mp = (_make_groups("mp", topology.mp_groups(), rank, ledger, backend, timeout)
               if topology.pp_size > 1 else tp)
+        problem = topology.dp_host_split_problem()
+        host_groups = None if problem is not None else _make_host_groups(
+            topology, rank, dp, ledger, backend, timeout, dp_transport, device)
         log.debug("rank %d: %s", rank, topology.describe())
-        return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp)
+        return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp,
+                   host_groups=host_groups, host_split_problem=problem)
+
+    def require_host_groups(self, option: str) -> tuple[Group, Group]:
+        """(intra-host, inter-host) DP groups for ``option``, or a ValueError saying why the layout
+        has none."""
+        if self.dp_intra_host_group is None:
+            raise ValueError(f"{option} splits every DP group by host, but "
+                             f"{self._host_split_problem}; choose a layout whose DP groups have "
+                             f"as many ranks on every host")
+        return self.dp_intra_host_group, self.dp_inter_host_group
 
     # ---- coordinates -----------------------------------------------------------------------
     @property
@@ -210,6 +243,32 @@ def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
                              "NCCL has its own); use --dp-transport auto")
         return None
     return ShmTransport.create(dp, timeout, required=transport == "shm")
+
+
+INTRA, INTER = "dp_intra", "dp_inter"   # ledger kinds of the host-split DP groups
+
+
+def _one_host_groups(dp: Group, ledger: CommLedger) -> tuple[Group, Group]:
+    """A DP group on one host: the intra-host group is the DP group itself (same process group and
+    transport), the inter-host group this rank alone."""
+    intra = Group(INTRA, dp.ranks, dp.rank, ledger, dp.pg, dp.timeout, shm=dp.shm)
+    return intra, Group(INTER, [dp.ranks[dp.rank]], 0, ledger)
+
+
+def _make_host_groups(topology: Topology, rank: int, dp: Group, ledger: CommLedger, backend: str,
+                      timeout: timedelta, dp_transport: str, device: torch.device
+                      ) -> tuple[Group, Group]:
+    """This rank's intra- and inter-host DP groups (every rank takes part in creating them).
+    Intra-host groups of CPU ranks get shared memory as the DP group would (``dp_transport``
+    ``shm`` is only required of the whole DP group)."""
+    if all(len(topology.nodes_of(g)) == 1 for g in topology.dp_groups()):   # no new groups
+        return _one_host_groups(dp, ledger)
+    intra_all, inter_all = topology.dp_host_groups()
+    intra = _make_groups(INTRA, intra_all, rank, ledger, backend, timeout)
+    intra.shm = _dp_shared_memory(intra, "gloo" if dp_transport == "gloo" else "auto", device,
+                                  timeout)
+    inter = _make_groups(INTER, inter_all, rank, ledger, backend, timeout)
+    return intra, inter
 
 
 def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: CommLedger,

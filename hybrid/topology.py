@@ -178,6 +178,58 @@ class Topology:
     def mp_group_of(self, rank: int) -> list[int]:
         return self.grid3d[:, self.coords(rank).dp_rank].reshape(-1).tolist()
 
+    # ---- host split of DP (hybrid sharding, ZeRO++ hpZ) -------------------------------------
+    def dp_host_split_problem(self) -> str | None:
+        """Why the DP groups cannot be split into equal per-host parts (None: they can). Hybrid
+        sharding and hpZ need every host of a DP group to hold the same number of its ranks."""
+        for group in self.dp_groups():
+            counts = [len(part) for part in self._by_host(group)]
+            if len(set(counts)) > 1:
+                return (f"the DP group {group} has {'/'.join(map(str, counts))} ranks on its "
+                        f"{len(counts)} hosts of {self.gpus_per_node} GPUs: the DP ranks on a host "
+                        f"must be the same number on every host (ranks per host dividing DP {self.dp_size})")
+        return None
+
+    def dp_host_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Every DP group split by host, for hybrid sharding (FSDP2 HSDP, MiCS) and ZeRO++ hpZ:
+        ``(intra, inter)``. An intra-host group is the DP ranks of one DP group on one host (the
+        shard group); an inter-host group is the ranks at the same position of every intra-host
+        group of one DP group (the replicas of one shard). Pure: a dry run of thousands of ranks
+        lists them without torch.distributed.
+
+            world 8, tp 1, 2 GPUs per node   DP [0..7]
+            intra: [0,1] [2,3] [4,5] [6,7]   inter: [0,2,4,6] [1,3,5,7]
+        """
+        problem = self.dp_host_split_problem()
+        if problem is not None:
+            raise TopologyError(problem)
+        intra, inter = [], []
+        for group in self.dp_groups():
+            parts = self._by_host(group)
+            intra += parts
+            inter += [list(column) for column in zip(*parts)]
+        return intra, inter
+
+    def dp_intra_host_group_of(self, rank: int) -> list[int]:
+        return next(p for p in self._by_host(self.dp_group_of(rank)) if rank in p)
+
+    def dp_inter_host_group_of(self, rank: int) -> list[int]:
+        parts = self._by_host(self.dp_group_of(rank))
+        position = next(p.index(rank) for p in parts if rank in p)
+        return [p[position] for p in parts]
+
+    @property
+    def dp_ranks_per_host(self) -> int:
+        """DP ranks of one DP group on one host (the hybrid shard size)."""
+        return len(self.dp_intra_host_group_of(0))
+
+    def _by_host(self, ranks: list[int]) -> list[list[int]]:
+        """``ranks`` split by host, hosts in order of first appearance, rank order kept."""
+        parts: dict[int, list[int]] = {}
+        for r in ranks:
+            parts.setdefault(r // self.gpus_per_node, []).append(r)
+        return list(parts.values())
+
     def nodes_of(self, ranks: list[int]) -> list[int]:
         return sorted({r // self.gpus_per_node for r in ranks})
 

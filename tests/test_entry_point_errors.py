@@ -114,6 +114,10 @@ TRAINER = [
     Case("offload-path-unwritable", "pretrain", lambda w, c: w.trainer(
         "--offload-optimizer", "nvme", "--offload-nvme-path", "/proc/no-such/nvme"),
          ("--offload-nvme-path", "not a writable directory")),
+    Case("zero-hpz-without-stage-3", "pretrain", lambda w, c: w.trainer(
+        "--zero-stage", "1", "--zero-hpz"), ("--zero-hpz", "use --zero-stage 3")),
+    Case("zero-hybrid-shard-on-one-host", "pretrain", lambda w, c: w.trainer(
+        "--zero-stage", "2", "--zero-hybrid-shard"), ("--zero-hybrid-shard", "one host", "drop the flag")),
     Case("tensorboard-dir-is-file", "pretrain", lambda w, c: w.trainer(
         "--tensorboard-dir", str(_write(c / "f", "x"))), ("--tensorboard-dir", "it is a file")),
     Case("sequence-parallel-seq-not-divisible", "pretrain", lambda w, c: w.trainer(

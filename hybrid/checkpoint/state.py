@@ -52,6 +52,11 @@ class CheckpointState(Protocol):
     def parameters_replicated(self) -> bool:
         """Every DP rank holds the whole parameters (all but ZeRO stage 3): DP rank 0 saves them."""
 
+    @property
+    def state_replica(self) -> int:
+        """Which copy of the state it partitions over DP this rank holds: 0, except with hybrid
+        sharding (one copy per host), where the ranks of copy 0 save the partitioned pieces."""
+
     def checkpoint_pieces(self) -> list[Fragment]:
         """Every piece of state this rank holds: kind ``model`` (the parameters as trained) and
         ``master`` / ``exp_avg`` / ``exp_avg_sq``; views, so a load may fill them in place."""
@@ -81,7 +86,7 @@ def _writes(holder: CheckpointState, kind: str, layout: ParamLayout, state: Para
     if layout.partition_dim < 0 and state.tp_rank != 0:
         return False
     replicated = holder.parameters_replicated if kind == "model" else holder.optimizer_state_replicated
-    return state.dp_rank == 0 or not replicated
+    return state.dp_rank == 0 if replicated else holder.state_replica == 0
 
 
 def save_state(save_dir: str | Path, iteration: int, holder: CheckpointState,

@@ -79,3 +79,34 @@ def describe_group(kind: str, ranks: list[int], ranks_per_node: int | None) -> s
     direct = cross_host_fraction("all_gather", "direct", nodes)
     return (f"{kind} group of {len(ranks)} ranks {where}: {ring:.0%} of its bytes cross hosts as a "
             f"ring, {direct:.0%} sent directly (gloo all-gather / reduce-scatter)")
+
+
+def zero_dp_bytes_per_step(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
+                           *, intra: list[int] | None = None, inter: list[int] | None = None,
+                           hybrid_shard: bool = False, hpz: bool = False) -> tuple[float, float]:
+    """(bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL rings, for
+    ``psi_bytes`` 16-bit parameter bytes (ZeRO §7: 2Ψ stages 1-2, 3Ψ stage 3), plainly over the DP
+    group ``dp``, or with the host split of hybrid.zero.host_groups (``intra``: this rank's DP ranks
+    on its host, ``inter``: the same position on every host):
+
+    - hpZ (stage 3): forward all-gather and reduce-scatter over DP, the backward's all-gather over
+      ``intra`` (never crossing);
+    - hybrid sharding: every all-gather and reduce-scatter over ``intra``, then the all-reduce of
+      this rank's Ψ/h slice of the gradients over ``inter``.
+    """
+    def ring(elements: float, ranks: list[int], op: str = "all_gather") -> tuple[float, float]:
+        n = len(ranks)
+        if n < 2:
+            return 0.0, 0.0
+        volume = elements * (n - 1) / n * (2 if op == "all_reduce" else 1)
+        return volume, volume * cross_host_fraction(op, "ring", nodes_of(ranks, ranks_per_node))
+
+    passes = 3 if stage == 3 else 2                      # all-gathers + the reduce-scatter
+    if hybrid_shard:
+        parts = [ring(passes * psi_bytes, intra),
+                 ring(psi_bytes / len(intra), inter, "all_reduce")]
+    elif hpz:
+        parts = [ring(2 * psi_bytes, dp), ring(psi_bytes, intra)]
+    else:
+        parts = [ring(passes * psi_bytes, dp)]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)

@@ -7,7 +7,9 @@ built on the meta device (shapes only) to count that rank's parameters, and the 
 FLOPs per iteration (Megatron's formula, docs/design.md §Paper), plus the activation estimate of
 :func:`hybrid.perf.memory.device_memory` for ``--recompute``. DP and TP traffic are split into the
 bytes that stay inside a node and those that cross nodes (:mod:`hybrid.perf.links`, NCCL rings
-in rank order over the rank's groups).
+in rank order over the rank's groups). With ``--zero-hybrid-shard`` model states are partitioned over
+the DP ranks of a host and the DP traffic is split by host; with ``--zero-hpz`` the secondary
+partition (2Ψ/h in bf16) is a model-state row of its own (:mod:`hybrid.zero.host_groups`).
 
 With pipeline parallelism the rank holds its stage's model chunks only (their parameters are counted
 from the meta-built chunks), the activations of the micro-batches its schedule keeps in flight
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
-from hybrid.perf.links import cross_host_fraction, nodes_of
+from hybrid.perf.links import cross_host_fraction, nodes_of, zero_dp_bytes_per_step
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
@@ -59,11 +61,22 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     psi_rank = sum(t.numel() for chunk in chunks for t in chunk.parameters())
     param_bytes = _BYTES[o.precision]
     mixed = o.precision != "fp32"
-    states = model_state_bytes(float(psi_rank), p.zero_stage, state.dp_size, param_bytes=param_bytes,
+    shard, intra, inter = _host_split(cfg, state)
+    states = model_state_bytes(float(psi_rank), p.zero_stage, shard.size, param_bytes=param_bytes,
                                grad_bytes=param_bytes, optimizer_bytes_per_param=12 if mixed else 8,
-                               master_bytes_per_param=4 if mixed else 0)
+                               master_bytes_per_param=4 if mixed else 0).as_dict()
+    if p.zero_hpz:
+        states["params_16bit_secondary"] = param_bytes * psi_rank / intra.size
+        states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
-    comm_bytes = dp_communication_elements(float(psi_rank), p.zero_stage) * (dp - 1) / dp * param_bytes
+    if p.zero_stage and (p.zero_hybrid_shard or p.zero_hpz):
+        comm_bytes, dp_cross = zero_dp_bytes_per_step(
+            float(psi_rank) * param_bytes, p.zero_stage, state.dp.ranks, topology.gpus_per_node,
+            intra=intra.ranks, inter=inter.ranks, hybrid_shard=p.zero_hybrid_shard, hpz=p.zero_hpz)
+    else:
+        comm_bytes = (dp_communication_elements(float(psi_rank), p.zero_stage) * (dp - 1) / dp
+                      * param_bytes)
+        dp_cross = comm_bytes * _ring_cross(state.dp.ranks, topology)
     global_batch = cfg.global_batch(world)
     arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...
     flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
@@ -101,12 +114,12 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                                                                   and pcfg.num_model_chunks > 1),
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
-            "model_states_per_rank": states.as_dict(), "dp_bytes_per_step": comm_bytes,
-            "dp_cross_host_bytes_per_step": comm_bytes * _ring_cross(state.dp.ranks, topology),
+            "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
+            "dp_cross_host_bytes_per_step": dp_cross,
             "tp_bytes_per_step": tp_bytes,
             "tp_cross_host_bytes_per_step": tp_bytes * _ring_cross(state.tp.ranks, topology),
             "offload_optimizer": p.offload_optimizer,
-            "offloaded_per_rank": (states.master_fp32 + states.adam_moments
+            "offloaded_per_rank": (states["master_fp32"] + states["adam_moments"]
                                    if p.offload_optimizer != "none" else 0.0),
             "recompute": mode, "activations_per_rank": activations,
             "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
@@ -172,7 +185,9 @@ def format_report(r: dict) -> str:
              + ("  (WARNING: TP groups cross nodes)" if r["tp_crosses_nodes"] else ""),
              f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
              f"model states per rank: 16-bit params {s['params_16bit']}, grads {s['grads_16bit']}, "
-             f"fp32 master {s['master_fp32']}, Adam moments {s['adam_moments']}, total {s['total']}",
+             f"fp32 master {s['master_fp32']}, Adam moments {s['adam_moments']}"
+             + (f", hpZ secondary params {s['params_16bit_secondary']}"
+                if "params_16bit_secondary" in s else "") + f", total {s['total']}",
              f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "
              f"{_bytes(r['activations_per_rank'])}; buffers {_bytes(r['buffers_per_rank'])}; reserved "
              f"{_bytes(r['reserved_per_rank'])}; total {_bytes(total_bytes(r))}",
@@ -198,6 +213,25 @@ def _pipeline_lines(r: dict) -> list[str]:
             f"{r['micro_batches_held']:g} micro-batch(es) held at the peak; PP traffic sent per "
             f"step {_bytes(r['pp_bytes_per_step'])} ({_bytes(r['pp_cross_host_bytes_per_step'])} "
             f"across nodes)"]
+
+
+def _host_split(cfg: TrainConfig, state: ParallelState):
+    """(the group model states are partitioned over, this rank's intra- and inter-host DP groups);
+    the options' errors (one host, unequal hosts, ...) as TrainConfigError."""
+    from hybrid.zero.config import ZeroConfig
+    from hybrid.zero.host_groups import partition_groups, secondary_group
+    p = cfg.parallel
+    if not p.zero_stage or not (p.zero_hybrid_shard or p.zero_hpz):
+        return state.dp, state.dp_intra_host_group, state.dp_inter_host_group
+    try:
+        zcfg = ZeroConfig(stage=p.zero_stage, **p.zero_config_options())
+        shard, _ = partition_groups(state, zcfg)
+        secondary_group(state, zcfg)   # checks hpZ's layout
+        intra, inter = state.require_host_groups("--zero-hybrid-shard" if p.zero_hybrid_shard
+                                                 else "--zero-hpz")
+    except ValueError as err:
+        raise TrainConfigError(str(err)) from None
+    return shard, intra, inter
 
 
 def _ring_cross(ranks: list[int], topology: Topology) -> float:

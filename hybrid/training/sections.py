@@ -78,6 +78,12 @@ class ParallelSection:
                                     default=False)
     zero_stage: int = _help("ZeRO-DP stage: 0 baseline, 1 Pos, 2 Pos+g, 3 Pos+g+p", default=1)
     zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)", default=5_000_000)
+    zero_hybrid_shard: bool = _help("ZeRO stages 1-3 partition inside each host and replicate across "
+                                    "hosts (FSDP2 HSDP, MiCS): parameters gathered inside the host, "
+                                    "gradient shards all-reduced across", default=False)
+    zero_hpz: bool = _help("ZeRO stage 3 keeps a secondary 16-bit partition inside each host, so the "
+                           "backward's parameter all-gather never crosses hosts (ZeRO++ hpZ)",
+                           default=False)
     world_size: int | None = _help("GPUs the preset is meant for (checked at launch; used by --dry-run)",
                                    default=None)
     gpus_per_node: int = _help("GPUs per node (16 on a DGX-2)", default=16)
@@ -110,6 +116,7 @@ class ParallelSection:
             raise TrainConfigError(f"--dp-transport must be auto, shm or gloo, got {self.dp_transport!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise TrainConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        self.zero_config_options()
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise TrainConfigError("--offload-optimizer needs --zero-stage 1, 2 or 3 (it offloads the "
                                    "partitioned optimizer state)")
@@ -153,6 +160,18 @@ class ParallelSection:
                 "3-Psi volume of ZeRO section 7), or the gathered parameters stay resident through "
                 "the schedule and the saving is gone (DeepSpeed refuses it too); use --zero-stage 1 "
                 "or 2 with pipeline parallelism")
+
+    def zero_config_options(self) -> dict:
+        """The topology-aware fields of hybrid.zero.ZeroConfig, checked against the stage now (the
+        hosts are only known at launch, where the engine checks them)."""
+        options = {"hybrid_shard": self.zero_hybrid_shard, "hpz": self.zero_hpz}
+        if any(options.values()):
+            from hybrid.zero.config import ZeroConfig
+            try:
+                ZeroConfig(stage=self.zero_stage, **options)
+            except ValueError as err:
+                raise TrainConfigError(str(err)) from None
+        return options
 
     def offload_config(self):
         """The hybrid.offload.OffloadConfig of these flags (None: no offload)."""

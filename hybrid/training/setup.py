@@ -387,7 +387,10 @@ def link_report(state: ParallelState, cfg: TrainConfig | None = None) -> str:
     bytes that cross hosts (start-up report; the ledger measures it per step, hybrid.perf.links),
     then the pipeline layout."""
     per_node = state.ledger.ranks_per_node
-    lines = [describe_group(g.kind, g.ranks, per_node) for g in (state.tp, state.dp)]
+    groups = [state.tp, state.dp]
+    if state.dp_intra_host_group is not None and state.dp_inter_host_group.size > 1:
+        groups += [state.dp_intra_host_group, state.dp_inter_host_group]   # hybrid shard, hpZ
+    lines = [describe_group(g.kind, g.ranks, per_node) for g in groups]
     pcfg = cfg.pipeline_config(state.world_size) if cfg is not None else None
     if pcfg is not None:
         hosts = nodes_of(state.pp.ranks, per_node)

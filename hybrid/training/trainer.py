@@ -268,17 +268,19 @@ class Trainer:
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
         """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger),
         and the part of them that crossed hosts (group average, hybrid.perf.links); with PP also
-        the bytes it sent to its neighbouring stages (activations forward, gradients back)."""
+        the bytes it sent to its neighbouring stages (activations forward, gradients back). DP
+        counts the host-split DP groups of hybrid sharding and hpZ too."""
         groups = ("dp", "tp", "pp") if self.pipeline is not None else ("dp", "tp")
         out = {f"comm/{g}-{part}bytes-per-step": 0.0 for g in groups
                for part in ("", "cross-host-")}
         for r in self.state.ledger.since(stats.ledger_mark):
             if r.group == "pp" and r.op != "send":   # each message once, at its sender
                 continue
-            if r.group in groups:
-                out[f"comm/{r.group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
-                out[f"comm/{r.group}-cross-host-bytes-per-step"] += (r.cross_host_bytes
-                                                                     / stats.iterations)
+            group = "dp" if r.group.startswith("dp") else r.group   # with dp_intra, dp_inter
+            if group in groups:
+                out[f"comm/{group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
+                out[f"comm/{group}-cross-host-bytes-per-step"] += (r.cross_host_bytes
+                                                                   / stats.iterations)
         self.state.ledger.discard()   # read: a long run's ledger must not grow (soak test)
         return out
 

@@ -53,6 +53,11 @@ class ZeroConfig:
     and 1 which ``backward`` is the last micro-batch (they communicate only then); stage 2 reduces
     every micro-batch, as it keeps no full gradient. How the DP collectives travel is the parallel
     state's choice (``--dp-transport``, :mod:`hybrid.parallel_state`), not the engine's.
+
+    Topology-aware options (past the paper; :mod:`hybrid.zero.host_groups`): ``hybrid_shard``
+    partitions the model states of stages 1-3 over the DP ranks of one host and keeps one copy per
+    host (FSDP2's HSDP, MiCS); ``hpz`` gives stage 3 a secondary 16-bit partition inside the host,
+    so the backward's parameter all-gather stays inside it (ZeRO++ hpZ).
     """
 
     stage: int = 0
@@ -65,6 +70,8 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 0
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     alignment_bytes: int = 16  # every partition chunk starts on this boundary (GPU vector loads)
+    hybrid_shard: bool = False   # partition inside a host, replicate across hosts (FSDP2 HSDP, MiCS)
+    hpz: bool = False            # stage 3: secondary 16-bit partition inside the host (ZeRO++ hpZ)
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -82,6 +89,17 @@ class ZeroConfig:
             raise ValueError(f"clip_grad is a maximum global norm (0 = off), got {self.clip_grad}")
         if self.stage3_param_persistence_threshold < 0:
             raise ValueError("stage3_param_persistence_threshold is a number of elements >= 0")
+        if self.hybrid_shard and self.stage == 0:
+            raise ValueError("--zero-hybrid-shard partitions ZeRO's model states inside each host; "
+                             "stage 0 partitions nothing: use --zero-stage 1, 2 or 3 with it")
+        if self.hpz and self.stage != 3:
+            raise ValueError(f"--zero-hpz keeps a secondary partition of stage 3's parameters; "
+                             f"ZeRO stage {self.stage} does not partition parameters: use "
+                             f"--zero-stage 3 with it")
+        if self.hpz and self.hybrid_shard:
+            raise ValueError("--zero-hpz and --zero-hybrid-shard together: hybrid sharding already "
+                             "gathers parameters inside the host only, a secondary partition would "
+                             "add memory and save nothing; choose one")
         if self.alignment_bytes < 1 or self.alignment_bytes & (self.alignment_bytes - 1):
             raise ValueError(f"alignment_bytes must be a power of two, got {self.alignment_bytes}")
 

@@ -93,6 +93,7 @@ class ZeroEngine:
     adamw: AdamWConfig
     norm_group: Group
     grad_divisor: float
+    norm_replicas: int = 1   # copies of each owned gradient in norm_group (hybrid sharding: hosts)
 
     def _init_engine(self) -> None:
         self._decay_spans = merged_spans(self.pieces, lambda p: p.decay)
@@ -171,8 +172,9 @@ class ZeroEngine:
         views = _views(grads, self._tp_spans)
         sharded = [v for v, span in zip(views, self._tp_spans) if span[3]]
         replicated = [v for v, span in zip(views, self._tp_spans) if not span[3]]
-        return global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.norm_group,
+        norm = global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.norm_group,
                                 device=self.state.device)
+        return norm / math.sqrt(self.norm_replicas) if self.norm_replicas > 1 else norm
 
     def _update(self, grads: list[torch.Tensor], grad_scale: float) -> None:
         """AdamW on the owned pieces, the gradients divided by ``grad_scale`` first."""
@@ -242,6 +244,12 @@ class ZeroEngine:
     def parameters_replicated(self) -> bool:
         """Every DP rank holds the whole 16-bit parameters; stage 3 partitions them."""
         return True
+
+    @property
+    def state_replica(self) -> int:
+        """Which copy of its partitioned state this rank holds: 0 unless partitions are replicated
+        across hosts (hybrid sharding), where only the first host's copy is written."""
+        return 0
 
     def _parameter_fragments(self) -> list[Fragment]:
         """The 16-bit (or fp32) parameters this rank holds, as ``model`` fragments."""

@@ -40,6 +40,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
+from hybrid.zero.host_groups import partition_groups
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.partition import FlatLayout
 from hybrid.zero.reducer import (BucketAllReduce, BucketReduceScatter, GradReducer,
@@ -71,6 +72,7 @@ class ZeroOptimizer(ZeroEngine):
         self.lr = adamw.lr
         self.names, self.params = _trainable(model)
         self.dtype, self.device = config.param_dtype, state.device
+        self.shard_group, self.replicas = partition_groups(state, config)   # DP, or by host
         self.partitions, self.part_rank = self._partitioning()
         self.layout = FlatLayout([p.numel() for p in self.params], config.bucket_size,
                                  self.partitions, config.alignment_elements)
@@ -80,11 +82,13 @@ class ZeroOptimizer(ZeroEngine):
             self.adam = FlatAdamWState(self.layout.chunk_sizes(), self.device)
         self.scaler = build_loss_scaler(config)
         if self.partitions > 1:   # reduce-scatters write a whole bucket
-            comm.reserve_transport(state.dp, max(b.numel for b in self.layout.buckets) *
+            comm.reserve_transport(self.shard_group, max(b.numel for b in self.layout.buckets) *
                                    self.flat_param.element_size())
-        self.reducer = self.reducer_class(self.params, self.layout, state.dp, dtype=self.dtype,
-                                          device=self.device, overlap=config.overlap_communication,
-                                          grad_flat=self.grad_flat, grad_chunks=self.grad_chunks)
+        self.reducer = self.reducer_class(self.params, self.layout, self.shard_group,
+                                          dtype=self.dtype, device=self.device,
+                                          overlap=config.overlap_communication,
+                                          grad_flat=self.grad_flat, grad_chunks=self.grad_chunks,
+                                          replicas=self.replicas)
         if self.offload is not None:   # gradients stream to the host as buckets complete
             self.reducer.on_final = self._stream_grad
         self.pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,
@@ -92,6 +96,7 @@ class ZeroOptimizer(ZeroEngine):
                                   bool(getattr(self.params[p.index], "tensor_model_parallel", False)))
                        for b, p in self.layout.owned_pieces(self.part_rank)]
         self.norm_group = self._norm_group()
+        self.norm_replicas = self.replicas.size if self.replicas is not None else 1
         self.grad_divisor = float(state.dp_size)
         self._init_engine()
         if state.rank == 0:
@@ -251,7 +256,7 @@ class ZeroOptimizer(ZeroEngine):
                 own.copy_(master)
             if self.partitions > 1:   # in place: own is this rank's slot of the bucket
                 full = self.flat_param[bucket.start:bucket.start + bucket.numel]
-                inflight.append(comm.all_gather_into(full, own, self.state.dp, async_op=True))
+                inflight.append(comm.all_gather_into(full, own, self.shard_group, async_op=True))
         for handle in inflight:
             handle.wait()
 
@@ -266,22 +271,27 @@ class ZeroOptimizer(ZeroEngine):
                       "grad16": [self._grad_buffer()],
                       "master32": [self.master_flat] if self.master_flat is not None else self.masters,
                       "adam_moments": self.adam.tensors(),
-                      "buffers": self.reducer.buffers() + comm.transport_buffers(self.state.dp)}
+                      "buffers": self.reducer.buffers() + comm.transport_buffers(self.shard_group)}
         if self.offload is not None:   # what the backend keeps resident (nothing on NVMe)
             host = self.adam.resident()
             categories.update(master32=host["master32"], adam_moments=host["adam_moments"],
                               buffers=categories["buffers"] + host["buffers"])
         itemsize = self.flat_param.element_size()
-        formula = formula_bytes(self.num_local_params, self.stage, self.state.dp_size,
+        formula = formula_bytes(self.num_local_params, self.stage, self.shard_group.size,
                                 param_bytes=itemsize, mixed_precision=self.config.mixed_precision)
-        return MemoryReport(self.stage, self.state.dp_size, self.state.tp_size,
+        return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
                             self.config.precision, self.num_local_params,
                             measure_storages(categories), formula)
 
     @property
     def optimizer_state_replicated(self) -> bool:
         """Stage 0 keeps the whole optimizer state on every DP rank (save it from DP rank 0 only)."""
-        return self.partitions == 1
+        return self.partitions == 1 and self.replicas is None
+
+    @property
+    def state_replica(self) -> int:
+        """Hybrid sharding: which host's copy of the partitions this rank holds (0 writes them)."""
+        return self.replicas.rank if self.replicas is not None else 0
 
     def _parameter_fragments(self) -> list[Fragment]:
         return [Fragment(name, "model", 0, p.data.view(-1)) for name, p in zip(self.names, self.params)]
@@ -315,7 +325,7 @@ class OptimizerStatePartitioning(ZeroOptimizer):
     reducer_class = BucketReduceScatter
 
     def _partitioning(self) -> tuple[int, int]:
-        return self.state.dp_size, self.state.dp_rank
+        return self.shard_group.size, self.shard_group.rank
 
     def _norm_group(self):
         return self.state.world   # disjoint partitions: the sum over every rank is the model's

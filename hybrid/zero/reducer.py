@@ -7,6 +7,10 @@ parameters that got no gradient carry zeros) and waits for every handle. ``on_fi
 called as each bucket of the step's last micro-batch lands (optimizer offload streams that chunk
 to the host while backward goes on).
 
+With hybrid sharding (:mod:`hybrid.zero.host_groups`) ``group`` is the intra-host DP group and each
+reduced chunk is then all-reduced over ``replicas``, the inter-host group
+(:func:`hybrid.comm.reduce_scatter_replicated`).
+
 One class per way the engines of :mod:`.optimizer` reduce (the shared counting, ordering and
 buffer pool are :class:`GradReducer`'s):
 
@@ -60,8 +64,9 @@ class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool = True,
                  grad_flat: torch.Tensor | None = None,
-                 grad_chunks: list[torch.Tensor] | None = None):
+                 grad_chunks: list[torch.Tensor] | None = None, replicas: Group | None = None):
         self.params, self.layout, self.group = params, layout, group
+        self.replicas = replicas            # hybrid sharding: the chunk is all-reduced over them
         self.dtype, self.device, self.overlap = dtype, device, overlap
         self.grad_flat = grad_flat          # full gradients: [layout.numel] buffer
         self.grad_chunks = grad_chunks      # Pos+g: this rank's chunk of every bucket
@@ -177,8 +182,8 @@ class BucketReduceScatter(GradReducer):
         entry = self._acquire(bucket)
         full = self.grad_flat[bucket.start:bucket.start + bucket.numel]
         lo, hi = bucket.chunk_range(self.group.rank)
-        handle = comm.reduce_scatter_into(full[lo:hi], full, self.group, async_op=True,
-                                          scratch=entry.scratch)
+        handle = comm.reduce_scatter_replicated(full[lo:hi], full, self.group, self.replicas,
+                                                async_op=True, scratch=entry.scratch)
         self._inflight.append((bucket, handle, entry))
 
 
@@ -197,8 +202,9 @@ class PartitionReduceScatter(GradReducer):
 
     def _launch(self, bucket: Bucket) -> None:
         entry = self._staging_for(bucket)
-        handle = comm.reduce_scatter_into(entry.chunk[:bucket.chunk], entry.full[:bucket.numel],
-                                          self.group, async_op=True, scratch=entry.scratch)
+        handle = comm.reduce_scatter_replicated(entry.chunk[:bucket.chunk],
+                                                entry.full[:bucket.numel], self.group,
+                                                self.replicas, async_op=True, scratch=entry.scratch)
         self._inflight.append((bucket, handle, entry))
 
     def _landed(self, bucket: Bucket, entry: _Staging) -> None:

@@ -4,7 +4,8 @@ Memory is measured from the real storages a rank holds (docs/design.md §6): eve
 is counted once, by its data pointer, in the first category that claims it - so an fp32 master that
 IS the parameter partition adds nothing, and views into one flat buffer count that buffer once.
 Categories: ``param16`` (the model's parameters, "16-bit" even when fp32), ``grad16``, ``master32``,
-``adam_moments``, ``buffers`` (constant-size communication buffers of ZeRO-R's CB, outside the
+``adam_moments``, ``param16_secondary`` (ZeRO++ hpZ's intra-host copy of stage 3's parameters,
+:mod:`hybrid.zero.host_groups`; its formula is 2Ψ/h), ``buffers`` (constant-size communication buffers of ZeRO-R's CB, outside the
 paper's model-state formula). The formula side is ZeRO §5 with Ψ = this TP rank's parameter count,
 from the shared pure model :func:`hybrid.perf.model_states.model_state_bytes`.
 
@@ -23,8 +24,8 @@ import torch
 from hybrid.comm import CommRecord
 from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
 
-CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "buffers")
-MODEL_STATE_CATEGORIES = CATEGORIES[:4]
+CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "param16_secondary", "buffers")
+MODEL_STATE_CATEGORIES = CATEGORIES[:5]
 
 
 def measure_storages(categories: Mapping[str, Iterable[torch.Tensor]]) -> dict[str, int]:
@@ -55,7 +56,7 @@ def formula_bytes(psi: int, stage: int, dp: int, *, param_bytes: int, mixed_prec
     m = model_state_bytes(float(psi), stage, dp, param_bytes=param_bytes, grad_bytes=param_bytes,
                           optimizer_bytes_per_param=master + 8, master_bytes_per_param=master)
     return {"param16": m.params_16bit, "grad16": m.grads_16bit, "master32": m.master_fp32,
-            "adam_moments": m.adam_moments}
+            "adam_moments": m.adam_moments, "param16_secondary": 0.0}   # hpZ's engine sets it
 
 
 @dataclass
@@ -105,7 +106,8 @@ class CommReport:
 
     @property
     def dp_bytes(self) -> float:
-        return sum(v for (g, _), v in self.by_group_op.items() if g == "dp")
+        """DP traffic, the host-split DP groups' (dp_intra, dp_inter) included."""
+        return sum(v for (g, _), v in self.by_group_op.items() if g.startswith("dp"))
 
     @property
     def tp_bytes(self) -> float:

@@ -47,6 +47,7 @@ from hybrid.zero import stage3_build as build
 from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
+from hybrid.zero.host_groups import partition_groups, secondary_group
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
@@ -85,9 +86,12 @@ class ParameterPartitioning(ZeroEngine):
         self.psi = sum(p.numel() for p in model.parameters())
         self.persistent_numel = sum(p.numel() for _, p in small)
         init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
+        self.shard_group, self.replicas = partition_groups(state, zero_config)
+        self.secondary_group = secondary_group(state, zero_config)
         self.units, self.persistent = build.make_units(
-            model, groups, small, state.dp, dtype=self.dtype, device=self.device,
-            alignment=zero_config.alignment_elements)
+            model, groups, small, self.shard_group, dtype=self.dtype, device=self.device,
+            alignment=zero_config.alignment_elements, replicas=self.replicas,
+            secondary_group=self.secondary_group)
         self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
@@ -109,9 +113,11 @@ class ParameterPartitioning(ZeroEngine):
         self._backward_open = False
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         largest = max(u.padded for u in self.all_units)
-        comm.reserve_transport(state.dp, largest * self.dtype.itemsize)   # a whole unit per collective
-        self._reduce_buffers = _ReduceBuffers(largest, self.dtype,
-                                              self.device, comm.needs_reduce_scratch(state.dp))
+        comm.reserve_transport(self.shard_group, largest * self.dtype.itemsize)   # a whole unit
+        if self.secondary_group is not None:                                   # per collective
+            comm.reserve_transport(self.secondary_group, largest * self.dtype.itemsize)
+        self._reduce_buffers = _ReduceBuffers(largest, self.dtype, self.device,
+                                              comm.needs_reduce_scratch(self.shard_group))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
         for k, unit in enumerate(self.all_units):
@@ -122,6 +128,7 @@ class ParameterPartitioning(ZeroEngine):
                                   bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
                        for k, unit in enumerate(self.all_units) for seg in unit.segments]
         self.norm_group, self.grad_divisor = state.world, float(state.dp_size)   # DP-summed
+        self.norm_replicas = self.replicas.size if self.replicas is not None else 1
         self._init_engine()
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
@@ -221,6 +228,7 @@ class ParameterPartitioning(ZeroEngine):
         for unit, master in zip(self.all_units, self.masters):
             if master is not unit.shard:
                 unit.shard.copy_(master)
+            unit.invalidate_secondary()   # hpZ: the next gather is the forward's full one
         if self.persistent is not None:
             self.persistent.gathered = False
             self.persistent.gather(async_op=False)   # the updated small parameters, whole again
@@ -277,27 +285,39 @@ class ParameterPartitioning(ZeroEngine):
             "param16": [t for u in self.all_units for t in (u.shard, u.full)] +
                        (self.param_store.resident() if self.param_store is not None else []),
             "grad16": [u.grad for u in self.all_units],
+            "param16_secondary": [u.secondary for u in self.all_units if u.secondary is not None],
             "master32": self.masters if self.offload is None else self.adam.resident()["master32"],
             "adam_moments": (self.adam.tensors() if self.offload is None
                              else self.adam.resident()["adam_moments"]),
             "buffers": list(self.model.buffers()) + self._reduce_buffers.tensors() +
-                       comm.transport_buffers(self.state.dp) +
+                       comm.transport_buffers(self.shard_group) +
+                       (comm.transport_buffers(self.secondary_group)
+                        if self.secondary_group is not None else []) +
                        ([] if self.offload is None else self.adam.resident()["buffers"])})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
-        formula = formula_bytes(self.psi, self.stage, self.state.dp_size, param_bytes=param_bytes,
+        formula = formula_bytes(self.psi, self.stage, self.shard_group.size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)
-        return MemoryReport(self.stage, self.state.dp_size, self.state.tp_size, self.config.precision,
-                            self.psi, measured, formula)
+        if self.secondary_group is not None:   # hpZ: 2(Ψ - persistent)/h in bf16
+            formula["param16_secondary"] = (param_bytes * (self.psi - self.persistent_numel)
+                                            / self.secondary_group.size)
+        return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
+                            self.config.precision, self.psi, measured, formula)
 
     def expected_overhead_bytes(self) -> dict[str, float]:
         """What stage 3 holds beyond (2+2+12)Ψ/Nd: alignment padding of the chunks (all state
         categories) and the whole 16-bit copy of the persistent small parameters, held beside the
-        chunk this rank owns of them (which the formula already counts)."""
+        chunk this rank owns of them (which the formula already counts); with hpZ, the padding
+        of the secondary partitions too."""
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         per_elem = 2 * param_bytes + (4 if self.config.mixed_precision else 0) + 8
-        padding = sum(u.padded - u.numel for u in self.all_units) / self.state.dp_size
+        padding = sum(u.padded - u.numel for u in self.all_units) / self.shard_group.size
         persistent = self.persistent.padded * param_bytes if self.persistent is not None else 0
-        return {"padding": padding * per_elem, "persistent_params": float(persistent)}
+        out = {"padding": padding * per_elem, "persistent_params": float(persistent)}
+        if self.secondary_group is not None:
+            out["secondary_padding"] = param_bytes * sum(
+                u.secondary.numel() - u.numel / self.secondary_group.size
+                for u in self.all_units if u.secondary is not None)
+        return out
 
     # ---- reading the parameters --------------------------------------------------------------
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
@@ -310,6 +330,11 @@ class ParameterPartitioning(ZeroEngine):
     @property
     def parameters_replicated(self) -> bool:
         return False   # each DP rank holds its partition of every unit (ZeRO §5.3 Pos+g+p)
+
+    @property
+    def state_replica(self) -> int:
+        """Hybrid sharding: which host's copy of the partitions this rank holds (0 writes them)."""
+        return self.replicas.rank if self.replicas is not None else 0
 
     def _parameter_fragments(self) -> list[Fragment]:
         return [Fragment(name, "model", offset, tensor)

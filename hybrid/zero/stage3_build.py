@@ -72,25 +72,29 @@ def initial_values(model: nn.Module, init_fn: InitFn | None, seed: int
 
 def make_units(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
                persistent: list[tuple[str, nn.Parameter]], group: Group, *, dtype: torch.dtype,
-               device: torch.device, alignment: int
+               device: torch.device, alignment: int, replicas: Group | None = None,
+               secondary_group: Group | None = None
                ) -> tuple[list[ShardedUnit | None], ShardedUnit | None]:
     """One :class:`ShardedUnit` per unit with partitioned parameters (None otherwise) and one for the
     persistent parameters; every model parameter is replaced by a view of its unit's buffer. The
     chunks hold zeros until materialised (the initial values of :func:`initial_values` read a
-    materialised model through its old parameters, taken before this call)."""
+    materialised model through its old parameters, taken before this call). ``replicas`` and
+    ``secondary_group``: hybrid sharding's and hpZ's groups (:mod:`hybrid.zero.host_groups`)."""
     owners = _parameter_owners(model)
+    options = dict(dtype=dtype, device=device, alignment=alignment, replicas=replicas)
     units: list[ShardedUnit | None] = []
     for index, pairs in enumerate(groups):
-        units.append(_build_unit(f"unit{index}", pairs, group, owners, dtype=dtype, device=device,
-                                 alignment=alignment) if pairs else None)
-    kept = _build_unit("persistent", persistent, group, owners, dtype=dtype, device=device,
-                       alignment=alignment, persistent=True) if persistent else None
+        units.append(_build_unit(f"unit{index}", pairs, group, owners, **options,
+                                 secondary_group=secondary_group) if pairs else None)
+    kept = _build_unit("persistent", persistent, group, owners, **options,
+                       persistent=True) if persistent else None
     return units, kept
 
 
-def _build_unit(name, pairs, group, owners, *, dtype, device, alignment, persistent=False):
+def _build_unit(name, pairs, group, owners, *, dtype, device, alignment, persistent=False,
+                replicas=None, secondary_group=None):
     unit = ShardedUnit(name, pairs, group, dtype=dtype, device=device, alignment=alignment,
-                       persistent=persistent)
+                       persistent=persistent, replicas=replicas, secondary_group=secondary_group)
     unit.bind(lambda old, view: _replace(old, view, owners, dtype, device))
     return unit
 

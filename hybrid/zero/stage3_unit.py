@@ -15,6 +15,13 @@ permanently owns chunk ``r`` (``shard``: 2Ψ_unit/Nd bytes of 16-bit parameters)
 
 Shapes: ``full`` [padded], ``shard``/``grad`` [chunk] with padded = chunk * Nd, chunk a multiple of
 the alignment. ``segments`` lists which slice of which parameter this rank owns.
+
+Topology-aware options (:mod:`hybrid.zero.host_groups`): with hybrid sharding ``group`` is the
+intra-host DP group and ``replicas`` the inter-host one (gradients: reduce-scatter inside the host,
+then the chunk all-reduced across hosts). With hpZ, ``secondary_group`` is the intra-host group:
+the first gather after the shard changed (the forward's) keeps this rank's [padded / h] slice of
+the gathered buffer in ``secondary``, and every later gather runs over that group from it until
+:meth:`invalidate_secondary` (the step wrote new shards).
 """
 
 from __future__ import annotations
@@ -62,10 +69,12 @@ class ShardedUnit:
     """Flat DP-partitioned storage of one unit's parameters; see the module docstring."""
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group: Group, *,
-                 dtype: torch.dtype, device: torch.device, alignment: int, persistent: bool = False):
+                 dtype: torch.dtype, device: torch.device, alignment: int, persistent: bool = False,
+                 replicas: Group | None = None, secondary_group: Group | None = None):
         if not named_params:
             raise ValueError(f"sharding unit {name!r} has no parameters to partition")
         self.name, self.group, self.persistent = name, group, persistent
+        self.replicas = replicas
         self.slots: list[Slot] = []
         offset = 0
         for pname, param in named_params:
@@ -81,7 +90,12 @@ class ShardedUnit:
         # stay unmapped while construction still holds every shard (ZeRO-3 params on NVMe)
         self.grad = torch.empty(self.chunk, dtype=dtype, device=device)
         self.segments = self._owned_segments(group.rank)
+        self.secondary_group = secondary_group if not persistent else None
+        self.secondary = (torch.empty(self.padded // secondary_group.size, dtype=dtype, device=device)
+                          if self.secondary_group is not None else None)   # hpZ: [padded / h]
+        self.secondary_valid = False
         self._gather_handle = None
+        self._fetched = False          # the shard was fetched from the NVMe store for this gather
         self._reduce = None            # (handle, reduced chunk) of an in-flight reduce
         self.grad_accumulated = False  # False: the next reduced chunk overwrites ``grad``
         self.full.untyped_storage().resize_(0)   # nothing is gathered until the first use
@@ -146,6 +160,13 @@ class ShardedUnit:
             return
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
+        if self.secondary_valid:   # hpZ: inside the host, from the secondary partition
+            self._gather_handle = comm.all_gather_into(self.full, self.secondary,
+                                                       self.secondary_group, async_op=True)
+            if not async_op:
+                self.wait_gather()
+            return
+        self._fetched = self.store is not None
         shard = self.shard if self.store is None else self.store.fetch(self.store_index)
         if shard.device != self.full.device:   # the NVMe store's host buffer: into our own slot
             own = self.full.narrow(0, self.group.rank * shard.numel(), shard.numel())
@@ -159,8 +180,18 @@ class ShardedUnit:
             self._gather_handle.wait()
             self._gather_handle = None
             self.gathered = True
-            if self.store is not None:   # the gather has read the shard's buffer
+            if self._fetched:   # the gather has read the shard's buffer
                 self.store.release(self.store_index)
+                self._fetched = False
+            if self.secondary is not None and not self.secondary_valid:
+                h = self.secondary_group
+                self.secondary.copy_(self.full.narrow(0, h.rank * self.secondary.numel(),
+                                                      self.secondary.numel()))
+                self.secondary_valid = True
+
+    def invalidate_secondary(self) -> None:
+        """The shard changed (an optimizer step, a load): the next gather is a full one again."""
+        self.secondary_valid = False
 
     @property
     def in_flight(self) -> bool:
@@ -199,7 +230,8 @@ class ShardedUnit:
             end = slot.offset + slot.numel
         flat[end:].zero_()                      # alignment padding
         out = self.grad if not self.grad_accumulated else torch.empty_like(self.grad)
-        handle = comm.reduce_scatter_into(out, flat, self.group, async_op=True, scratch=scratch)
+        handle = comm.reduce_scatter_replicated(out, flat, self.group, self.replicas, async_op=True,
+                                                scratch=scratch)
         self._reduce = (handle, out)
 
     @property

@@ -208,6 +208,7 @@ class GPTModel(nn.Module):
     # ---- the checkpoint state protocol (hybrid.checkpoint.state.CheckpointState) ------------
     optimizer_state_replicated = True   # a model holds no optimizer state: nothing to save twice
     parameters_replicated = True        # trained without ZeRO stage 3, every DP rank holds them
+    state_replica = 0                   # (replicated state: only DP rank 0 writes it)
 
     def checkpoint_layout(self) -> dict[str, ParamLayout]:
         """Where each TP-local parameter sits in its full tensor (what a checkpoint piece records)."""

@@ -71,7 +71,7 @@ def _ours(state, schedule, v):
         loss = runner.step(mbs).loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        tied.sync_weight()
+        tied.sync_weight(wait=False)   # lands at the start of the next step
         return loss
     return step
 

@@ -77,8 +77,8 @@ def _train(state, task, data, *, schedule="1f1b", v=1, m=2, zero=1, recompute=No
         result = engine.step()
         if hook is not None:
             hook.remove()
-        if tied is not None:
-            tied.sync_weight()
+        if tied is not None:   # the last stage's copy lands at the start of the next step
+            tied.sync_weight(wait=False)
         unchanged = all(torch.equal(b, p.detach()) for b, p in zip(before, engine.params))
         records.append((result.skipped, result.loss_scale, engine.scaler.scale, unchanged,
                         result.grad_norm))
@@ -87,6 +87,8 @@ def _train(state, task, data, *, schedule="1f1b", v=1, m=2, zero=1, recompute=No
             with comm.unrecorded(state.dp):
                 comm.all_reduce(total, state.dp)
             losses.append(total.item() / state.dp_size)
+    if tied is not None:
+        tied.land_weight()
     params = {name: p.detach().float().clone() for c in chunks for name, p in c.named_parameters()}
     if chunks[-1].output_weight is not None:
         params["output_weight"] = chunks[-1].output_weight.detach().float().clone()

@@ -178,8 +178,8 @@ class PipelineRunner:
             if not self.prefetch and i + 1 < len(self.actions):   # batched with this send
                 self._post_receive(self.actions[i + 1])
             self._flush()
-        if self.tied is not None and self.state.is_last_stage:
-            self.tied.finish_gradient_send()
+        if self.tied is not None:
+            self.tied.end_step()
         for _, handle in self._sends:
             handle.wait()
         self._sends = []

@@ -42,15 +42,15 @@ class TiedEmbedding:
             raise ValueError("the tied embedding is shared by the first and last pipeline stage only")
         self.state, self.weight_of = state, weight_of   # weight_of(): the current tensor
         self.peer = 1 - state.embedding.rank
-        self._incoming = self._outgoing = self._armed = self._weight = None
+        self._incoming = self._outgoing = self._armed = self._weight = self._received = None
 
     def begin_step(self) -> None:
         """First stage: post the receive of the last stage's gradient (it lands during the step).
-        Last stage: land the weight of a ``sync_weight(wait=False)``."""
-        self.land_weight()
-        if self.state.is_first_stage:
-            weight = self.weight_of()
-            buffer = torch.empty_like(weight)
+        Last stage: land the weight of a ``sync_weight(wait=False)`` (its forward needs it)."""
+        if not self.state.is_first_stage:
+            self.land_weight()
+        else:
+            buffer = self._buffer()
             self._incoming = (buffer, comm.p2p([P2POp("recv", buffer, self.peer, _GRAD_TAG)],
                                                self.state.embedding))
 
@@ -72,9 +72,13 @@ class TiedEmbedding:
         hook = weight.register_post_accumulate_grad_hook(send)
         self._armed = hook
 
-    def finish_gradient_send(self) -> None:
-        """Last stage, at the end of the step: wait for the gradient's send (sending it now if
-        the hook did not fire: the output layer got no gradient) and zero the copy's gradient."""
+    def end_step(self) -> None:
+        """First stage: complete the send of a ``sync_weight(wait=False)`` (before the optimizer
+        changes ``E``). Last stage: wait for the gradient's send (sending it now if the hook did
+        not fire: the output layer got no gradient) and zero the copy's gradient."""
+        if self.state.is_first_stage:
+            self.land_weight()
+            return
         weight = self.weight_of()
         if self._outgoing is None:
             self._armed.remove()
@@ -82,6 +86,14 @@ class TiedEmbedding:
         self._outgoing.wait()
         self._outgoing = self._armed = None
         weight.grad = None
+
+    def _buffer(self) -> torch.Tensor:
+        """The receive buffer (a gradient on the first stage, the weight on the last), reused
+        every step: at most one receive is in flight at a time."""
+        weight = self.weight_of()
+        if self._received is None or self._received.dtype != weight.dtype:
+            self._received = torch.empty_like(weight)
+        return self._received
 
     def _send_gradient(self, grad: torch.Tensor) -> None:
         self._outgoing = comm.p2p([P2POp("send", grad.contiguous(), self.peer, _GRAD_TAG)],
@@ -91,12 +103,12 @@ class TiedEmbedding:
     def sync_weight(self, wait: bool = True) -> None:
         """After the optimizer step: the first stage's updated ``E`` replaces the last stage's copy.
         ``wait=False``: return at once; the last stage's copy is replaced by :meth:`land_weight`,
-        which the runner's next step calls first (the first stage waits for the send there too,
-        before its optimizer can change ``E`` again)."""
+        which the runner's next step calls first (the first stage waits for its send at the end
+        of that step, before its optimizer can change ``E`` again)."""
         self.land_weight()
         weight = self.weight_of()
         op = "send" if self.state.is_first_stage else "recv"
-        buffer = weight.detach().contiguous() if op == "send" else torch.empty_like(weight)
+        buffer = weight.detach().contiguous() if op == "send" else self._buffer()
         self._weight = (buffer, comm.p2p([P2POp(op, buffer, self.peer, _WEIGHT_TAG)],
                                          self.state.embedding))
         if wait:

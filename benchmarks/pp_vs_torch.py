@@ -11,8 +11,10 @@ pipeline schedule (forward + backward of every micro-batch) + torch.optim.AdamW 
     torch Interleaved1F1B (v=2) PipelineStage x 2 per rank + ScheduleInterleaved1F1B
 
 Ours also keeps the tied word embedding of the first and last stage in step (its gradient sent to
-the first stage, the updated weight sent back: 2 x V h per step); torch's variants leave the last
-stage's copy untrained (it has no tied-weight mechanism), which spares them that traffic.
+the first stage during the last stage's final backward, the updated weight sent back after the
+optimizer step without waiting for it, landed when the next step starts: 2 x V h per step);
+torch's variants leave the last stage's copy untrained (it has no tied-weight mechanism), which
+spares them that traffic.
 
 Run:  python benchmarks/pp_vs_torch.py [--steps 10]
 Prints the median step time (the slower rank's) of every variant and the first step's loss of

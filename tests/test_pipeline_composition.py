@@ -97,9 +97,9 @@ def _train(state, task, data, *, schedule="1f1b", v=1, m=2, zero=1, recompute=No
 
 def _check_params(task, state, params, ref_params, rtol, atol, what):
     for name, value in params.items():
-        full = ref_params[sharding.WORD_EMBEDDING if name == "output_weight" else name]
-        expected = sharding.shard_tensor(task.config, sharding.WORD_EMBEDDING if name == "output_weight"
-                                         else name, full, state.tp_rank, state.tp_size)
+        ref_name = sharding.WORD_EMBEDDING if name == "output_weight" else name   # the tied copy
+        expected = sharding.shard_tensor(task.config, ref_name, ref_params[ref_name], state.tp_rank,
+                                         state.tp_size)
         torch.testing.assert_close(value, expected, rtol=rtol, atol=atol,
                                    msg=lambda msg: f"{what} param {name}: {msg}")
 

@@ -11,12 +11,16 @@ pipeline schedule (forward + backward of every micro-batch) + torch.optim.AdamW 
     torch Interleaved1F1B (v=2) PipelineStage x 2 per rank + ScheduleInterleaved1F1B
 
 Ours also keeps the tied word embedding of the first and last stage in step (its gradient sent to
-the first stage, the updated weight sent back: 2 x V h per step); torch's variants leave the last
-stage's copy untrained (it has no tied-weight mechanism), which spares them that traffic.
+the first stage during the last stage's final backward, the updated weight sent back after the
+optimizer step without waiting for it, landed when the next step starts: 2 x V h per step);
+torch's variants leave the last stage's copy untrained (it has no tied-weight mechanism), which
+spares them that traffic.
 
 Run:  python benchmarks/pp_vs_torch.py [--steps 10]
-Prints the median step time (the slower rank's) of every variant and the first step's loss of
-each (equal up to rounding: the same model and data), writes benchmarks/results/pp_vs_torch.json.
+Prints the median step time (the slower rank's) of every variant, the median CPU time of a step
+(both ranks' processes, gloo's threads included: compute plus every overhead, without the idle
+time, so less disturbed by other jobs on a shared machine) and the first step's loss of each
+(equal up to rounding: the same model and data), writes benchmarks/results/pp_vs_torch.json.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def _ours(state, schedule, v):
         loss = runner.step(mbs).loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        tied.sync_weight()
+        tied.sync_weight(wait=False)   # lands at the start of the next step
         return loss
     return step
 
@@ -135,16 +139,17 @@ def _worker(rank, world, names, steps):
     tokens = torch.randint(0, VOCAB, (MICRO * MICRO_BATCHES, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (MICRO * MICRO_BATCHES, SEQ), generator=g)
     runs = {name: VARIANTS[name][0](state, *VARIANTS[name][1:]) for name in names}
-    times, first_loss = {name: [] for name in names}, {}
+    times, cpu, first_loss = {name: [] for name in names}, {name: [] for name in names}, {}
     for i in range(steps):
         for name, step in runs.items():   # round-robin: the shared machine's load hits all alike
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = step(tokens, labels)
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
             if i == 0:
                 first_loss[name] = loss
-    return {name: (times[name][WARMUP:], first_loss[name]) for name in names}
+    return {name: (times[name][WARMUP:], cpu[name][WARMUP:], first_loss[name]) for name in names}
 
 
 def main() -> None:
@@ -161,22 +166,27 @@ def main() -> None:
     rows = {}
     for name in names:
         step_times = [max(ts) for ts in zip(*(r[name][0] for r in per_rank))]
+        cpu_times = [sum(ts) for ts in zip(*(r[name][1] for r in per_rank))]
         rows[name] = {"median_step_ms": 1e3 * statistics.median(step_times),
-                      "first_step_loss": per_rank[-1][name][1]}
-        print(f"{name:>28}: {rows[name]['median_step_ms']:8.1f} ms/step   first-step loss "
+                      "median_cpu_ms_both_ranks": 1e3 * statistics.median(cpu_times),
+                      "first_step_loss": per_rank[-1][name][2]}
+        print(f"{name:>28}: {rows[name]['median_step_ms']:8.1f} ms/step  "
+              f"{rows[name]['median_cpu_ms_both_ranks']:8.1f} CPU ms/step   first-step loss "
               f"{rows[name]['first_step_loss']:.6f}", flush=True)
     for ours, peer in (("ours 1F1B", "torch Schedule1F1B"),
                        ("ours interleaved (v=2)", "torch Interleaved1F1B (v=2)")):
         if ours in rows and peer in rows:
             print(f"{peer} / {ours} step time: "
-                  f"{rows[peer]['median_step_ms'] / rows[ours]['median_step_ms']:.2f}x")
+                  f"{rows[peer]['median_step_ms'] / rows[ours]['median_step_ms']:.2f}x, CPU time: "
+                  f"{rows[peer]['median_cpu_ms_both_ranks'] / rows[ours]['median_cpu_ms_both_ranks']:.2f}x")
     out = ROOT / "benchmarks" / "results" / "pp_vs_torch.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
                                               vocab=VOCAB, micro_batch=MICRO,
                                               micro_batches=MICRO_BATCHES, pp=2, dtype="fp32",
                                               threads_per_rank=1),
-                               "steps": args.steps, "results": rows}, indent=2))
+                               "steps": args.steps, "load_average": os.getloadavg(),
+                               "results": rows}, indent=2))
     print(f"wrote {out.relative_to(ROOT)}")
 
 

@@ -125,6 +125,9 @@ class PipeTask(GPTTask):
 
 
 def _stage_chunks(task, state, config, sequence_parallel, recompute):
+    """``recompute``: one mode for every stage, or a tuple of one mode (or None) per stage."""
+    if isinstance(recompute, tuple):
+        recompute = recompute[state.pp_rank]
     chunks = []
     for c in range(config.num_model_chunks):
         start, stop = config.layer_range(state.pp_rank, c)

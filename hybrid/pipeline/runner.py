@@ -25,7 +25,13 @@ each of those reduces every bucket, also those of the chunks the backward did no
 gradients reduce as zeros: v times stage 2's volume; an engine per chunk would avoid it). The last virtual stage's
 backward starts from its loss (multiplied by the loss scale), every other from the received
 gradient (already scaled). The tied embedding's gradient goes from the last stage to the first
-before the first stage's last backward (:mod:`hybrid.pipeline.tied`).
+before the first stage's last backward (:mod:`hybrid.pipeline.tied`), sent from a hook as soon as
+the last stage's final backward has produced it, so it travels during the rest of that backward.
+
+Per-step costs kept off the critical path: receive buffers come from a free list (an activation's
+is reused after the backward that consumed it, a gradient's after its backward), the last stage's
+loss is summed as a tensor and read once per step (no device sync per micro-batch), and an
+activation gradient is posted right after its backward, never behind the tied embedding's message.
 """
 
 from __future__ import annotations
@@ -84,6 +90,11 @@ class PipelineRunner:
             pg = state.pp.pg
             prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"
         self.prefetch = prefetch
+        self._last_backward = {c: max(i for i, a in enumerate(self.actions)
+                                      if a.kind == "B" and a.chunk == c) for c in range(self.v)}
+        # receive buffers, reused across micro-batches and steps: an activation's once the
+        # backward that consumed it is done, a gradient's once its backward is done
+        self._free: dict[str, list[torch.Tensor]] = {"F": [], "B": []}
 
     # ---- messages ------------------------------------------------------------------------------
     def _virtual(self, action: Action) -> int:
@@ -103,7 +114,9 @@ class PipelineRunner:
             return
         k = self._virtual(action)
         peer = (self.stage - 1) % self.p if action.kind == "F" else (self.stage + 1) % self.p
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.state.device)
+        free = self._free[action.kind]
+        buffer = free.pop() if free else torch.empty(self.shape, dtype=self.dtype,
+                                                     device=self.state.device)
         self._pending.append(P2POp("recv", buffer, peer, self._tag(action.kind, action.micro_batch, k)))
         self._received[key] = [buffer, None]   # its handle comes with the batch (_flush)
 
@@ -138,9 +151,8 @@ class PipelineRunner:
             raise ValueError(f"{len(micro_batches)} micro-batches, the pipeline config says "
                              f"{self.config.num_micro_batches}")
         self._received, self._sends, self._held, self._pending = {}, [], {}, []
-        losses, busy, peak, start = [], 0.0, 0, time.perf_counter()
-        last_backward = {c: max(i for i, a in enumerate(self.actions) if a.kind == "B" and a.chunk == c)
-                         for c in range(self.v)}
+        loss, busy, peak, start = None, 0.0, 0, time.perf_counter()
+        last_stage = self.p * self.v - 1
         if self.tied is not None:
             self.tied.begin_step()
         for i, action in enumerate(self.actions):
@@ -149,27 +161,29 @@ class PipelineRunner:
                 self._post_receive(self.actions[i + 1])
             self._flush()
             inputs = self._take(action) if self._needs_input(action) else None
+            final = action.kind == "B" and i == self._last_backward[action.chunk]
+            tied = self.tied if final else None
+            extra = tied.gradient_for_first_stage() if tied and self._virtual(action) == 0 else None
+            if tied and self._virtual(action) == last_stage:   # sent while this backward runs
+                tied.send_gradient_when_accumulated()
             began = time.perf_counter()
             if action.kind == "F":
-                loss = self._forward(action, micro_batches[action.micro_batch], inputs)
-                if loss is not None:
-                    losses.append(loss)
+                out = self._forward(action, micro_batches[action.micro_batch], inputs)
+                if out is not None:   # the loss, summed as a tensor: no device sync per micro-batch
+                    loss = out if loss is None else loss + out
                 peak = max(peak, len(self._held))
             else:
-                final = i == last_backward[action.chunk]
-                extra = (self.tied.gradient_for_first_stage()
-                         if final and self.tied is not None and self._virtual(action) == 0 else None)
                 self._backward(action, inputs, extra)
-                if final and self.tied is not None and self._virtual(action) == self.p * self.v - 1:
-                    self.tied.send_gradient()
             busy += time.perf_counter() - began
             if not self.prefetch and i + 1 < len(self.actions):   # batched with this send
                 self._post_receive(self.actions[i + 1])
             self._flush()
+        if self.tied is not None:
+            self.tied.end_step()
         for _, handle in self._sends:
             handle.wait()
         self._sends = []
-        loss = sum(losses) if losses else None
+        loss = float(loss) if loss is not None else None
         return StepOutput(loss, time.perf_counter() - start, busy, peak)
 
     def bubble(self, output: StepOutput) -> float:
@@ -189,6 +203,8 @@ class PipelineRunner:
             raise ValueError(f"{len(micro_batches)} micro-batches, the pipeline config says "
                              f"{self.config.num_micro_batches}")
         actions = forward_only(self.config)[self.stage]
+        if self.tied is not None:   # an asynchronous weight sync of the last step must land first
+            self.tied.land_weight()
         self._received, self._sends, self._held, self._pending = {}, [], {}, []
         losses = []
         for i, action in enumerate(actions):
@@ -207,9 +223,9 @@ class PipelineRunner:
         for _, handle in self._sends:
             handle.wait()
         self._sends = []
-        return sum(losses) if losses else None
+        return float(sum(losses)) if losses else None
 
-    def _forward(self, action: Action, batch, inputs: torch.Tensor | None) -> float | None:
+    def _forward(self, action: Action, batch, inputs: torch.Tensor | None) -> torch.Tensor | None:
         tokens, labels = batch
         k, last = self._virtual(action), self.config.is_last(self.stage, action.chunk)
         if inputs is not None:
@@ -220,7 +236,7 @@ class PipelineRunner:
         else:
             self._send(out, "F", action.micro_batch, k + 1)
         self._held[(action.micro_batch, action.chunk)] = (inputs, out)
-        return float(out.detach()) if last else None
+        return out.detach() if last else None
 
     def _backward(self, action: Action, grad: torch.Tensor | None, extra) -> None:
         inputs, out = self._held.pop((action.micro_batch, action.chunk))
@@ -240,3 +256,7 @@ class PipelineRunner:
         k = self._virtual(action)
         if k > 0:
             self._send(inputs.grad, "B", action.micro_batch, k - 1)
+            inputs.grad = None   # the send holds the gradient; the buffer is free again
+            self._free["F"].append(inputs.detach())
+        if grad is not None:
+            self._free["B"].append(grad)

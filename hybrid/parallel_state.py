@@ -15,6 +15,13 @@ the group's ranks are CPU processes of one host that can all map it, gloo otherw
 (shared memory or an error saying why not) or ``gloo`` (:mod:`hybrid.shm_collectives`). The ZeRO
 engines only size it (:func:`hybrid.comm.reserve_transport`).
 
+For the host-aware ZeRO options it also holds two subgroups of the DP group, from the topology's
+hosts (``gpus_per_node`` consecutive ranks): ``dp_intra_host_group`` (the DP ranks on this rank's
+host) and ``dp_inter_host_group`` (the DP ranks at this rank's position on every other host: the
+i-th DP rank of each host). With one host the first is the whole DP group and the second this rank
+alone. Both are None where the DP group holds unequal numbers of ranks on its hosts (pipeline
+stages that straddle hosts unevenly).
+
 ``ParallelState.single_process()`` needs no process group at all; its groups have size 1 and every
 collective degenerates to a local copy.
 """
@@ -41,7 +48,8 @@ DP_TRANSPORTS = ("auto", "shm", "gloo")
 class ParallelState:
     def __init__(self, topology: Topology, rank: int, world: Group, tp: Group, dp: Group,
                  device: torch.device, ledger: CommLedger, *, pp: Group | None = None,
-                 embedding: Group | None = None, mp: Group | None = None):
+                 embedding: Group | None = None, mp: Group | None = None,
+                 dp_intra_host: Group | None = None, dp_inter_host: Group | None = None):
         self.topology = topology
         self.rank = rank
         self.world = world
@@ -52,13 +60,17 @@ class ParallelState:
         self.pp = pp if pp is not None else Group("pp", [rank], 0, ledger)
         self.embedding = embedding if embedding is not None else Group("embedding", [rank], 0, ledger)
         self.mp = mp if mp is not None else tp
+        self.dp_intra_host_group = dp_intra_host
+        self.dp_inter_host_group = dp_inter_host
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def single_process(cls, device: str | torch.device = "cpu") -> "ParallelState":
         ledger = CommLedger()
         groups = [Group(kind, [0], 0, ledger) for kind in ("world", "tp", "dp")]
-        return cls(Topology(1, 1, 1), 0, *groups, concrete_device(device), ledger)
+        return cls(Topology(1, 1, 1), 0, *groups, concrete_device(device), ledger,
+                   dp_intra_host=Group("dp_intra_host", [0], 0, ledger),
+                   dp_inter_host=Group("dp_inter_host", [0], 0, ledger))
 
     @classmethod
     def dry_run(cls, topology: Topology, rank: int = 0) -> "ParallelState":
@@ -74,8 +86,13 @@ class ParallelState:
         embedding = Group("embedding", emb_ranks, emb_ranks.index(rank), ledger)
         mp_ranks = topology.mp_group_of(rank)
         mp = Group("mp", mp_ranks, mp_ranks.index(rank), ledger) if topology.pp_size > 1 else tp
+        intra, inter = None, None
+        if (host_groups := dp_host_groups(topology)) is not None:
+            intra, inter = ([Group(kind, ranks, ranks.index(rank), ledger) for ranks in groups
+                             if rank in ranks][0]
+                            for kind, groups in zip(("dp_intra_host", "dp_inter_host"), host_groups))
         return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger, pp=pp,
-                   embedding=embedding, mp=mp)
+                   embedding=embedding, mp=mp, dp_intra_host=intra, dp_inter_host=inter)
 
     @classmethod
     def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
@@ -143,8 +160,13 @@ class ParallelState:
                                  timeout, member_of_all=False)
         mp = (_make_groups("mp", topology.mp_groups(), rank, ledger, backend, timeout)
               if topology.pp_size > 1 else tp)
+        intra, inter = None, None
+        if (host_groups := dp_host_groups(topology)) is not None:
+            intra, inter = (_make_groups(kind, groups, rank, ledger, backend, timeout)
+                            for kind, groups in zip(("dp_intra_host", "dp_inter_host"), host_groups))
         log.debug("rank %d: %s", rank, topology.describe())
-        return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp)
+        return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp,
+                   dp_intra_host=intra, dp_inter_host=inter)
 
     # ---- coordinates -----------------------------------------------------------------------
     @property
@@ -188,6 +210,23 @@ class ParallelState:
                 f"dp={self.dp_rank}/{self.dp_size}, "
                 + (f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else "")
                 + f"device={self.device})")
+
+
+def dp_host_groups(topology: Topology) -> tuple[list[list[int]], list[list[int]]] | None:
+    """(intra-host groups, inter-host groups) of every DP group: its ranks on each host, and its
+    i-th rank of every host for each i. None when some DP group has unequal numbers of ranks on
+    its hosts. In rank order a DP group is host-major, so DP rank = host index x per-host + i."""
+    intra, inter = [], []
+    for ranks in topology.dp_groups():
+        by_host: dict[int, list[int]] = {}
+        for r in ranks:
+            by_host.setdefault(r // topology.gpus_per_node, []).append(r)
+        hosts = list(by_host.values())
+        if len({len(h) for h in hosts}) != 1:
+            return None
+        intra += hosts
+        inter += [list(same_position) for same_position in zip(*hosts)]
+    return intra, inter
 
 
 def _restart_store(init_method: str | None, env: LaunchEnv, world_size: int, timeout: timedelta):

@@ -85,6 +85,12 @@ class ParallelSection:
     dp_transport: str = _help("DP collectives of CPU ranks on one host: auto (shared memory where "
                               "every rank can map it, else gloo) | shm (shared memory or an error) | "
                               "gloo", default="auto")
+    zero_quantized_weights: bool = _help("ZeRO++ qwZ: stage 3 all-gathers parameters as block-wise "
+                                         "int8 (256-element blocks, fp32 scales); masters stay exact",
+                                         default=False)
+    zero_quantized_gradients: bool = _help("ZeRO++ qgZ: stages 1-3 reduce-scatter gradients as "
+                                           "block-wise int8, inside each host first, then across "
+                                           "hosts, summing in fp32", default=False)
 
     def __post_init__(self) -> None:
         try:
@@ -106,6 +112,14 @@ class ParallelSection:
         if self.offload_params != "none" and self.zero_stage != 3:
             raise TrainConfigError("--offload-params nvme offloads the partitioned parameters of "
                                    "--zero-stage 3; use stage 3 or drop the flag")
+        if self.zero_quantized_weights and self.zero_stage != 3:
+            raise TrainConfigError(f"--zero-quantized-weights quantizes the per-layer parameter "
+                                   f"all-gathers of --zero-stage 3 (stage {self.zero_stage} gathers "
+                                   f"none); use --zero-stage 3 or drop the flag")
+        if self.zero_quantized_gradients and self.zero_stage == 0:
+            raise TrainConfigError("--zero-quantized-gradients quantizes the gradient reduce-scatter "
+                                   "of --zero-stage 1, 2 or 3 (stage 0 all-reduces); raise the stage "
+                                   "or drop the flag")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; "
                                    "drop the flag or raise the TP degree")

@@ -24,6 +24,12 @@ Small parameters (< ``stage3_param_persistence_threshold`` elements) stay whole 
 persistent flat buffer; their gradients are still reduce-scattered and the updated chunks gathered
 once per step (2Ψ_small instead of 3Ψ_small), and the memory report counts them whole.
 
+ZeRO++ options (``ZeroConfig``): ``quantized_weights`` (qwZ) makes every unit's all-gather send
+int8 blocks, dequantized into the 16-bit buffer the layer computes with (the persistent unit stays
+exact); ``quantized_gradients`` (qgZ) reduce-scatters the gradients in int8, inside each host and
+then across hosts (:mod:`.quantized_collectives`). Shards, masters and moments stay exact, so a
+checkpoint does not depend on either option.
+
 Optimizer offload (``offload=OffloadConfig(mode="cpu"|"nvme")``, :mod:`hybrid.offload`): the fp32
 masters and moments of the owned chunks live in a host or NVMe backend that runs AdamW and writes
 the updated values into the 16-bit partitions.
@@ -48,6 +54,7 @@ from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 from hybrid.zero.stage3_hooks import Stage3Scheduler
@@ -91,6 +98,10 @@ class ParameterPartitioning(ZeroEngine):
         self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
+        reduce_scatter = gradient_reduce_scatter(state, zero_config.quantized_gradients)
+        for unit in self.all_units:   # qwZ spares the persistent unit: gathered once a step, small
+            unit.reduce_scatter = reduce_scatter
+            unit.quantized_gather = zero_config.quantized_weights and unit is not self.persistent
         self.offload = offload if offload is not None and offload.enabled else None
         if self.offload is None:
             self.masters = self._materialize(init)
@@ -110,8 +121,8 @@ class ParameterPartitioning(ZeroEngine):
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         largest = max(u.padded for u in self.all_units)
         comm.reserve_transport(state.dp, largest * self.dtype.itemsize)   # a whole unit per collective
-        self._reduce_buffers = _ReduceBuffers(largest, self.dtype,
-                                              self.device, comm.needs_reduce_scratch(state.dp))
+        scratch = comm.needs_reduce_scratch(state.dp) and not zero_config.quantized_gradients
+        self._reduce_buffers = _ReduceBuffers(largest, self.dtype, self.device, scratch)
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
         for k, unit in enumerate(self.all_units):
@@ -317,9 +328,13 @@ class ParameterPartitioning(ZeroEngine):
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full TP-local parameters (collective over DP: every rank must call it)."""
+        """Full TP-local parameters (collective over DP: every rank must call it); with qwZ the
+        exact values, not the quantized compute copy."""
         out = {}
         for unit in self.all_units:
+            if unit.quantized_gather:
+                out.update({name: value.clone() for name, value in unit.exact_values().items()})
+                continue
             was_gathered = unit.gathered
             unit.gather(async_op=False)
             out.update({s.name: s.param.detach().clone() for s in unit.slots})

@@ -232,14 +232,16 @@ class Trainer:
 
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
         """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger),
-        and the part of them that crossed hosts (group average, hybrid.perf.links)."""
+        and the part of them that crossed hosts (group average, hybrid.perf.links). DP counts the
+        DP group's host subgroups too (``dp_intra_host``, ``dp_inter_host``: ZeRO++ options)."""
         out = {f"comm/{g}-{part}bytes-per-step": 0.0 for g in ("dp", "tp")
                for part in ("", "cross-host-")}
         for r in self.state.ledger.since(stats.ledger_mark):
-            if r.group in ("dp", "tp"):
-                out[f"comm/{r.group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
-                out[f"comm/{r.group}-cross-host-bytes-per-step"] += (r.cross_host_bytes
-                                                                     / stats.iterations)
+            kind = "dp" if r.group.startswith("dp") else r.group
+            if kind in ("dp", "tp"):
+                out[f"comm/{kind}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
+                out[f"comm/{kind}-cross-host-bytes-per-step"] += (r.cross_host_bytes
+                                                                  / stats.iterations)
         self.state.ledger.discard()   # read: a long run's ledger must not grow (soak test)
         return out
 

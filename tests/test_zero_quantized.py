@@ -203,12 +203,17 @@ ENGINE_CASES = {  # name -> (tp, stage, precision, qwZ, qgZ)
     "s2": (1, 2, "bf16", False, False), "s2_qgz": (1, 2, "bf16", False, True),
     "s1": (1, 1, "fp32", False, False), "s1_qgz": (1, 1, "fp32", False, True),
     "tp2_s3": (2, 3, "bf16", False, False), "tp2_s3_both": (2, 3, "bf16", True, True),
+    # one host of 4, DP collectives through shared memory: qgZ is one hop inside the host
+    "host1_s3": ("one host", 3, "bf16", False, False),
+    "host1_s3_both": ("one host", 3, "bf16", True, True),
 }
 
 
 def _engines(rank: int, world: int) -> dict:
     states = {tp: ParallelState.initialize(Topology(world, tp, gpus_per_node=PER_HOST),
                                            dp_transport="gloo") for tp in (1, 2)}
+    states["one host"] = ParallelState.initialize(Topology(world, 1, gpus_per_node=world),
+                                                  dp_transport="auto")
     out = {}
     for name, (tp, stage, precision, qwz, qgz) in ENGINE_CASES.items():
         zero = ZeroConfig(stage=stage, precision=precision, quantized_weights=qwz,
@@ -222,7 +227,8 @@ def engine_results() -> list[dict]:
     return run_on_ranks(_engines, WORLD, timeout=600)
 
 
-@pytest.mark.parametrize("option", ["s3_qwz", "s3_qgz", "s3_both", "s2_qgz", "s1_qgz", "tp2_s3_both"])
+@pytest.mark.parametrize("option", ["s3_qwz", "s3_qgz", "s3_both", "s2_qgz", "s1_qgz", "tp2_s3_both",
+                                    "host1_s3_both"])
 def test_quantized_losses_stay_close_to_the_exact_run(option):
     exact = option.rsplit("_", 1)[0]
     for r in engine_results():
@@ -233,6 +239,16 @@ def test_quantized_losses_stay_close_to_the_exact_run(option):
             assert gaps[0] > 0     # the very first forward already uses the quantized weights
         else:
             assert gaps[0] == 0    # qgZ: the first forward is exact, the update is not
+
+
+def test_on_one_host_qgz_is_one_hop_and_nothing_crosses():
+    for r in engine_results():
+        records = r["host1_s3_both"]["records"]
+        assert _by(records, "dp_inter_host", "all_to_all") == []     # a group of one: no message
+        intra = _by(records, "dp_intra_host", "all_to_all")
+        assert intra and all(rec[3] == torch.int8 and rec[5] == 0 for rec in intra)
+        gathers = _by(records, "dp", "all_gather")
+        assert gathers and all(rec[3] == torch.int8 and rec[5] == 0 for rec in gathers)
 
 
 def _by(records, group, op):

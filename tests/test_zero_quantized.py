@@ -21,7 +21,7 @@ from hybrid import comm
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState, dp_host_groups
 from hybrid.topology import Topology
-from hybrid.zero.config import ZeroConfig
+from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from hybrid.zero.quantize import BLOCK, dequantize, pack, packed_numel, quantize, unpack
 from hybrid.zero.quantized_collectives import hierarchical_reduce_scatter, quantized_all_gather
@@ -183,14 +183,16 @@ def _materialised(state: ParallelState, zero: ZeroConfig):
 def _run(state: ParallelState, zero: ZeroConfig) -> dict:
     model, opt = build(state, zero) if zero.stage == 3 else _materialised(state, zero)
     tokens, labels = data()
-    losses, per_step = [], []
+    losses, norms, per_step = [], [], []
     for i in range(STEPS):
         mark = state.ledger.position
-        losses.append(train_step(model, opt, state, tokens[i], labels[i], 1)[0])
+        loss, norm = train_step(model, opt, state, tokens[i], labels[i], 1)
+        losses.append(loss)
+        norms.append(norm)
         opt.zero_grad()
         per_step.append([(r.group, r.op, r.numel, r.dtype, r.bytes_per_rank, r.cross_host_bytes)
                          for r in state.ledger.since(mark)])
-    out = {"losses": losses, "records": per_step[-1]}
+    out = {"losses": losses, "norms": norms, "records": per_step[-1]}
     if zero.stage == 3:
         out["chunks"] = sorted({u.chunk for u in opt.all_units})
         out["masters"] = {k: v.float().numpy() for k, v in opt.gathered_state_dict().items()}
@@ -206,6 +208,8 @@ ENGINE_CASES = {  # name -> (tp, stage, precision, qwZ, qgZ)
     # one host of 4, DP collectives through shared memory: qgZ is one hop inside the host
     "host1_s3": ("one host", 3, "bf16", False, False),
     "host1_s3_both": ("one host", 3, "bf16", True, True),
+    # fp16 with a loss scale that overflows: the first steps must be skipped with or without qgZ
+    "fp16_s3": (1, 3, "fp16", False, False), "fp16_s3_both": (1, 3, "fp16", True, True),
 }
 
 
@@ -216,8 +220,10 @@ def _engines(rank: int, world: int) -> dict:
                                                   dp_transport="auto")
     out = {}
     for name, (tp, stage, precision, qwz, qgz) in ENGINE_CASES.items():
+        # read by fp16 only: overflows at 2^40 (and maybe 2^20), trains from 2^0 on
+        scale = LossScaleConfig(initial_scale=2.0 ** 40, hysteresis=1, backoff_factor=2.0 ** -20)
         zero = ZeroConfig(stage=stage, precision=precision, quantized_weights=qwz,
-                          quantized_gradients=qgz, bucket_size=3000)
+                          quantized_gradients=qgz, bucket_size=3000, loss_scale=scale)
         out[name] = _run(states[tp], zero)
     return out
 
@@ -249,6 +255,17 @@ def test_on_one_host_qgz_is_one_hop_and_nothing_crosses():
         assert intra and all(rec[3] == torch.int8 and rec[5] == 0 for rec in intra)
         gathers = _by(records, "dp", "all_gather")
         assert gathers and all(rec[3] == torch.int8 and rec[5] == 0 for rec in gathers)
+
+
+def test_fp16_overflow_is_still_seen_through_quantized_gradients():
+    """An Inf in a gradient turns its int8 block to NaN (quantize.py), so the loss scaler skips
+    exactly the steps it skips without quantization, then both train."""
+    import math
+    for r in engine_results():
+        overflowed = [not math.isfinite(n) for n in r["fp16_s3"]["norms"]]
+        assert overflowed == [not math.isfinite(n) for n in r["fp16_s3_both"]["norms"]]
+        assert overflowed[0] and not overflowed[-1]
+        assert abs(r["fp16_s3"]["losses"][-1] - r["fp16_s3_both"]["losses"][-1]) <= LOSS_GAP
 
 
 def _by(records, group, op):

@@ -162,8 +162,12 @@ class ParallelState:
               if topology.pp_size > 1 else tp)
         intra, inter = None, None
         if (host_groups := dp_host_groups(topology)) is not None:
-            intra, inter = (_make_groups(kind, groups, rank, ledger, backend, timeout)
-                            for kind, groups in zip(("dp_intra_host", "dp_inter_host"), host_groups))
+            intra, inter = (
+                # a subgroup that is the whole DP group (one host; one rank a host) shares its pg
+                Group(kind, dp.ranks, dp.rank, ledger, dp.pg, timeout)
+                if groups == topology.dp_groups() else
+                _make_groups(kind, groups, rank, ledger, backend, timeout)
+                for kind, groups in zip(("dp_intra_host", "dp_inter_host"), host_groups))
         log.debug("rank %d: %s", rank, topology.describe())
         return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp,
                    dp_intra_host=intra, dp_inter_host=inter)

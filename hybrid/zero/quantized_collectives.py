@@ -26,8 +26,9 @@ combined their contributions), each as about 1 byte instead of 2 or 4. A hop ove
 rank sends nothing and is not quantized; with one DP rank nothing is quantized at all.
 
 Both return a handle whose ``wait()`` finishes the work (the continuation runs there: the
-dequantization, and for qgZ the second hop), like every :mod:`hybrid.comm` collective; on NCCL the
-waits inside only order the streams. Temporary int8 and fp32 buffers are allocated per call.
+dequantization, and for qgZ the second hop, which starts at once only when a host holds one DP
+rank), like every :mod:`hybrid.comm` collective; on NCCL the waits inside only order the streams.
+Temporary int8 and fp32 buffers are allocated per call.
 """
 
 from __future__ import annotations

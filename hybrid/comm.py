@@ -47,7 +47,7 @@ from hybrid.perf.links import nodes_of, split_bytes
 
 @dataclass(frozen=True)
 class CommRecord:
-    op: str            # all_reduce | all_gather | reduce_scatter | broadcast | send | recv
+    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | send | recv
     group: str         # tp | dp | world | pp | embedding | mp
     numel: int         # elements of the full (unsharded) tensor the collective is about
     dtype: torch.dtype
@@ -83,8 +83,8 @@ class CommLedger:
         if self.enabled and group.size > 1:
             n = group.size
             factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-                      "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "send": 1.0,
-                      "recv": 1.0}[op]
+                      "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
+                      "broadcast": 1.0, "send": 1.0, "recv": 1.0}[op]
             nbytes = factor * numel * _itemsize(dtype)
             ranks = group.ranks if peer is None else [group.ranks[group.rank], group.ranks[peer]]
             nodes = nodes_of(ranks, self.ranks_per_node)
@@ -324,6 +324,19 @@ def reduce_scatter_replicated(output: torch.Tensor, full: torch.Tensor, group: G
     across = (lambda: all_reduce(output, replicas)) if replicas is not None and replicas.size > 1 \
         else None
     return _finish(_Joined([handle], across), async_op)
+def all_to_all(output: torch.Tensor, source: torch.Tensor, group: Group, async_op: bool = False):
+    """Send part j of ``source`` (dim 0 cut into ``size`` equal parts) to group member j; part i
+    of ``output`` receives member i's. Each rank sends (n-1)/n of ``source``, every part straight
+    to its peer on NCCL and gloo alike (``direct``). Both must be contiguous."""
+    if output.numel() != source.numel() or source.numel() % group.size:
+        raise ValueError(f"all-to-all needs equal-size input and output cut into {group.size} "
+                         f"parts, got {source.numel()} and {output.numel()} elements")
+    group.ledger.record("all_to_all", group, source.numel(), source.dtype, "direct")
+    if group.size == 1:
+        output.copy_(source)
+        return _Done() if async_op else None
+    group.require_process_group()
+    return dist.all_to_all_single(output, source, group=group.pg, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):

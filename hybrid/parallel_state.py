@@ -245,7 +245,7 @@ def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
     return ShmTransport.create(dp, timeout, required=transport == "shm")
 
 
-INTRA, INTER = "dp_intra", "dp_inter"   # ledger kinds of the host-split DP groups
+INTRA, INTER = "dp_intra_host", "dp_inter_host"   # ledger kinds of the host-split DP groups
 
 
 def _one_host_groups(dp: Group, ledger: CommLedger) -> tuple[Group, Group]:

@@ -268,7 +268,7 @@ def test_stage3_cross_host_bytes_match_formulas(core):
         assert hpz["cross"] == pytest.approx(2 * hpz["psi_b"] * (n - h) / n)
         assert hpz["total"] == pytest.approx(2 * hpz["psi_b"] * (n - 1) / n + hpz["psi_b"] * (h - 1) / h)
         assert hsdp["cross"] == pytest.approx(2 * hsdp["psi_b"] * (k - 1) / n)
-        assert ("dp_inter", "all_reduce") in hsdp["groups"] and ("dp", "all_gather") not in hsdp["groups"]
+        assert ("dp_inter_host", "all_reduce") in hsdp["groups"] and ("dp", "all_gather") not in hsdp["groups"]
         assert hsdp["cross"] < hpz["cross"] < plain["cross"]
 
 

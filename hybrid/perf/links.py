@@ -10,8 +10,8 @@ host depends on where the group's ranks live and on the algorithm that moves it:
   ranks spread over k hosts in blocks (the TP-fastest rank order, docs/design.md §2) has k
   crossing pairs: a DP group with one rank per host crosses at every hop (fraction 1), Megatron's
   TP 128 over 8 DGX-2 nodes at 8 of 128.
-- ``direct`` (hybrid.comm's gloo all-gather and all-to-all reduce-scatter): every rank sends 1/n of
-  the tensor straight to each of its n-1 peers, so a rank's fraction is the share of its peers on
+- ``direct`` (hybrid.comm's gloo all-gather and all-to-all reduce-scatter, and every all-to-all):
+  every rank sends 1/n of the tensor straight to each of its n-1 peers, so a rank's fraction is the share of its peers on
   other hosts, (n - ranks on its own host) / (n - 1), averaged over the group.
 - a broadcast runs as a chain from the source over the ring order (NCCL's pipelined broadcast): of
   its n-1 hops, those between hosts cross.

@@ -100,6 +100,12 @@ class ParallelSection:
     dp_transport: str = _help("DP collectives of CPU ranks on one host: auto (shared memory where "
                               "every rank can map it, else gloo) | shm (shared memory or an error) | "
                               "gloo", default="auto")
+    zero_quantized_weights: bool = _help("ZeRO++ qwZ: stage 3 all-gathers parameters as block-wise "
+                                         "int8 (256-element blocks, fp32 scales); masters stay exact",
+                                         default=False)
+    zero_quantized_gradients: bool = _help("ZeRO++ qgZ: stages 1-3 reduce-scatter gradients as "
+                                           "block-wise int8, inside each host first, then across "
+                                           "hosts, summing in fp32", default=False)
 
     def __post_init__(self) -> None:
         try:
@@ -162,9 +168,12 @@ class ParallelSection:
                 "or 2 with pipeline parallelism")
 
     def zero_config_options(self) -> dict:
-        """The topology-aware fields of hybrid.zero.ZeroConfig, checked against the stage now (the
-        hosts are only known at launch, where the engine checks them)."""
-        options = {"hybrid_shard": self.zero_hybrid_shard, "hpz": self.zero_hpz}
+        """The topology-aware fields of hybrid.zero.ZeroConfig (hybrid sharding, ZeRO++ hpZ, qwZ,
+        qgZ), checked against the stage now (the hosts are only known at launch, where the engine
+        checks them)."""
+        options = {"hybrid_shard": self.zero_hybrid_shard, "hpz": self.zero_hpz,
+                   "quantized_weights": self.zero_quantized_weights,
+                   "quantized_gradients": self.zero_quantized_gradients}
         if any(options.values()):
             from hybrid.zero.config import ZeroConfig
             try:

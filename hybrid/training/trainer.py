@@ -276,7 +276,7 @@ class Trainer:
         for r in self.state.ledger.since(stats.ledger_mark):
             if r.group == "pp" and r.op != "send":   # each message once, at its sender
                 continue
-            group = "dp" if r.group.startswith("dp") else r.group   # with dp_intra, dp_inter
+            group = "dp" if r.group.startswith("dp") else r.group   # with dp_intra_host, dp_inter_host
             if group in groups:
                 out[f"comm/{group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
                 out[f"comm/{group}-cross-host-bytes-per-step"] += (r.cross_host_bytes

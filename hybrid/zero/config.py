@@ -4,6 +4,10 @@
 precision of parameters and gradients (fp32, or bf16/fp16 with an fp32 master copy, mixed-precision
 training of Micikevicius et al. 2018 as used in ZeRO §3.1), the constant bucket size of gradient
 communication (CB of ZeRO-R: independent of the model size) and dynamic loss scaling for fp16.
+Two ZeRO++ options (off by default) quantize communication to block-wise int8
+(:mod:`hybrid.zero.quantized_collectives`): ``quantized_weights`` (qwZ) stage 3's parameter
+all-gathers, ``quantized_gradients`` (qgZ) the gradient reduce-scatter of stages 1-3, done inside
+each host first and then across hosts. Master weights and optimizer states stay exact.
 Both dataclasses validate themselves with messages that name the fix. AdamW's hyper-parameters
 are :class:`hybrid.adamw_config.AdamWConfig` (a leaf module: the offload backends read it too).
 """
@@ -72,6 +76,8 @@ class ZeroConfig:
     alignment_bytes: int = 16  # every partition chunk starts on this boundary (GPU vector loads)
     hybrid_shard: bool = False   # partition inside a host, replicate across hosts (FSDP2 HSDP, MiCS)
     hpz: bool = False            # stage 3: secondary 16-bit partition inside the host (ZeRO++ hpZ)
+    quantized_weights: bool = False     # qwZ: stage 3 all-gathers int8 parameters (ZeRO++ §3.1)
+    quantized_gradients: bool = False   # qgZ: hierarchical int8 gradient reduce-scatter (§3.3)
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -102,6 +108,18 @@ class ZeroConfig:
                              "add memory and save nothing; choose one")
         if self.alignment_bytes < 1 or self.alignment_bytes & (self.alignment_bytes - 1):
             raise ValueError(f"alignment_bytes must be a power of two, got {self.alignment_bytes}")
+        if self.quantized_weights and self.stage != 3:
+            raise ValueError(f"--zero-quantized-weights quantizes the parameter all-gathers of ZeRO "
+                             f"stage 3 (stages 0-2 keep whole parameters and gather none per "
+                             f"layer); use --zero-stage 3 or drop the flag (got stage {self.stage})")
+        if self.quantized_gradients and self.hybrid_shard:
+            raise ValueError("--zero-quantized-gradients with --zero-hybrid-shard: hybrid sharding "
+                             "reduce-scatters inside the host and only all-reduces a shard across "
+                             "hosts, which qgZ's int8 reduce-scatter does not cover; choose one")
+        if self.quantized_gradients and self.stage == 0:
+            raise ValueError("--zero-quantized-gradients quantizes the gradient reduce-scatter of "
+                             "ZeRO stages 1-3; stage 0 all-reduces whole gradients instead. Use "
+                             "--zero-stage 1, 2 or 3, or drop the flag")
 
     @property
     def param_dtype(self) -> torch.dtype:

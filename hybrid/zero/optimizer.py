@@ -16,6 +16,9 @@ stage, each named after what it partitions across the data-parallel group (the f
   constant-size staging bucket as backward produces it and the bucket reduce-scattered at once,
   every micro-batch; the rank keeps only its gradient partition.
 
+With ``ZeroConfig.quantized_gradients`` (ZeRO++ qgZ) stages 1 and 2 reduce-scatter each bucket in
+int8, inside each host first and then across hosts (:mod:`.quantized_collectives`).
+
 Stage 3 (Pos+g+p, §5.3) is :class:`hybrid.zero.stage3.ParameterPartitioning`. The step itself
 (norm, overflow, clipping, AdamW, skip) is :class:`hybrid.zero.engine.ZeroEngine`'s, written once;
 this module provides where the gradients and parameters live. Gradients are summed by the
@@ -43,6 +46,7 @@ from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.host_groups import partition_groups
 from hybrid.zero.loss_scaler import build_loss_scaler
 from hybrid.zero.partition import FlatLayout
+from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.reducer import (BucketAllReduce, BucketReduceScatter, GradReducer,
                                  PartitionReduceScatter)
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
@@ -84,11 +88,13 @@ class ZeroOptimizer(ZeroEngine):
         if self.partitions > 1:   # reduce-scatters write a whole bucket
             comm.reserve_transport(self.shard_group, max(b.numel for b in self.layout.buckets) *
                                    self.flat_param.element_size())
+        quantized = (gradient_reduce_scatter(state, quantized=True)    # qgZ, stages 1 and 2
+                     if config.quantized_gradients else None)
         self.reducer = self.reducer_class(self.params, self.layout, self.shard_group,
                                           dtype=self.dtype, device=self.device,
                                           overlap=config.overlap_communication,
                                           grad_flat=self.grad_flat, grad_chunks=self.grad_chunks,
-                                          replicas=self.replicas)
+                                          replicas=self.replicas, reduce_scatter=quantized)
         if self.offload is not None:   # gradients stream to the host as buckets complete
             self.reducer.on_final = self._stream_grad
         self.pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,

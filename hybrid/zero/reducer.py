@@ -23,6 +23,9 @@ buffer pool are :class:`GradReducer`'s):
   fresh ``param.grad`` into a constant-size staging buffer and frees it; the staged bucket is
   reduce-scattered and this rank's chunk ADDED to its gradient partition (accumulation).
 
+Every reduce-scatter goes through ``reduce_scatter`` (default :func:`hybrid.comm.reduce_scatter_into`
+over the group; qgZ: :func:`hybrid.zero.quantized_collectives.hierarchical_reduce_scatter`).
+
 Staging buffers come from a small pool (two in steady state): when none is free the oldest
 in-flight bucket is completed to release one. Where the backend reduce-scatters through a
 full-size receive buffer (gloo, :func:`hybrid.comm.needs_reduce_scratch`) each pool entry holds
@@ -31,6 +34,7 @@ one too, so no collective allocates: the buffers are the constant-size ones of Z
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -64,9 +68,14 @@ class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, group: Group, *,
                  dtype: torch.dtype, device: torch.device, overlap: bool = True,
                  grad_flat: torch.Tensor | None = None,
-                 grad_chunks: list[torch.Tensor] | None = None, replicas: Group | None = None):
+                 grad_chunks: list[torch.Tensor] | None = None, replicas: Group | None = None,
+                 reduce_scatter: Callable | None = None):
         self.params, self.layout, self.group = params, layout, group
         self.replicas = replicas            # hybrid sharding: the chunk is all-reduced over them
+        self.reduce_scatter = (reduce_scatter if reduce_scatter is not None   # qgZ's
+                               else functools.partial(comm.reduce_scatter_replicated, group=group,
+                                                      replicas=replicas))
+        self._needs_scratch = comm.needs_reduce_scratch(group) and reduce_scatter is None
         self.dtype, self.device, self.overlap = dtype, device, overlap
         self.grad_flat = grad_flat          # full gradients: [layout.numel] buffer
         self.grad_chunks = grad_chunks      # Pos+g: this rank's chunk of every bucket
@@ -155,7 +164,7 @@ class GradReducer:
         new = lambda n: torch.empty(n, dtype=self.dtype, device=self.device)  # noqa: E731
         staged = self.stages_gradients
         entry = _Staging(new(numel if staged else 0), new(chunk if staged else 0),
-                         new(numel) if comm.needs_reduce_scratch(self.group) else None)
+                         new(numel) if self._needs_scratch else None)
         self._pool.append(entry)
         log.debug("gradient staging pool grew to %d entries (bucket %d)", len(self._pool),
                   bucket.index)
@@ -182,8 +191,7 @@ class BucketReduceScatter(GradReducer):
         entry = self._acquire(bucket)
         full = self.grad_flat[bucket.start:bucket.start + bucket.numel]
         lo, hi = bucket.chunk_range(self.group.rank)
-        handle = comm.reduce_scatter_replicated(full[lo:hi], full, self.group, self.replicas,
-                                                async_op=True, scratch=entry.scratch)
+        handle = self.reduce_scatter(full[lo:hi], full, async_op=True, scratch=entry.scratch)
         self._inflight.append((bucket, handle, entry))
 
 
@@ -202,9 +210,8 @@ class PartitionReduceScatter(GradReducer):
 
     def _launch(self, bucket: Bucket) -> None:
         entry = self._staging_for(bucket)
-        handle = comm.reduce_scatter_replicated(entry.chunk[:bucket.chunk],
-                                                entry.full[:bucket.numel], self.group,
-                                                self.replicas, async_op=True, scratch=entry.scratch)
+        handle = self.reduce_scatter(entry.chunk[:bucket.chunk], entry.full[:bucket.numel],
+                                     async_op=True, scratch=entry.scratch)
         self._inflight.append((bucket, handle, entry))
 
     def _landed(self, bucket: Bucket, entry: _Staging) -> None:

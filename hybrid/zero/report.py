@@ -106,7 +106,7 @@ class CommReport:
 
     @property
     def dp_bytes(self) -> float:
-        """DP traffic, the host-split DP groups' (dp_intra, dp_inter) included."""
+        """DP traffic, the host-split DP groups' (dp_intra_host, dp_inter_host) included."""
         return sum(v for (g, _), v in self.by_group_op.items() if g.startswith("dp"))
 
     @property

@@ -24,6 +24,12 @@ Small parameters (< ``stage3_param_persistence_threshold`` elements) stay whole 
 persistent flat buffer; their gradients are still reduce-scattered and the updated chunks gathered
 once per step (2Ψ_small instead of 3Ψ_small), and the memory report counts them whole.
 
+ZeRO++ options (``ZeroConfig``): ``quantized_weights`` (qwZ) makes every unit's all-gather send
+int8 blocks, dequantized into the 16-bit buffer the layer computes with (the persistent unit stays
+exact); ``quantized_gradients`` (qgZ) reduce-scatters the gradients in int8, inside each host and
+then across hosts (:mod:`.quantized_collectives`). Shards, masters and moments stay exact, so a
+checkpoint does not depend on either option.
+
 Optimizer offload (``offload=OffloadConfig(mode="cpu"|"nvme")``, :mod:`hybrid.offload`): the fp32
 masters and moments of the owned chunks live in a host or NVMe backend that runs AdamW and writes
 the updated values into the 16-bit partitions.
@@ -49,6 +55,7 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.host_groups import partition_groups, secondary_group
 from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 from hybrid.zero.stage3_hooks import Stage3Scheduler
@@ -95,6 +102,11 @@ class ParameterPartitioning(ZeroEngine):
         self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
+        reduce_scatter = gradient_reduce_scatter(state, zero_config.quantized_gradients)
+        for unit in self.all_units:   # qwZ spares the persistent unit: gathered once a step, small
+            if reduce_scatter is not None:
+                unit.reduce_scatter = reduce_scatter
+            unit.quantized_gather = zero_config.quantized_weights and unit is not self.persistent
         self.offload = offload if offload is not None and offload.enabled else None
         if self.offload is None:
             self.masters = self._materialize(init)
@@ -342,9 +354,13 @@ class ParameterPartitioning(ZeroEngine):
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full TP-local parameters (collective over DP: every rank must call it)."""
+        """Full TP-local parameters (collective over DP: every rank must call it); with qwZ the
+        exact values, not the quantized compute copy."""
         out = {}
         for unit in self.all_units:
+            if unit.quantized_gather:
+                out.update({name: value.clone() for name, value in unit.exact_values().items()})
+                continue
             was_gathered = unit.gathered
             unit.gather(async_op=False)
             out.update({s.name: s.param.detach().clone() for s in unit.slots})

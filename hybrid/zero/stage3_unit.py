@@ -13,6 +13,11 @@ permanently owns chunk ``r`` (``shard``: 2Ψ_unit/Nd bytes of 16-bit parameters)
                them over DP (async, summed) and keep only this rank's chunk, accumulated over
                micro-batches.
 
+With qwZ (``quantized_gather``) the all-gather sends int8 blocks and ``full`` holds their
+dequantized values, while ``shard`` (and the fp32 master) stay exact; ``exact_values()`` gathers
+the exact parameters for export. ``reduce_scatter`` is the engine's gradient reduce-scatter
+(qgZ: :func:`hybrid.zero.quantized_collectives.hierarchical_reduce_scatter`).
+
 Shapes: ``full`` [padded], ``shard``/``grad`` [chunk] with padded = chunk * Nd, chunk a multiple of
 the alignment. ``segments`` lists which slice of which parameter this rank owns.
 
@@ -26,6 +31,7 @@ the gathered buffer in ``secondary``, and every later gather runs over that grou
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +40,7 @@ from torch import nn
 
 from hybrid import comm
 from hybrid.comm import Group
+from hybrid.zero.quantized_collectives import quantized_all_gather
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,9 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)   # nothing is gathered until the first use
         self.gathered = False
         self.store, self.store_index = None, -1   # hybrid.offload.param_store: shard on NVMe
+        self.quantized_gather = False             # qwZ: gather int8 blocks (set by the engine)
+        self.reduce_scatter = functools.partial(comm.reduce_scatter_replicated, group=group,
+                                                replicas=replicas)   # qgZ's replaces it
 
     def attach_store(self, store, index: int) -> None:
         """Keep the shard in ``store`` (written there now); each gather fetches it back."""
@@ -168,10 +178,14 @@ class ShardedUnit:
             return
         self._fetched = self.store is not None
         shard = self.shard if self.store is None else self.store.fetch(self.store_index)
-        if shard.device != self.full.device:   # the NVMe store's host buffer: into our own slot
-            own = self.full.narrow(0, self.group.rank * shard.numel(), shard.numel())
-            shard = own.copy_(shard)   # a blocking copy: the buffer may be released after it
-        self._gather_handle = comm.all_gather_into(self.full, shard, self.group, async_op=True)
+        if self.quantized_gather:      # packed from the shard at once (a host buffer: moved first)
+            self._gather_handle = quantized_all_gather(self.full, shard.to(self.full.device),
+                                                       self.group, async_op=True)
+        else:
+            if shard.device != self.full.device:   # the NVMe store's host buffer: into our slot
+                own = self.full.narrow(0, self.group.rank * shard.numel(), shard.numel())
+                shard = own.copy_(shard)   # a blocking copy: the buffer may be released after it
+            self._gather_handle = comm.all_gather_into(self.full, shard, self.group, async_op=True)
         if not async_op:
             self.wait_gather()
 
@@ -205,6 +219,17 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
+    @torch.no_grad()
+    def exact_values(self) -> dict[str, torch.Tensor]:
+        """name -> the exact full (TP-local) parameter, gathered unquantized into a temporary
+        buffer (collective over DP); the unit's own buffer and state are left as they are."""
+        shard = self.shard if self.store is None else self.store.fetch(self.store_index)
+        full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
+        comm.all_gather_into(full, shard.to(full.device), self.group)
+        if self.store is not None:
+            self.store.release(self.store_index)
+        return {s.name: full.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots}
+
     def held_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()
 
@@ -230,8 +255,7 @@ class ShardedUnit:
             end = slot.offset + slot.numel
         flat[end:].zero_()                      # alignment padding
         out = self.grad if not self.grad_accumulated else torch.empty_like(self.grad)
-        handle = comm.reduce_scatter_replicated(out, flat, self.group, self.replicas, async_op=True,
-                                                scratch=scratch)
+        handle = self.reduce_scatter(out, flat, async_op=True, scratch=scratch)
         self._reduce = (handle, out)
 
     @property

@@ -1,0 +1,83 @@
+"""Block-wise symmetric int8 quantization of the ZeRO++ communication options (qwZ, qgZ).
+
+ZeRO++ (Wang et al. 2023, §3.1 qwZ and §3.3 qgZ) sends parameters and gradients as int8 with one
+scale per block of consecutive elements instead of one per tensor, so an outlier only coarsens its
+own block. Here a block is :data:`BLOCK` = 256 elements and the quantization is symmetric:
+
+    scale = max(|x| over the block) / 127        (fp32, one per block)
+    q     = round(x / scale), in [-127, 127]     (int8)
+    x'    = q * scale,  so  |x - x'| <= scale / 2 for every element of the block.
+
+A row of S elements (the last block may be short) travels as ONE int8 buffer, the payload followed
+by the scales' bytes, so a collective moves it in one message:
+
+    packed row [S + 4 * ceil(S / BLOCK)]  =  q [S]  |  scales [ceil(S / BLOCK)] as fp32 bytes
+
+which is 1 + 4/256 bytes per element: 1.97x fewer than bf16/fp16, 3.94x fewer than fp32.
+
+A block holding an Inf or NaN dequantizes to NaN everywhere, so an overflow is still seen after the
+collective (the engine's non-finite check and fp16's loss scaler rely on it). Pure tensor code,
+vectorised over rows and blocks: the same on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 256          # elements per quantization block (ZeRO++ uses a few hundred to a few thousand)
+QMAX = 127           # symmetric int8 range [-127, 127]
+SCALE_BYTES = 4      # one fp32 scale per block
+
+
+def num_blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def packed_numel(numel: int) -> int:
+    """int8 elements (bytes) of one packed row of ``numel`` values: payload plus scales."""
+    return numel + SCALE_BYTES * num_blocks(numel)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` [P, S] (any float dtype) -> (q [P, S] int8, scales [P, ceil(S/BLOCK)] fp32)."""
+    rows, numel = x.shape
+    nb = num_blocks(numel)
+    padded = torch.zeros(rows, nb * BLOCK, dtype=torch.float32, device=x.device)
+    padded[:, :numel] = x
+    blocks = padded.view(rows, nb, BLOCK)                               # [P, nb, BLOCK]
+    scales = blocks.abs().amax(dim=2) / QMAX                            # [P, nb]; NaN/Inf stay
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block: q = 0
+    q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-QMAX, QMAX)
+    q = torch.nan_to_num_(q, nan=0.0)                                   # the scale carries the NaN
+    return q.view(rows, nb * BLOCK)[:, :numel].to(torch.int8), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(q [P, S] int8, scales [P, nb] fp32) -> values [P, S] fp32. A non-finite scale (its block
+    held an Inf or NaN) makes the whole block NaN."""
+    rows, numel = q.shape
+    per_element = scales.repeat_interleave(BLOCK, dim=1)[:, :numel]     # [P, S]
+    values = q.to(torch.float32) * per_element
+    return torch.where(torch.isfinite(per_element), values, torch.full_like(values, float("nan")))
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` [P, S] -> packed int8 rows [P, packed_numel(S)] (payload | scale bytes)."""
+    rows, numel = x.shape
+    q, scales = quantize(x)
+    out = torch.empty(rows, packed_numel(numel), dtype=torch.int8, device=x.device)
+    out[:, :numel] = q
+    out[:, numel:] = scales.contiguous().view(torch.int8)               # [P, 4 nb] raw bytes
+    return out
+
+
+def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Packed int8 rows [P, packed_numel(numel)] -> dequantized values [P, numel] fp32."""
+    rows = packed.shape[0]
+    if packed.shape[1] != packed_numel(numel):
+        raise ValueError(f"a packed row of {numel} values has {packed_numel(numel)} bytes, got "
+                         f"{packed.shape[1]}")
+    nb = num_blocks(numel)
+    raw = torch.empty(rows, SCALE_BYTES * nb, dtype=torch.int8, device=packed.device)
+    scales = raw.copy_(packed[:, numel:]).view(torch.float32)           # [P, nb], 4-byte aligned
+    return dequantize(packed[:, :numel], scales)

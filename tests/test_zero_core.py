@@ -124,7 +124,8 @@ def test_formulas_are_the_papers():
     assert f == {0: 16 * psi, 1: 4 * psi + 12 * psi / nd, 2: 2 * psi + 14 * psi / nd,
                  3: 16 * psi / nd}
     fp32 = formula_bytes(psi, 1, nd, param_bytes=4, mixed_precision=False)
-    assert fp32 == {"param16": 4 * psi, "grad16": 4 * psi, "master32": 0, "adam_moments": 8 * psi / nd}
+    assert fp32 == {"param16": 4 * psi, "grad16": 4 * psi, "master32": 0, "adam_moments": 8 * psi / nd,
+                    "param16_secondary": 0}   # only hpZ keeps one
     assert expected_dp_bytes(psi, 2, nd, 2) == 2 * psi * 2 * 3 / 4
 
 

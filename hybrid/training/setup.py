@@ -208,6 +208,7 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
     zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
                       gradient_accumulation_steps=_backwards_per_step(cfg, state),
+                      **cfg.parallel.zero_config_options(),
                       loss_scale=LossScaleConfig(initial_scale=o.initial_loss_scale,
                                                  min_scale=o.min_loss_scale,
                                                  growth_interval=o.loss_scale_window,

@@ -9,8 +9,13 @@ shares one cache directory (warm after the first compile of each graph): two cas
 suite, the rest are marked slow.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
@@ -19,17 +24,34 @@ from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.compile import compile_layers
+from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from tests.multirank import run_on_ranks
+from tests.reliability_helpers import ROOT, child_env
 from tests.test_zero_stages import GPTTask
+from tests.training_helpers import SEQ, make_trainer, tiny_args
 
 STEPS, INIT_SEED = 5, 11
 BF16_RTOL = 2e-2          # bf16 keeps 8 mantissa bits: fused vs unfused rounding differs by ulps
 
 
+class CompileTask(GPTTask):
+    """GPTTask at the trainer tests' sequence length (16): the layer graph [16, 8, 32] of the TP 1
+    case is the trainer test's too, so the module's warm cache serves both."""
+
+    config = GPTConfig(2, 32, 4, vocab_size=101, seq_length=SEQ, hidden_dropout=0.0,
+                       attention_dropout=0.0, make_vocab_size_divisible_by=4)
+
+
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("inductor-cache"))
+def cache_root(tmp_path_factory):
+    """The module's --data-cache-dir: inductor's cache is its ``inductor`` folder, as in the trainer."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(cache_root):
+    return str(cache_root / "inductor")
 
 
 def _train(state, task, data, stage, precision, recompute, compiled, cache_dir):
@@ -62,8 +84,9 @@ def _train(state, task, data, stage, precision, recompute, compiled, cache_dir):
 
 
 def _compiled_vs_eager(rank, world_size, tp, cases, cache_dir):
+    torch._inductor.config.compile_threads = 1   # no worker pool: each rank has one core at most
     state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size))
-    task = GPTTask(sequence_parallel=tp > 1)
+    task = CompileTask(sequence_parallel=tp > 1)
     data = task.data(steps=STEPS)
     for stage, precision, recompute in cases:
         what = f"tp {tp} dp {state.dp_size} stage {stage} {precision} recompute {recompute}"
@@ -86,8 +109,79 @@ def _run(tp, cases, cache_dir, world_size=2):
 
 
 def test_tp1_zero0_fp32_matches_eager(cache_dir):
-    _run(1, [(0, "fp32", "none")], cache_dir)
+    _run(1, [(0, "fp32", "none")], cache_dir, world_size=1)
 
 
-def test_tp2_sp_zero3_full_recompute_matches_eager(cache_dir):
-    _run(2, [(3, "fp32", "full")], cache_dir)
+def test_tp2_sp_zero3_selective_recompute_matches_eager(cache_dir):
+    _run(2, [(3, "fp32", "selective")], cache_dir)
+
+
+# (stage, precision, recompute): every stage, every recompute mode, both 16-bit formats
+MATRIX = [(0, "fp32", "full"), (1, "fp32", "selective"), (2, "fp32", "full-pa"),
+          (3, "fp32", "full-pa-cpu"), (1, "bf16", "none"), (3, "bf16", "full"),
+          (2, "fp16", "selective")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compiled_matches_eager_matrix(cache_dir, tp):
+    _run(tp, MATRIX, cache_dir, world_size=2 * tp)   # DP 2
+
+
+# ---- the trainer's --compile -------------------------------------------------------------------
+def _trainer_run(rank, world_size, compiled, cache_parent, tensorboard_dir):
+    """3 steps of the trainer on CompileTask's layer shapes ([16, 8, 32] fp32: the graph of the TP 1
+    parity test, so a warm cache serves it); returns losses, compile seconds and cache counts."""
+    torch._inductor.config.compile_threads = 1
+    args = tiny_args(iters=3, extra=["--micro-batch-size", "8",
+                                     "--global-batch-size", "8", "--data-cache-dir", cache_parent,
+                                     "--tensorboard-dir", tensorboard_dir]
+                     + (["--compile"] if compiled else []))
+    trainer = make_trainer(args)
+    trainer.train()
+    trainer.metrics.close()
+    clock = trainer.compile_clock
+    if clock is None:
+        return trainer.losses, None, None
+    return trainer.losses, clock.seconds, clock.cache_counts()
+
+
+def _compile_times(run_dir) -> list[float]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.value for e in acc.Scalars("compile-time")]
+
+
+def test_trainer_compile_flag_trains_like_eager(cache_root, tmp_path):
+    cache_parent = str(cache_root)
+    eager = run_on_ranks(_trainer_run, 1, args=(False, cache_parent, str(tmp_path / "eager")))[0]
+    losses, seconds, _ = run_on_ranks(_trainer_run, 1, args=(True, cache_parent,
+                                                             str(tmp_path / "compiled")))[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager[0]), rtol=1e-5, atol=1e-6)
+    assert seconds > 0
+    (run_dir,) = (tmp_path / "compiled").iterdir()
+    assert _compile_times(run_dir)[-1] == pytest.approx(seconds)
+    assert list((Path(cache_parent) / "inductor").iterdir()), "nothing cached under --data-cache-dir"
+
+
+@pytest.mark.slow
+def test_second_start_reuses_the_compile_cache(tmp_path):
+    """Two fresh processes on one cache directory: the first compiles (misses), the second only
+    traces and loads every graph from inductor's cache (hits, no miss) and spends less time."""
+    cold = run_on_ranks(_trainer_run, 1, args=(True, str(tmp_path / "c"), str(tmp_path / "a")))[0]
+    warm = run_on_ranks(_trainer_run, 1, args=(True, str(tmp_path / "c"), str(tmp_path / "b")))[0]
+    assert cold[2]["miss"] > 0 and warm[2] == {"hit": cold[2]["miss"], "miss": 0}
+    assert warm[0] == cold[0]
+    assert warm[1] < cold[1], f"warm start compiled for {warm[1]:.1f} s, cold {cold[1]:.1f} s"
+
+
+def test_compile_without_a_cpp_compiler_is_one_error_line(tmp_path):
+    """Found at launch, before any data or model is built: one ``error:`` line, exit code 2."""
+    run = subprocess.run([sys.executable, "launch/pretrain_gpt.py", "--compile", "--train-iters", "1",
+                          "--data-cache-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env=child_env(CXX="no-such-compiler"))
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --compile on CPU needs a C++ compiler"), \
+        run.stderr
+    assert "'no-such-compiler'" in lines[0] and "Traceback" not in run.stderr

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 
-class CompileUnsupported(RuntimeError):
+class CompileUnsupported(ValueError):
     """This environment cannot compile (no C++ compiler, no Triton, an unsupported Python)."""
 
 
@@ -55,6 +55,12 @@ class CompileClock:
             self.seconds += time.perf_counter() - self._started
             self.compiles += 1
             self._started = None
+
+    @staticmethod
+    def cache_counts() -> dict[str, int]:
+        """Hits and misses of inductor's FX graph cache in this process (a warm restart hits)."""
+        from torch._dynamo.utils import counters
+        return {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss")}
 
     def close(self) -> None:
         self._handler.remove_start_callback(self._on_start)

@@ -185,3 +185,33 @@ def test_compile_without_a_cpp_compiler_is_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: --compile on CPU needs a C++ compiler"), \
         run.stderr
     assert "'no-such-compiler'" in lines[0] and "Traceback" not in run.stderr
+
+
+def _dropout_recompute(rank, world_size, tp, cache_dir):
+    """Compiled layers with dropout: full recompute must redraw the forward's masks (inductor draws
+    its own random numbers, seeded from the generators that the checkpoint saves and restores)."""
+    from hybrid.tensor_parallel import RNGTracker
+    torch._inductor.config.compile_threads = 1
+    state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size))
+    config = CompileTask.config.replace(hidden_dropout=0.1, attention_dropout=0.1)
+    tokens, labels = CompileTask().data(steps=1)[0]
+    grads, losses = [], []
+    for recompute in (None, RecomputePlan.uniform("full", config.num_layers)):
+        rng = RNGTracker(7, state.tp_rank, state.device)
+        rng.seed_all()
+        model = GPTModel(config, state, sequence_parallel=tp > 1, rng=rng, recompute=recompute)
+        compile_layers(model, cache_dir=cache_dir)
+        loss = model(tokens, labels).mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert losses[0] == losses[1]
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=name)
+    return losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dropout_masks_survive_full_recompute(cache_dir, tp):
+    run_on_ranks(_dropout_recompute, tp, args=(tp, cache_dir), timeout=900)

@@ -1,8 +1,9 @@
 """Regional torch.compile of the transformer layers (models/gpt/compile.py) trains like eager: the same
 tiny GPT, data and ZeRO engine, 5 steps eager then 5 steps compiled on the same ranks, losses and
 final parameters compared (fp32 rtol 1e-5; bf16 within BF16_RTOL, see docs/compile.md), across TP 1/2
-(TP 2 with sequence parallelism) x ZeRO stages 0-3 x recompute modes, and the TP ledger identical
-(the collectives graph-break and run eagerly, once each).
+(TP 2 with sequence parallelism) x ZeRO stages 0-3 x recompute modes. The comm ledger is identical
+(the TP collectives graph-break and run eagerly, once each), and so is ZeRO-3's trace of gathers,
+releases and reductions (its hooks stay on the layer modules, neither bypassed nor doubled).
 
 Inductor's C++ compile takes tens of seconds per graph on a small CPU, so every test of the module
 shares one cache directory (warm after the first compile of each graph): two cases run in the default
@@ -77,10 +78,12 @@ def _train(state, task, data, stage, precision, recompute, compiled, cache_dir):
         with comm.unrecorded(state.dp):   # the loss average is not the engine's traffic
             comm.all_reduce(total, state.dp)
         losses.append(total.item() / state.dp_size)
-    tp_ops = [(r.op, r.numel) for r in state.ledger.since(mark) if r.group == "tp"]
+    collectives = [(r.group, r.op, r.numel) for r in state.ledger.since(mark)]
+    # stage 3: the gather / release / reduce events of the last step, in order
+    hooks = list(opt.scheduler.trace) if stage == 3 else None
     params = opt.gathered_state_dict() if stage == 3 else {
         n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return losses, params, tp_ops
+    return losses, params, collectives, hooks
 
 
 def _compiled_vs_eager(rank, world_size, tp, cases, cache_dir):
@@ -99,7 +102,8 @@ def _compiled_vs_eager(rank, world_size, tp, cases, cache_dir):
         for name, p in eager[1].items():
             torch.testing.assert_close(compiled[1][name], p, rtol=rtol, atol=atol,
                                        msg=lambda m: f"{what} {name}: {m}")
-        assert compiled[2] == eager[2], f"{what}: the TP collectives differ under compile"
+        assert compiled[2] == eager[2], f"{what}: the TP/DP collectives differ under compile"
+        assert compiled[3] == eager[3], f"{what}: ZeRO-3's hooks ran differently under compile"
     return len(cases)
 
 

@@ -86,13 +86,14 @@ def _train(state, task, data, stage, precision, recompute, compiled, cache_dir):
     return losses, params, collectives, hooks
 
 
-def _compiled_vs_eager(rank, world_size, tp, cases, cache_dir):
+def _compiled_vs_eager(rank, world_size, tp, sequence_parallel, cases, cache_dir):
     torch._inductor.config.compile_threads = 1   # no worker pool: each rank has one core at most
     state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size))
-    task = CompileTask(sequence_parallel=tp > 1)
+    task = CompileTask(sequence_parallel=sequence_parallel)
     data = task.data(steps=STEPS)
     for stage, precision, recompute in cases:
-        what = f"tp {tp} dp {state.dp_size} stage {stage} {precision} recompute {recompute}"
+        what = (f"tp {tp} sp {sequence_parallel} dp {state.dp_size} stage {stage} {precision} "
+                f"recompute {recompute}")
         eager = _train(state, task, data, stage, precision, recompute, False, cache_dir)
         compiled = _train(state, task, data, stage, precision, recompute, True, cache_dir)
         rtol, atol = (1e-5, 1e-6) if precision == "fp32" else (BF16_RTOL, BF16_RTOL)
@@ -107,8 +108,9 @@ def _compiled_vs_eager(rank, world_size, tp, cases, cache_dir):
     return len(cases)
 
 
-def _run(tp, cases, cache_dir, world_size=2):
-    done = run_on_ranks(_compiled_vs_eager, world_size, args=(tp, cases, cache_dir), timeout=900)
+def _run(tp, cases, cache_dir, world_size=2, sequence_parallel=False):
+    done = run_on_ranks(_compiled_vs_eager, world_size,
+                        args=(tp, sequence_parallel, cases, cache_dir), timeout=900)
     assert done == [len(cases)] * world_size
 
 
@@ -116,7 +118,8 @@ def test_tp1_zero0_fp32_matches_eager(cache_dir):
     _run(1, [(0, "fp32", "none")], cache_dir, world_size=1)
 
 
-def test_tp2_sp_zero3_selective_recompute_matches_eager(cache_dir):
+def test_tp2_zero3_selective_recompute_matches_eager(cache_dir):
+    # without SP: 4 collectives per layer, 5 compiled regions (SP, in the slow matrix, has ~11)
     _run(2, [(3, "fp32", "selective")], cache_dir)
 
 
@@ -129,25 +132,33 @@ MATRIX = [(0, "fp32", "full"), (1, "fp32", "selective"), (2, "fp32", "full-pa"),
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_compiled_matches_eager_matrix(cache_dir, tp):
-    _run(tp, MATRIX, cache_dir, world_size=2 * tp)   # DP 2
+    _run(tp, MATRIX, cache_dir, world_size=2 * tp, sequence_parallel=tp > 1)   # DP 2
 
 
 # ---- the trainer's --compile -------------------------------------------------------------------
-def _trainer_run(rank, world_size, compiled, cache_parent, tensorboard_dir):
-    """3 steps of the trainer on CompileTask's layer shapes ([16, 8, 32] fp32: the graph of the TP 1
-    parity test, so a warm cache serves it); returns losses, compile seconds and cache counts."""
+def _trainer_runs(rank, world_size, runs, cache_parent):
+    """3 steps of the trainer per ``(compiled, tensorboard_dir)`` of ``runs``, in order, on
+    CompileTask's layer shapes ([16, 8, 32] fp32: the graph of the TP 1 parity test, so a warm
+    cache serves it); per run: losses, compile seconds and cache counts (None when eager)."""
     torch._inductor.config.compile_threads = 1
-    args = tiny_args(iters=3, extra=["--micro-batch-size", "8",
-                                     "--global-batch-size", "8", "--data-cache-dir", cache_parent,
-                                     "--tensorboard-dir", tensorboard_dir]
-                     + (["--compile"] if compiled else []))
-    trainer = make_trainer(args)
-    trainer.train()
-    trainer.metrics.close()
-    clock = trainer.compile_clock
-    if clock is None:
-        return trainer.losses, None, None
-    return trainer.losses, clock.seconds, clock.cache_counts()
+    out = []
+    for compiled, tensorboard_dir in runs:
+        args = tiny_args(iters=3, extra=["--micro-batch-size", "8", "--global-batch-size", "8",
+                                         "--data-cache-dir", cache_parent,
+                                         "--tensorboard-dir", tensorboard_dir]
+                         + (["--compile"] if compiled else []))
+        trainer = make_trainer(args)
+        trainer.train()
+        trainer.metrics.close()
+        clock = trainer.compile_clock
+        out.append((trainer.losses, clock and clock.seconds, clock and clock.cache_counts()))
+    return out
+
+
+def _start(runs, cache_parent):
+    """Trainer runs in one fresh process (nothing compiled in its memory yet)."""
+    runs = [(compiled, str(tensorboard_dir)) for compiled, tensorboard_dir in runs]
+    return run_on_ranks(_trainer_runs, 1, args=(runs, cache_parent), timeout=900)[0]
 
 
 def _compile_times(run_dir) -> list[float]:
@@ -158,9 +169,8 @@ def _compile_times(run_dir) -> list[float]:
 
 def test_trainer_compile_flag_trains_like_eager(cache_root, tmp_path):
     cache_parent = str(cache_root)
-    eager = run_on_ranks(_trainer_run, 1, args=(False, cache_parent, str(tmp_path / "eager")))[0]
-    losses, seconds, _ = run_on_ranks(_trainer_run, 1, args=(True, cache_parent,
-                                                             str(tmp_path / "compiled")))[0]
+    eager, (losses, seconds, _) = _start([(False, tmp_path / "eager"),
+                                          (True, tmp_path / "compiled")], cache_parent)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager[0]), rtol=1e-5, atol=1e-6)
     assert seconds > 0
     (run_dir,) = (tmp_path / "compiled").iterdir()
@@ -172,8 +182,8 @@ def test_trainer_compile_flag_trains_like_eager(cache_root, tmp_path):
 def test_second_start_reuses_the_compile_cache(tmp_path):
     """Two fresh processes on one cache directory: the first compiles (misses), the second only
     traces and loads every graph from inductor's cache (hits, no miss) and spends less time."""
-    cold = run_on_ranks(_trainer_run, 1, args=(True, str(tmp_path / "c"), str(tmp_path / "a")))[0]
-    warm = run_on_ranks(_trainer_run, 1, args=(True, str(tmp_path / "c"), str(tmp_path / "b")))[0]
+    (cold,) = _start([(True, tmp_path / "a")], str(tmp_path / "c"))
+    (warm,) = _start([(True, tmp_path / "b")], str(tmp_path / "c"))
     assert cold[2]["miss"] > 0 and warm[2] == {"hit": cold[2]["miss"], "miss": 0}
     assert warm[0] == cold[0]
     assert warm[1] < cold[1], f"warm start compiled for {warm[1]:.1f} s, cold {cold[1]:.1f} s"

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hybrid import comm
 from hybrid.comm import Group
-from hybrid.tensor_parallel.mappings import _gather_first
+from hybrid.tensor_parallel.mappings import _gather_first, apply_communicating
 
 
 def _start_input_grad_reduction(grad_total: torch.Tensor, group: Group, sequence_parallel: bool):
@@ -97,4 +97,5 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            group: Group, sequence_parallel: bool) -> torch.Tensor:
     """``Y = f(X) W^T + b`` (``g-bar(X)`` with SP) with the backward collective overlapped.
     x ``[s, b, in]`` (``[s/tp, b, in]`` with SP), weight ``[out/tp, in]`` -> ``[s, b, out/tp]``."""
-    return _ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel)
+    return apply_communicating(_ColumnParallelLinearFn, x, weight, bias, group, sequence_parallel,
+                               group=group)

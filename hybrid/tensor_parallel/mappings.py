@@ -19,6 +19,11 @@ With sequence parallelism the activations between blocks are sharded along the s
 Each public wrapper takes the TP :class:`~hybrid.comm.Group` explicitly; every collective goes
 through :mod:`hybrid.comm`, so the ledger sees it. On a single-rank group every operator is the
 identity and sends nothing.
+
+Under ``torch.compile`` (regional compile of the layers, models/gpt/compile.py) an operator on a
+group of several ranks runs eagerly, a graph break around it (:func:`apply_communicating`): the
+ledger is Python bookkeeping per call, and the column-parallel backward waits on asynchronous handles
+(docs/compile.md). On one rank the operators are traced with the rest of the layer.
 """
 
 from __future__ import annotations
@@ -81,6 +86,19 @@ def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty((part, *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_into(out, x.contiguous(), group)
     return out
+
+
+@torch.compiler.disable
+def _apply_eagerly(function, *args):
+    return function.apply(*args)
+
+
+def apply_communicating(function, *args, group: Group):
+    """``function.apply(*args)`` for an autograd Function that communicates over ``group``: eager
+    (a graph break under torch.compile) when the group has several ranks, traced when it has one."""
+    if group.size == 1:
+        return function.apply(*args)
+    return _apply_eagerly(function, *args)
 
 
 # ---- autograd Functions ----------------------------------------------------------------------
@@ -163,37 +181,37 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 # ---- public wrappers -------------------------------------------------------------------------
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron ``f``: identity forward, all-reduce of the gradient backward."""
-    return _CopyToTP.apply(x, group)
+    return apply_communicating(_CopyToTP, x, group, group=group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron ``g``: all-reduce forward, identity backward."""
-    return _ReduceFromTP.apply(x, group)
+    return apply_communicating(_ReduceFromTP, x, group, group=group)
 
 
 def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the last dim backward."""
-    return _ScatterToTP.apply(x, group)
+    return apply_communicating(_ScatterToTP, x, group, group=group)
 
 
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather the last dim forward; keep this rank's slice of the gradient backward."""
-    return _GatherFromTP.apply(x, group)
+    return apply_communicating(_GatherFromTP, x, group, group=group)
 
 
 def scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's slice of dim 0 (the sequence) forward,
     all-gather dim 0 backward. ``[s, b, h] -> [s/tp, b, h]``."""
-    return _ScatterToSequence.apply(x, group)
+    return apply_communicating(_ScatterToSequence, x, group, group=group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron SP ``g-bar``: all-gather dim 0 forward, reduce-scatter dim 0 backward.
     ``[s/tp, b, h] -> [s, b, h]``; the incoming gradient is a partial sum over TP ranks."""
-    return _GatherFromSequence.apply(x, group)
+    return apply_communicating(_GatherFromSequence, x, group, group=group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron SP ``g``: reduce-scatter dim 0 forward, all-gather dim 0 backward.
     ``[s, b, h]`` (partial sums) ``-> [s/tp, b, h]`` (summed, this rank's sequence shard)."""
-    return _ReduceScatterToSequence.apply(x, group)
+    return apply_communicating(_ReduceScatterToSequence, x, group, group=group)

@@ -136,6 +136,23 @@ def build_stage_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
     return model, rng, None
 
 
+def build_compiled_layers(cfg: TrainConfig, models: list):
+    """--compile: regional torch.compile of every transformer layer of ``models`` (the model, or
+    this pipeline stage's chunks; models/gpt/compile.py), its inductor cache in
+    <--data-cache-dir>/inductor; returns the compile clock (None without the flag). Compilation
+    itself happens in the first step."""
+    if not cfg.training.compile:
+        return None
+    from models.gpt.compile import compile_layers
+    cache = Path(cfg.data.data_cache_dir) / "inductor"
+    clock = compile_layers(models[0], cache_dir=cache)
+    for model in models[1:]:   # the first clock counts every compile of the process
+        compile_layers(model, cache_dir=cache)
+    log.info("torch.compile: %d transformer layers compile at their first use (inductor, %s), "
+             "cache %s", sum(len(m.layers) for m in models), models[0].state.device.type, cache)
+    return clock
+
+
 def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | None = None):
     """--recompute as a hybrid.recompute plan (None: keep every activation). ``auto`` asks the
     planner for the cheapest per-layer plan whose activations fit --memory-budget on one rank."""
@@ -253,6 +270,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
         from hybrid.offload.budget import return_freed_buffers_to_os
         return_freed_buffers_to_os()
     model, rng, stage = build_stage_model(cfg, state, data.vocab_size)
+    compile_clock = build_compiled_layers(cfg, stage.chunks if stage is not None else [model])
     resume = resume_wanted(cfg)
     if resume and cfg.checkpoint.init_from_hf:
         log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
@@ -279,7 +297,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                       make_loader=make_loader or make_loader_factory(data, cfg, state),
                       metrics=metrics,
                       throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops),
-                      rng=rng, train_state=train_state, pipeline=stage)
+                      rng=rng, train_state=train_state, pipeline=stage,
+                      compile_clock=compile_clock)
     if resume and cfg.checkpoint.save == cfg.checkpoint.load:
         trainer.last_saved_iteration = train_state.iteration   # no need to write it again
     return trainer
@@ -363,6 +382,9 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
         check_save_dir(cfg)
         check_output_dirs(cfg)
         state = build_parallel_state(cfg, env)
+        if cfg.training.compile:   # no C++ compiler / Triton: say so before building anything
+            from models.gpt.compile import check_compile_support
+            check_compile_support(state.device)
         log.info("%s\n%s\nresolved config:\n%s", state.topology.describe(),
                  link_report(state, cfg), cfg.describe())
         timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)

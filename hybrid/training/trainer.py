@@ -21,6 +21,7 @@ schedule, and each log line adds the measured bubble and the PP bytes per step.
 Evaluation and checkpoint saves run off the training clock: their seconds are their own scalars
 (``eval-time``, ``checkpoint-save-time``), not part of ``iteration-time`` and the tokens/s, TFLOP/s
 and MFU derived from it, and their collectives are not in the per-step bytes of the comm ledger.
+So does ``--compile``'s compilation in the first steps (``compile-time``, the total so far).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class IntervalStats:
 class Trainer:
     def __init__(self, cfg, state: ParallelState, model, optimizer, *, schedule, make_loader,
                  metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
-                 train_state: TrainState | None = None, pipeline=None):
+                 train_state: TrainState | None = None, pipeline=None, compile_clock=None):
         """``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank;
-        ``pipeline``: this rank's :class:`~hybrid.training.pipeline_stage.PipelineStage` (PP > 1)."""
+        ``pipeline``: this rank's :class:`~hybrid.training.pipeline_stage.PipelineStage` (PP > 1);
+        ``compile_clock``: the :class:`~models.gpt.compile.CompileClock` of a --compile run."""
         self.cfg, self.state, self.model, self.optimizer = cfg, state, model, optimizer
         self.schedule, self.make_loader, self.metrics = schedule, make_loader, metrics
         self.throughput, self.rng, self.pipeline = throughput, rng, pipeline
@@ -75,6 +77,7 @@ class Trainer:
         self._guard_nonfinite = cfg.optimizer.precision != "fp16"   # fp16: the scaler skips
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
+        self.compile_clock, self._compile_seen = compile_clock, 0.0
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -85,12 +88,14 @@ class Trainer:
                            device=self.state.device) as stop:
             while self.ts.iteration < self.train_iters:
                 loss, result = self.train_step(loader, self.schedule(self.ts.iteration))
+                self._account_compile(stats, on_clock=True)
                 self._advance(stats, loss, result)
                 if self._due(self.cfg.logging.log_interval):
                     self._log_interval(stats)
                     stats = self._new_interval()
                 if self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
                     self._off_clock(stats, "eval-time", self.evaluate)
+                    self._account_compile(stats, on_clock=False)
                 if stop.should_exit():
                     self._checkpoint(stats)
                     break
@@ -224,6 +229,21 @@ class Trainer:
         self.metrics.log({scalar: seconds}, self.ts.iteration)
 
     # ---- bookkeeping -------------------------------------------------------------------------
+    def _account_compile(self, stats: IntervalStats, on_clock: bool) -> None:
+        """Seconds torch.compile spent since the last call (--compile): taken off the training
+        clock when they fell inside a training step, logged as ``compile-time`` (the total)."""
+        clock = self.compile_clock
+        if clock is None or clock.seconds == self._compile_seen:
+            return
+        if on_clock:
+            stats.off_clock += clock.seconds - self._compile_seen
+        self._compile_seen = clock.seconds
+        self.metrics.log({"compile-time": clock.seconds}, self.ts.iteration + 1)
+        cache = clock.cache_counts()
+        log.info("torch.compile: %.1f s compiling %d graph(s) so far (iteration %d; inductor cache "
+                 "%d hits, %d misses)", clock.seconds, clock.compiles, self.ts.iteration + 1,
+                 cache["hit"], cache["miss"])
+
     def _due(self, interval: int) -> bool:
         return self.ts.iteration % interval == 0
 

@@ -43,6 +43,11 @@ from models.gpt.rotary import RotaryEmbedding
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+# selective recompute's checkpoint saves RNG states and reruns the core in backward: under a compiled
+# layer (models/gpt/compile.py) it runs eagerly, a graph break around the attention core
+_checkpoint_eagerly = torch.compiler.disable(checkpoint)
+
+
 def build_norm(config: GPTConfig, group: Group, sequence_parallel: bool, device, dtype) -> nn.Module:
     """The config's normalization over h (LayerNorm or RMSNorm), replicated across TP."""
     kind = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
@@ -106,7 +111,7 @@ class ParallelAttention(nn.Module):
             k, v = cache.append(k, v, start)                                # [b, g/tp, start + s, d]
             y = self.core(q, k, v, start)
         elif self.recompute_core:
-            y = checkpoint(self.core, q, k, v, rng=self.rng)
+            y = _checkpoint_eagerly(self.core, q, k, v, rng=self.rng)
         else:
             y = self.core(q, k, v)
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)                          # [s, b, h/tp]

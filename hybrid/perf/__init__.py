@@ -10,6 +10,8 @@ tools/paper_tables.py, tools/dry_run.py and the tests:
 - :mod:`~hybrid.perf.memory`       - the sum of the above for one GPU of a run
 - :mod:`~hybrid.perf.hardware`     - the cluster description (DGX-2 V100 by default)
 - :mod:`~hybrid.perf.throughput`   - iteration time and TFLOP/s on that cluster (Figure 2)
+- :mod:`~hybrid.perf.roofline`     - the GEMMs of a step and its GEMM-bound time at measured rates
+- :mod:`~hybrid.perf.gemm_rate`    - those rates, measured on this machine once and cached (torch)
 """
 
 from hybrid.perf.activations import (activation_bytes_per_layer, checkpoint_bytes,

@@ -3,9 +3,10 @@ denominator of the step roofline of :mod:`hybrid.perf.roofline`.
 
 The one module of :mod:`hybrid.perf` that runs torch (lazily imported): everything else here is
 arithmetic. A rate is the FLOP/s of ``[m, k] @ [k, n]`` in the run's dtype on its device with its
-intra-op thread count, timed in wall-clock time (CUDA synchronised); the fastest of a few repeats
-is kept, so a rate measured while other processes share the cores still says what the machine can
-do, not what its load let it do.
+intra-op thread count; the fastest of a few repeats is kept. On a CPU with one intra-op thread the
+clock is the thread's CPU time, so a rate measured while other processes share the cores says what
+the machine can do, not what its load let it do; with several threads (whose work one thread's
+clock cannot see) and on CUDA (synchronised) it is wall-clock time.
 
 The cache is one JSON file of ``{key: FLOP/s}``; a key names everything that changes a rate: the
 shape, the dtype, the thread count, the torch version and the CPU or GPU model, e.g.
@@ -57,16 +58,18 @@ def measure_gemm_rate(shape: Shape, dtype, device="cpu", repeats: int = 5) -> fl
     m, k, n = shape
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.thread_time if not cuda and torch.get_num_threads() == 1 else time.perf_counter
     out = torch.empty(m, n, device=device, dtype=dtype)
     torch.mm(a, b, out=out)
     best = float("inf")
     for _ in range(max(1, repeats)):
         sync()
-        start = time.perf_counter()
+        start = clock()
         torch.mm(a, b, out=out)
         sync()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return 2.0 * m * k * n / max(best, 1e-9)
 
 
@@ -111,6 +114,7 @@ class GemmRateCache:
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".")
             with os.fdopen(fd, "w") as f:
                 json.dump(rates, f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)   # a shared cache, like the corpus beside it
             os.replace(tmp, self.path)
         except OSError as err:   # a read-only cache costs a measurement per run, nothing else
             log.warning("cannot write the GEMM-rate cache %s (%s); rates kept for this run only",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 SIZES = {
     "benchmark": dict(layers=4, hidden=256, heads=4, seq=128, vocab=8192, micro=4, rounds=10,
-                      sequential=False, rss_steps=3),
+                      warmup=2, sequential=False, rss_steps=3),
     "gpt2-small": dict(layers=12, hidden=768, heads=12, seq=256, vocab=50257, micro=1, rounds=3,
-                       sequential=True, rss_steps=0),
+                       warmup=1, sequential=True, rss_steps=0),
 }
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 

@@ -33,9 +33,24 @@ report; torch's peers their params, grads and optimizer state; DeepSpeed's every
 that its build and first step left alive. Peak RSS of rank 0 comes from a second pass that runs
 each variant alone in fresh processes (RSS cannot be split inside one process).
 
-Run:  python benchmarks/zero_vs_peers.py [--steps 10] [--only NAME ...] [--no-deepspeed]
-                                        [--peer-model ours|reference]
-Writes benchmarks/results/zero_vs_peers[-reference].json and prints a markdown table.
+Roofline (issue 18): every row also gives its step as a fraction of the GEMM-bound time, the
+GEMMs one rank runs per step (QKV, projection, MLP, output layer; forward and both gradients) at
+this machine's one-thread rate for each shape and dtype, measured once and cached in
+``$HYBRID_CACHE/gemm-rates.json`` (benchmarks/step_roofline.py, hybrid/perf/roofline.py): of the
+median wall time and of the median CPU time (the shared machine's load inflates the wall).
+
+Sizes (``--size``): ``benchmark`` (above) and ``gpt2-small`` (124M: 12 layers, hidden 768, 12
+heads, vocab 50257, seq 256 - ``--seq`` to change it - micro-batch 1 per rank), whose variants
+run one after another (``--sequential``; they do not fit in memory together), so its ratios are
+of medians taken at different times. ``--compile`` adds torch.compile'd variants: DDP and FSDP2
+(torch.compile of the wrapped model), DeepSpeed (``engine.compile()``) and ours (regional compile
+of each layer, models.gpt.compile) where this checkout has it, else skipped with the reason
+printed. Every variant's GPTModel runs its attention core in fp32 under bf16
+(``--attention-softmax-in-fp32``; ``--no-attention-fp32`` turns it off for all).
+
+Run:  python benchmarks/zero_vs_peers.py [--size benchmark|gpt2-small] [--steps N] [--only NAME ...]
+                                        [--no-deepspeed] [--compile] [--peer-model ours|reference]
+Writes benchmarks/results/zero_vs_peers[-gpt2-small][-reference].json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -54,7 +69,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.step_roofline import SIZES, gemm_bound_ms  # noqa: E402
 DS_VENV = ROOT / "benchmarks" / ".venv-deepspeed"
 RESULTS = ROOT / "benchmarks" / "results"
-WARMUP = 2
 PEER_MODEL = {"name": "ours"}   # set from --peer-model before the ranks start (passed to them)
 DP_TRANSPORT = {"name": "auto"}   # set from --dp-transport in the ranks (ours only)
 
@@ -261,7 +275,7 @@ def _interleaved(rank, world, names, rounds, setup):
     each timed round, the last loss and the model-state bytes."""
     _setup(setup)
     built = _build(rank, world, names, setup)
-    batches = _batches(rank, rounds + WARMUP)
+    batches = _batches(rank, rounds + DIMS["warmup"])
     times = {name: [] for name in names}
     losses = {}
     for r, (tokens, labels) in enumerate(batches):
@@ -269,7 +283,7 @@ def _interleaved(rank, world, names, rounds, setup):
         for name in order:
             losses[name], t = _timed(built[name][0], tokens, labels)
             times[name].append(t)
-    return {name: {"times": times[name][WARMUP:], "loss": float(losses[name].float()),
+    return {name: {"times": times[name][DIMS["warmup"]:], "loss": float(losses[name].float()),
                    "bytes": built[name][1]()} for name in names}
 
 
@@ -278,7 +292,7 @@ def _sequential(rank, world, names, rounds, setup):
     together): the same per-variant results as :func:`_interleaved`."""
     import gc
     _setup(setup)
-    batches = _batches(rank, rounds + WARMUP)
+    batches = _batches(rank, rounds + DIMS["warmup"])
     out = {}
     for name in names:
         step, state_bytes = _build(rank, world, [name], setup)[name]
@@ -286,7 +300,7 @@ def _sequential(rank, world, names, rounds, setup):
         for tokens, labels in batches:
             loss, t = _timed(step, tokens, labels)
             times.append(t)
-        out[name] = {"times": times[WARMUP:], "loss": float(loss.float()), "bytes": state_bytes()}
+        out[name] = {"times": times[DIMS["warmup"]:], "loss": float(loss.float()), "bytes": state_bytes()}
         del step, state_bytes
         gc.collect()
     return out
@@ -319,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="model dimensions (see benchmarks/step_roofline.py)")
     parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
     parser.add_argument("--steps", type=int, default=None,
-                        help=f"timed rounds (+{WARMUP} warm-up); default: the size's")
+                        help="timed rounds (after the size's warm-up steps); default: the size's")
     parser.add_argument("--only", nargs="*", choices=sorted(_variants(True, compiled=True)),
                         help="run a subset")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
@@ -379,7 +393,7 @@ def main() -> None:
     for name in names if rss_steps else []:
         rss = run_on_ranks(_alone, 2, args=(name, rss_steps, setup), timeout=1200)
         rows[name]["peak_rss_mib_rank0"] = rss[0] / 2**20
-    print(_markdown(rows, steps + WARMUP))
+    print(_markdown(rows, steps + dims["warmup"]))
     print("GEMM-bound time per step (ms): " + ", ".join(f"{p} {v:.1f}" for p, v in bound_ms.items()))
     for what, ratio in targets.items():
         print(f"{what}: {ratio:.3f}")
@@ -389,7 +403,7 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({
         "config": dict(dims, micro_batch_per_rank=dims["micro"], dp=2, tp=1, threads_per_rank=1),
-        "peer_model": args.peer_model, "timed_rounds": steps, "warmup": WARMUP,
+        "peer_model": args.peer_model, "timed_rounds": steps, "warmup": dims["warmup"],
         "interleaved": not sequential, "deepspeed": "included" if deepspeed else f"skipped: {why_not}",
         "compiled_ours": "not requested" if not args.compile else (
             f"skipped: {no_compile}" if no_compile else "included"),

@@ -41,8 +41,8 @@ median wall time and of the median CPU time (the shared machine's load inflates 
 
 Sizes (``--size``): ``benchmark`` (above) and ``gpt2-small`` (124M: 12 layers, hidden 768, 12
 heads, vocab 50257, seq 256 - ``--seq`` to change it - micro-batch 1 per rank), whose variants
-run one after another (``--sequential``; they do not fit in memory together), so its ratios are
-of medians taken at different times. ``--compile`` adds torch.compile'd variants: DDP and FSDP2
+run one after another, each in fresh rank processes (``--sequential``; they do not fit in memory
+together), so its ratios are of medians taken at different times. ``--compile`` adds torch.compile'd variants: DDP and FSDP2
 (torch.compile of the wrapped model), DeepSpeed (``engine.compile()``) and ours (regional compile
 of each layer, models.gpt.compile) where this checkout has it, else skipped with the reason
 printed. Every variant's GPTModel runs its attention core in fp32 under bf16
@@ -287,25 +287,6 @@ def _interleaved(rank, world, names, rounds, setup):
                    "bytes": built[name][1]()} for name in names}
 
 
-def _sequential(rank, world, names, rounds, setup):
-    """Each variant built, stepped and freed in turn (a size whose variants do not fit in memory
-    together): the same per-variant results as :func:`_interleaved`."""
-    import gc
-    _setup(setup)
-    batches = _batches(rank, rounds + DIMS["warmup"])
-    out = {}
-    for name in names:
-        step, state_bytes = _build(rank, world, [name], setup)[name]
-        times = []
-        for tokens, labels in batches:
-            loss, t = _timed(step, tokens, labels)
-            times.append(t)
-        out[name] = {"times": times[DIMS["warmup"]:], "loss": float(loss.float()), "bytes": state_bytes()}
-        del step, state_bytes
-        gc.collect()
-    return out
-
-
 def _alone(rank, world, name, steps, setup):
     """One variant in fresh processes: peak RSS of this rank after ``steps`` steps."""
     _setup(setup)
@@ -342,8 +323,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-fp32", action=argparse.BooleanOptionalAction, default=True,
                         help="every variant's GPTModel with --attention-softmax-in-fp32")
     parser.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
-                        help="variants one after another instead of interleaved (default: the "
-                             "size's; gpt2-small's do not fit in memory together)")
+                        help="variants one after another, each in fresh rank processes, instead of "
+                             "interleaved (default: the size's; gpt2-small's do not fit in "
+                             "memory together)")
     parser.add_argument("--rss-steps", type=int, default=None,
                         help="steps of the per-variant peak-RSS pass (0 skips it; default: the size's)")
     parser.add_argument("--peer-model", choices=("ours", "reference"), default="ours",
@@ -375,8 +357,15 @@ def main() -> None:
     setup = {"peer_model": args.peer_model, "dp_transport": args.dp_transport, "dims": dims,
              "deepspeed": deepspeed}
     from tests.multirank import run_on_ranks
-    per_rank = run_on_ranks(_sequential if sequential else _interleaved, 2,
-                            args=(names, steps, setup), timeout=3600)
+    if sequential:   # each variant in fresh processes: freed memory goes back to the OS
+        per_rank = [{}, {}]
+        for name in names:
+            for merged, result in zip(per_rank, run_on_ranks(_interleaved, 2,
+                                                             args=([name], steps, setup),
+                                                             timeout=1800)):
+                merged.update(result)
+    else:
+        per_rank = run_on_ranks(_interleaved, 2, args=(names, steps, setup), timeout=3600)
     rows, walls = {}, {}
     for name in names:
         rounds = list(zip(*(r[name]["times"] for r in per_rank)))   # per round: (rank0, rank1)

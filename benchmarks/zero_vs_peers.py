@@ -33,9 +33,24 @@ report; torch's peers their params, grads and optimizer state; DeepSpeed's every
 that its build and first step left alive. Peak RSS of rank 0 comes from a second pass that runs
 each variant alone in fresh processes (RSS cannot be split inside one process).
 
-Run:  python benchmarks/zero_vs_peers.py [--steps 10] [--only NAME ...] [--no-deepspeed]
-                                        [--peer-model ours|reference]
-Writes benchmarks/results/zero_vs_peers[-reference].json and prints a markdown table.
+Roofline (issue 18): every row also gives its step as a fraction of the GEMM-bound time, the
+GEMMs one rank runs per step (QKV, projection, MLP, output layer; forward and both gradients) at
+this machine's one-thread rate for each shape and dtype, measured once and cached in
+``$HYBRID_CACHE/gemm-rates.json`` (benchmarks/step_roofline.py, hybrid/perf/roofline.py): of the
+median wall time and of the median CPU time (the shared machine's load inflates the wall).
+
+Sizes (``--size``): ``benchmark`` (above) and ``gpt2-small`` (124M: 12 layers, hidden 768, 12
+heads, vocab 50257, seq 256 - ``--seq`` to change it - micro-batch 1 per rank), whose variants
+run one after another, each in fresh rank processes (``--sequential``; they do not fit in memory
+together), so its ratios are of medians taken at different times. ``--compile`` adds torch.compile'd variants: DDP and FSDP2
+(torch.compile of the wrapped model), DeepSpeed (``engine.compile()``) and ours (regional compile
+of each layer, models.gpt.compile) where this checkout has it, else skipped with the reason
+printed. Every variant's GPTModel runs its attention core in fp32 under bf16
+(``--attention-softmax-in-fp32``; ``--no-attention-fp32`` turns it off for all).
+
+Run:  python benchmarks/zero_vs_peers.py [--size benchmark|gpt2-small] [--steps N] [--only NAME ...]
+                                        [--no-deepspeed] [--compile] [--peer-model ours|reference]
+Writes benchmarks/results/zero_vs_peers[-gpt2-small][-reference].json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -51,30 +66,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.step_roofline import SIZES, gemm_bound_ms  # noqa: E402
 DS_VENV = ROOT / "benchmarks" / ".venv-deepspeed"
 RESULTS = ROOT / "benchmarks" / "results"
-WARMUP = 2
 PEER_MODEL = {"name": "ours"}   # set from --peer-model before the ranks start (passed to them)
 DP_TRANSPORT = {"name": "auto"}   # set from --dp-transport in the ranks (ours only)
 
-LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO, SEED = 4, 256, 4, 128, 8192, 4, 0
+SEED = 0
+DIMS = dict(SIZES["benchmark"])   # the --size's dimensions, set in the ranks from main's
 
 
 def _config():
     from models.gpt.config import GPTConfig
-    return GPTConfig(LAYERS, HIDDEN, HEADS, vocab_size=VOCAB, seq_length=SEQ, hidden_dropout=0.0,
-                     attention_dropout=0.0)
+    d = DIMS
+    return GPTConfig(d["layers"], d["hidden"], d["heads"], vocab_size=d["vocab"], seq_length=d["seq"],
+                     hidden_dropout=0.0, attention_dropout=0.0,
+                     attention_softmax_in_fp32=d["attention_fp32"])
 
 
 def _batches(rank: int, steps: int):
     import torch
     g = torch.Generator().manual_seed(1000 + rank)   # each DP rank its own micro-batches
-    return [(torch.randint(0, VOCAB, (MICRO, SEQ), generator=g),
-             torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)) for _ in range(steps)]
+    shape, vocab = (DIMS["micro"], DIMS["seq"]), DIMS["vocab"]
+    return [(torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+            for _ in range(steps)]
 
 
 # ---- variants: build(rank, world) -> (step(tokens, labels) -> loss tensor, state_bytes() -> int) --
-def _ours(rank, world, stage, precision):
+def _ours(rank, world, stage, precision, compiled=False):
     import torch
     from hybrid.parallel_state import ParallelState
     from hybrid.topology import Topology
@@ -90,6 +109,9 @@ def _ours(rank, world, stage, precision):
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision=precision,
                                                         bucket_size=1_000_000),
                                AdamWConfig(lr=1e-4), **({"seed": SEED} if stage == 3 else {}))
+    if compiled:   # regional compile of each layer (the --compile work), when this checkout has it
+        from models.gpt.compile import compile_layers
+        compile_layers(model)
 
     def step(tokens, labels):
         opt.zero_grad()
@@ -114,7 +136,7 @@ def _peer_model():
     return model
 
 
-def _peer(rank, world, kind, precision):
+def _peer(rank, world, kind, precision, compiled=False):
     import torch
     model = _peer_model()
     autocast = precision == "bf16" and kind in ("ddp", "zero1")
@@ -136,11 +158,12 @@ def _peer(rank, world, kind, precision):
             fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run = torch.compile(model) if compiled else model   # DDP: its optimizer splits at buckets
 
     def step(tokens, labels):
         opt.zero_grad(set_to_none=False)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(tokens, labels).mean()
+            loss = run(tokens, labels).mean()
         loss.backward()
         opt.step()
         return loss.detach()
@@ -163,19 +186,21 @@ def _peer_state_bytes(model, optim_states) -> int:
     return sum(sizes.values())
 
 
-def _deepspeed(rank, world, stage, precision):
+def _deepspeed(rank, world, stage, precision, compiled=False):
     import deepspeed
     import torch
     from benchmarks.measure import bytes_grown_since, live_storages
     before = live_storages()
     model = _peer_model()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": DIMS["micro"], "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 1_000_000,
                                     "allgather_bucket_size": 1_000_000},
               "bf16": {"enabled": precision == "bf16"}, "zero_allow_untested_optimizer": True}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
                                            dist_init_required=False)
+    if compiled:
+        engine.compile()   # DeepSpeed's own torch.compile of the wrapped module
 
     def step(tokens, labels):
         loss = engine(tokens, labels).mean()
@@ -189,21 +214,48 @@ def _deepspeed(rank, world, stage, precision):
     return step, lambda: nbytes
 
 
-def _variants(deepspeed: bool) -> dict:
-    out = {f"ours stage {s} {p}": (_ours, (s, p)) for p in ("fp32", "bf16") for s in (0, 1, 2, 3)}
+def _variants(deepspeed: bool, compiled: bool = False) -> dict:
+    """Every variant by name; ``compiled`` adds the torch.compile'd ones: ours (regional, per
+    layer) where this checkout has models.gpt.compile, DDP and FSDP2 (torch.compile of the
+    wrapped model; not ZeroRedundancyOptimizer, whose DDP is the same) and DeepSpeed's
+    engine.compile()."""
+    modes = (False, True) if compiled else (False,)
+    tag = lambda c: " compiled" if c else ""   # noqa: E731
+    out = {f"ours stage {s}{tag(c)} {p}": (_ours, (s, p, c)) for c in modes
+           for p in ("fp32", "bf16") for s in (0, 1, 2, 3)}
     peers = (("torch DDP", "ddp"), ("torch ZeroRedundancyOptimizer", "zero1"),
              ("FSDP2 reshard=True", "fsdp2_reshard"), ("FSDP2 reshard=False", "fsdp2_keep"))
-    out.update({f"{name} {p}": (_peer, (kind, p)) for p in ("fp32", "bf16") for name, kind in peers})
+    out.update({f"{name}{tag(c)} {p}": (_peer, (kind, p, c)) for c in modes
+                for p in ("fp32", "bf16") for name, kind in peers if not (c and kind == "zero1")})
     if deepspeed:
-        out.update({f"DeepSpeed ZeRO-{s} {p}": (_deepspeed, (s, p))
+        out.update({f"DeepSpeed ZeRO-{s}{tag(c)} {p}": (_deepspeed, (s, p, c)) for c in modes
                     for p in ("fp32", "bf16") for s in (1, 2, 3)})
     return out
 
 
-# ---- the two passes ------------------------------------------------------------------------
-def _build(rank, world, names, deepspeed):
+def compile_unavailable(names: list[str]) -> str | None:
+    """Why the compiled ours rows cannot run in this checkout (None: they can)."""
+    if not any(n.startswith("ours") and " compiled " in n for n in names):
+        return None
+    try:
+        from models.gpt.compile import compile_layers  # noqa: F401
+    except ImportError:
+        return "this checkout has no models.gpt.compile (the trainer's --compile work)"
+    return None
+
+
+# ---- the passes ----------------------------------------------------------------------------
+def _setup(setup: dict) -> None:
+    """In a rank: the main process's choices (peer model, DP transport, dimensions)."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    PEER_MODEL["name"], DP_TRANSPORT["name"] = setup["peer_model"], setup["dp_transport"]
+    DIMS.update(setup["dims"])
+
+
+def _build(rank, world, names, setup):
     import torch
-    variants = _variants(deepspeed)
+    variants = _variants(setup["deepspeed"], compiled=True)
     built = {}
     for name in names:
         fn, args = variants[name]
@@ -212,32 +264,33 @@ def _build(rank, world, names, deepspeed):
     return built
 
 
-def _interleaved(rank, world, names, rounds, deepspeed, peer_model, dp_transport):
+def _timed(step, tokens, labels):
+    start, cpu = time.perf_counter(), time.process_time()
+    loss = step(tokens, labels)
+    return loss, (time.perf_counter() - start, time.process_time() - cpu)
+
+
+def _interleaved(rank, world, names, rounds, setup):
     """Every variant built here, then stepped round-robin: per variant the (wall, CPU) seconds of
     each timed round, the last loss and the model-state bytes."""
-    import warnings
-    warnings.filterwarnings("ignore")
-    PEER_MODEL["name"], DP_TRANSPORT["name"] = peer_model, dp_transport
-    built = _build(rank, world, names, deepspeed)
-    batches = _batches(rank, rounds + WARMUP)
+    _setup(setup)
+    built = _build(rank, world, names, setup)
+    batches = _batches(rank, rounds + DIMS["warmup"])
     times = {name: [] for name in names}
     losses = {}
     for r, (tokens, labels) in enumerate(batches):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            start, cpu = time.perf_counter(), time.process_time()
-            losses[name] = built[name][0](tokens, labels)
-            times[name].append((time.perf_counter() - start, time.process_time() - cpu))
-    return {name: {"times": times[name][WARMUP:], "loss": float(losses[name].float()),
+            losses[name], t = _timed(built[name][0], tokens, labels)
+            times[name].append(t)
+    return {name: {"times": times[name][DIMS["warmup"]:], "loss": float(losses[name].float()),
                    "bytes": built[name][1]()} for name in names}
 
 
-def _alone(rank, world, name, steps, deepspeed, peer_model, dp_transport):
+def _alone(rank, world, name, steps, setup):
     """One variant in fresh processes: peak RSS of this rank after ``steps`` steps."""
-    import warnings
-    warnings.filterwarnings("ignore")
-    PEER_MODEL["name"], DP_TRANSPORT["name"] = peer_model, dp_transport
-    step, _ = _build(rank, world, [name], deepspeed)[name]
+    _setup(setup)
+    step, _ = _build(rank, world, [name], setup)[name]
     for tokens, labels in _batches(rank, steps):
         step(tokens, labels)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -254,29 +307,65 @@ def _ensure_deepspeed_venv() -> str | None:
     return None
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help=f"timed rounds (+{WARMUP} warm-up)")
-    parser.add_argument("--only", nargs="*", choices=sorted(_variants(True)), help="run a subset")
+    parser.add_argument("--size", choices=sorted(SIZES), default="benchmark",
+                        help="model dimensions (see benchmarks/step_roofline.py)")
+    parser.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed rounds (after the size's warm-up steps); default: the size's")
+    parser.add_argument("--only", nargs="*", choices=sorted(_variants(True, compiled=True)),
+                        help="run a subset")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
-    parser.add_argument("--rss-steps", type=int, default=3,
-                        help="steps of the per-variant peak-RSS pass (0 skips it)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add the torch.compile'd variants (ours where this checkout can)")
+    parser.add_argument("--attention-fp32", action=argparse.BooleanOptionalAction, default=True,
+                        help="every variant's GPTModel with --attention-softmax-in-fp32")
+    parser.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
+                        help="variants one after another, each in fresh rank processes, instead of "
+                             "interleaved (default: the size's; gpt2-small's do not fit in "
+                             "memory together)")
+    parser.add_argument("--rss-steps", type=int, default=None,
+                        help="steps of the per-variant peak-RSS pass (0 skips it; default: the size's)")
     parser.add_argument("--peer-model", choices=("ours", "reference"), default="ours",
                         help="module code the peers train (see the module docstring)")
     parser.add_argument("--dp-transport", choices=("auto", "shm", "gloo"), default="auto",
                         help="our engines' DP collectives (the trainer's --dp-transport)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    size = SIZES[args.size]
+    dims = {**size, **({"seq": args.seq} if args.seq else {}), "attention_fp32": args.attention_fp32}
+    steps = args.steps if args.steps is not None else size["rounds"]
+    sequential = size["sequential"] if args.sequential is None else args.sequential
+    rss_steps = size["rss_steps"] if args.rss_steps is None else args.rss_steps
     wants_ds = not args.no_deepspeed and (not args.only or any("DeepSpeed" in n for n in args.only))
     why_not = _ensure_deepspeed_venv() if wants_ds else "--no-deepspeed"
     deepspeed = why_not is None
     if wants_ds and not deepspeed:
         print(f"DeepSpeed rows skipped: {why_not}", flush=True)
-    names = [n for n in (args.only or _variants(deepspeed)) if deepspeed or "DeepSpeed" not in n]
+    names = [n for n in (args.only or _variants(deepspeed, args.compile))
+             if deepspeed or "DeepSpeed" not in n]
+    no_compile = compile_unavailable(names)
+    if no_compile:
+        print(f"ours compiled rows skipped: {no_compile}", flush=True)
+        names = [n for n in names if not (n.startswith("ours") and " compiled " in n)]
+    bound_ms = {p: gemm_bound_ms(dims, p) for p in ("fp32", "bf16")}
+    setup = {"peer_model": args.peer_model, "dp_transport": args.dp_transport, "dims": dims,
+             "deepspeed": deepspeed}
     from tests.multirank import run_on_ranks
-    per_rank = run_on_ranks(_interleaved, 2, args=(names, args.steps, deepspeed, args.peer_model,
-                                                   args.dp_transport),
-                            timeout=3600)
+    if sequential:   # each variant in fresh processes: freed memory goes back to the OS
+        per_rank = [{}, {}]
+        for name in names:
+            for merged, result in zip(per_rank, run_on_ranks(_interleaved, 2,
+                                                             args=([name], steps, setup),
+                                                             timeout=1800)):
+                merged.update(result)
+    else:
+        per_rank = run_on_ranks(_interleaved, 2, args=(names, steps, setup), timeout=3600)
     rows, walls = {}, {}
     for name in names:
         rounds = list(zip(*(r[name]["times"] for r in per_rank)))   # per round: (rank0, rank1)
@@ -286,25 +375,29 @@ def main() -> None:
                                                                     for r in rounds),
                       "model_state_mib_per_rank": per_rank[0][name]["bytes"] / 2**20,
                       "loss_after_steps": sum(r[name]["loss"] for r in per_rank) / len(per_rank)}
+        bound = bound_ms[name.rsplit(" ", 1)[1]]
+        rows[name].update(gemm_bound_ms=bound, gemm_bound_fraction=bound / rows[name]["median_step_ms"],
+                          gemm_bound_fraction_cpu=bound / rows[name]["median_step_cpu_ms"])
     targets = _targets(walls)
-    for name in names if args.rss_steps else []:
-        rss = run_on_ranks(_alone, 2, args=(name, args.rss_steps, deepspeed, args.peer_model,
-                                            args.dp_transport),
-                           timeout=1200)
+    for name in names if rss_steps else []:
+        rss = run_on_ranks(_alone, 2, args=(name, rss_steps, setup), timeout=1200)
         rows[name]["peak_rss_mib_rank0"] = rss[0] / 2**20
-    print(_markdown(rows, args.steps + WARMUP))
+    print(_markdown(rows, steps + dims["warmup"]))
+    print("GEMM-bound time per step (ms): " + ", ".join(f"{p} {v:.1f}" for p, v in bound_ms.items()))
     for what, ratio in targets.items():
         print(f"{what}: {ratio:.3f}")
-    out = RESULTS / ("zero_vs_peers.json" if args.peer_model == "ours"
-                     else f"zero_vs_peers-{args.peer_model}.json")
+    suffix = ("" if args.size == "benchmark" else f"-{args.size}") + (
+        "" if args.peer_model == "ours" else f"-{args.peer_model}")
+    out = RESULTS / f"zero_vs_peers{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({
-        "config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ, vocab=VOCAB,
-                       micro_batch_per_rank=MICRO, dp=2, tp=1, threads_per_rank=1),
-        "peer_model": args.peer_model, "timed_rounds": args.steps, "warmup": WARMUP,
-        "interleaved": True, "deepspeed": "included" if deepspeed else f"skipped: {why_not}",
+        "config": dict(dims, micro_batch_per_rank=dims["micro"], dp=2, tp=1, threads_per_rank=1),
+        "peer_model": args.peer_model, "timed_rounds": steps, "warmup": dims["warmup"],
+        "interleaved": not sequential, "deepspeed": "included" if deepspeed else f"skipped: {why_not}",
+        "compiled_ours": "not requested" if not args.compile else (
+            f"skipped: {no_compile}" if no_compile else "included"),
         "command": "python benchmarks/zero_vs_peers.py " + " ".join(sys.argv[1:]),
-        "targets": targets, "results": rows,
+        "gemm_bound_ms": bound_ms, "targets": targets, "results": rows,
         "round_walls_s": {name: [round(w, 5) for w in walls[name]] for name in names}}, indent=2))
     print(f"wrote {out.relative_to(ROOT)}")
 
@@ -335,12 +428,15 @@ def _targets(walls: dict[str, list[float]]) -> dict[str, float]:
 
 
 def _markdown(rows: dict, steps: int) -> str:
-    lines = ["| variant | median step wall (ms) | median step CPU (ms) | model states / rank (MiB) | "
+    lines = ["| variant | median step wall (ms) | median step CPU (ms) | GEMM-bound fraction wall "
+             "/ CPU | model states / rank (MiB) | "
              f"peak RSS rank 0 (MiB) | loss after {steps} steps |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in rows.items():
         rss = f"{r['peak_rss_mib_rank0']:.0f}" if "peak_rss_mib_rank0" in r else "-"
         lines.append(f"| {name} | {r['median_step_ms']:.0f} | {r['median_step_cpu_ms']:.0f} "
+                     f"| {100 * r['gemm_bound_fraction']:.0f}% / "
+                     f"{100 * r['gemm_bound_fraction_cpu']:.0f}% "
                      f"| {r['model_state_mib_per_rank']:.1f} | {rss} | {r['loss_after_steps']:.4f} |")
     return "\n".join(lines)
 

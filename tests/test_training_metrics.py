@@ -57,7 +57,8 @@ def test_tensorboard_scalars_and_dp_traffic(tmp_path):
     tags = set(acc.Tags()["scalars"])
     missing = set(SCALAR_NAMES) | set(HOST_MEMORY_NAMES) | set(VALIDATION_NAMES) | {
         "eval-time", "comm/dp-bytes-per-step", "comm/tp-bytes-per-step",
-        "comm/dp-cross-host-bytes-per-step", "comm/tp-cross-host-bytes-per-step"} | {
+        "comm/dp-cross-host-bytes-per-step", "comm/tp-cross-host-bytes-per-step",
+        "perf/gemm-bound-fraction", "perf/gemm-bound-time"} | {
         f"model-state/{c}-bytes" for c in ("param16", "grad16", "master32", "adam_moments")}
     missing -= tags
     assert not missing, f"scalars not written: {sorted(missing)}"
@@ -68,6 +69,10 @@ def test_tensorboard_scalars_and_dp_traffic(tmp_path):
     expected = results[0]["expected_dp"]            # 2 psi (n-1)/n bytes of bf16, ZeRO §7
     assert abs(dp_bytes - expected) <= 0.02 * expected, (dp_bytes, expected)
     assert acc.Scalars("comm/dp-cross-host-bytes-per-step")[-1].value == 0   # one host
+    for fraction, bound, seconds in zip(*(acc.Scalars(t) for t in (
+            "perf/gemm-bound-fraction", "perf/gemm-bound-time", "iteration-time"))):
+        assert 0 < bound.value < seconds.value               # a step does more than its GEMMs
+        assert fraction.value == pytest.approx(bound.value / seconds.value, rel=1e-5)
     ppl = acc.Scalars("lm loss validation ppl")[0].value
     loss = acc.Scalars("lm loss validation")[0].value
     assert abs(ppl - 2.718281828 ** loss) < 1e-3 * ppl
@@ -235,4 +240,7 @@ def test_console_line_has_every_field():
                  "TFLOP/s/rank 0.5000", "MFU 0.400%", "lr 1.000e-03", "lm loss 5.5000",
                  "loss scale 65536", "grad norm 1.250", "skipped 1", "mem 300 MB", "ETA 1:02:05"):
         assert part in line, part
+    assert "GEMM-bound" not in line                     # --no-roofline: no fraction
+    assert "MFU 0.400% | GEMM-bound 62.5% | lr" in console_line(
+        {**m, "perf/gemm-bound-fraction": 0.625}, 8, 100, 3725)
     assert format_duration(59) == "0:00:59"

@@ -37,11 +37,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_size):
         local_vocab = logits.size(-1)
         start = group.rank * local_vocab
-        z = _mask_padding(logits.float(), start, vocab_size)           # [..., V/tp] fp32
-
-        z_max = z.max(dim=-1).values                                   # [...]
+        z = _mask_padding(logits, start, vocab_size)                   # [..., V/tp] input dtype
+        z_max = z.amax(dim=-1).float()                                 # [...] (exact in any dtype)
         comm.all_reduce(z_max, group, op="max")
-        z = z - z_max.unsqueeze(-1)                                    # shifted, new tensor
+        z = z - z_max.unsqueeze(-1)   # [..., V/tp] fp32: the cast to fp32 in the same pass
 
         outside = (target < start) | (target >= start + local_vocab)   # target owned elsewhere
         local_target = (target - start).masked_fill(outside, 0)
@@ -54,17 +53,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp_z.div_(sum_exp.unsqueeze(-1))                    # [..., V/tp]
         ctx.save_for_backward(softmax, local_target, outside)
-        ctx.logits_dtype = logits.dtype
+        ctx.logits_dtype, ctx.used = logits.dtype, False
         return torch.log(sum_exp) - target_logit                       # [...] fp32
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.used:
+            raise RuntimeError("a second backward through the vocab-parallel cross-entropy "
+                               "(retain_graph) is not supported: its first backward turned the "
+                               "saved softmax into the gradient; run the forward again")
+        ctx.used = True
         softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()                                         # d loss / d z = p - onehot
+        grad = softmax   # d loss / d z = p - onehot, in the softmax's buffer (as Megatron does)
         hit = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+        scale = grad_loss.unsqueeze(-1)
+        if ctx.logits_dtype == grad.dtype:
+            return grad.mul_(scale), None, None, None
+        # bf16/fp16 logits: product in fp32, rounded once as it is written (one pass, not two)
+        out = torch.empty_like(grad, dtype=ctx.logits_dtype)
+        return torch.mul(grad, scale, out=out), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, group: Group, *,

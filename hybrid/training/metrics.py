@@ -8,7 +8,9 @@ per rank, as in Megatron), ``mem-*``, and for evaluation ``lm loss validation`` 
 (``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7) and the part of them that crossed
 hosts (``comm/dp-cross-host-bytes-per-step``, ...), with pipeline parallelism the measured bubble
 (``pipeline/bubble-fraction``) and the bytes sent to the neighbouring stages
-(``comm/pp-bytes-per-step``), and the seconds spent outside
+(``comm/pp-bytes-per-step``), the step as a fraction of its GEMM-bound time
+(``perf/gemm-bound-fraction``, hybrid.perf.roofline: the roofline beside MFU), and the seconds spent
+outside
 training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
 Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);
@@ -137,12 +139,23 @@ class ThroughputModel:
     flops_per_iteration: float   # model FLOPs of one global batch (all ranks)
     world_size: int
     peak_tflops: float           # per rank
+    # seconds this rank's GEMMs of an iteration take at the measured rate (hybrid.perf.roofline);
+    # None: not measured (--no-roofline)
+    gemm_bound_s: float | None = None
 
     def tflops_per_rank(self, seconds_per_iteration: float) -> float:
         return self.flops_per_iteration / self.world_size / seconds_per_iteration / 1e12
 
     def mfu(self, seconds_per_iteration: float) -> float:
         return self.tflops_per_rank(seconds_per_iteration) / self.peak_tflops
+
+    def roofline(self, seconds_per_iteration: float) -> dict[str, float]:
+        """``perf/gemm-bound-fraction``: the GEMM-bound time over the iteration time (1 = the step
+        did nothing but its GEMMs, at their measured rate), and ``perf/gemm-bound-time`` (s)."""
+        if self.gemm_bound_s is None:
+            return {}
+        return {"perf/gemm-bound-fraction": self.gemm_bound_s / seconds_per_iteration,
+                "perf/gemm-bound-time": self.gemm_bound_s}
 
 
 def memory_bytes(device) -> dict[str, float]:
@@ -204,6 +217,8 @@ def console_line(m: dict[str, float], iteration: int, train_iters: int, eta_seco
              f"tokens/s {m['tokens-per-second']:.0f}",
              f"TFLOP/s/rank {m['throughput']:.4f}",
              f"MFU {100 * m['mfu']:.3f}%",
+             *([f"GEMM-bound {100 * m['perf/gemm-bound-fraction']:.1f}%"]
+               if "perf/gemm-bound-fraction" in m else []),
              f"lr {m['learning-rate']:.3e}",
              f"lm loss {m['lm loss']:.4f}",
              f"loss scale {m['loss-scale']:.0f}",

@@ -369,6 +369,9 @@ class LoggingSection:
                                  "appended to", default=None)
     peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
                                default=125.0)
+    roofline: bool = _help("measure this machine's GEMM rate at the run's shapes (once, cached in "
+                           "--data-cache-dir) and log each step as a fraction of its GEMM-bound "
+                           "time (perf/gemm-bound-fraction)", default=True)
 
     def __post_init__(self) -> None:
         _positive(self, "log_interval")

@@ -296,12 +296,24 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                       schedule=build_lr_schedule(cfg.optimizer, cfg.training.train_iters),
                       make_loader=make_loader or make_loader_factory(data, cfg, state),
                       metrics=metrics,
-                      throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops),
+                      throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops,
+                                                 gemm_bound_s=build_roofline(cfg, state, model)),
                       rng=rng, train_state=train_state, pipeline=stage,
                       compile_clock=compile_clock)
     if resume and cfg.checkpoint.save == cfg.checkpoint.load:
         trainer.last_saved_iteration = train_state.iteration   # no need to write it again
     return trainer
+
+
+def build_roofline(cfg: TrainConfig, state: ParallelState, model) -> float | None:
+    """This rank's GEMM-bound seconds per iteration (hybrid.training.roofline), None with
+    --no-roofline and with pipeline parallelism (the GEMM list is the whole model's; a stage runs
+    a share of the layers and the logits on the last stage only)."""
+    if not cfg.logging.roofline or cfg.parallel.pipeline_model_parallel_size > 1:
+        return None
+    from hybrid.training.roofline import gemm_bound_time, run_gemms
+    gemms = run_gemms(cfg, state.tp_size, cfg.grad_accumulation_steps(state.world_size), model)
+    return gemm_bound_time(gemms, cfg.optimizer.precision, state.device, cfg.data.data_cache_dir)
 
 
 def resume_wanted(cfg: TrainConfig) -> bool:

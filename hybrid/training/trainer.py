@@ -274,7 +274,7 @@ class Trainer:
              "batch-size": float(self.global_batch), "iteration-time": seconds,
              "tokens-per-second": self.global_batch * self.cfg.model.seq_length / seconds,
              "throughput": self.throughput.tflops_per_rank(seconds),      # Megatron: TFLOP/s/GPU
-             "mfu": self.throughput.mfu(seconds),
+             "mfu": self.throughput.mfu(seconds), **self.throughput.roofline(seconds),
              "skipped-iterations": float(self.ts.skipped_iterations),
              "consumed-samples": float(self.ts.consumed_train_samples),
              **memory_bytes(self.state.device), **self._model_state_bytes(),

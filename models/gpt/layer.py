@@ -94,6 +94,7 @@ class ParallelAttention(nn.Module):
         self.proj = RowParallelLinear(h, h, group, **kw)
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.recompute_core = False   # selective recompute (hybrid/recompute): rerun core() in backward
+        self.core_in_fp32 = config.attention_softmax_in_fp32
 
     def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
         """``cache``: keys/values of positions ``0 .. start-1`` (decoding); x holds positions
@@ -120,7 +121,9 @@ class ParallelAttention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v with attention dropout: q [b, a/tp, s, d], k and v
         [b, g/tp, start + s, d] -> [b, a/tp, s, d]; query head j reads key/value head j // (a/g).
-        Query i sits at position start + i and sees keys 0 .. start + i (causal)."""
+        Query i sits at position start + i and sees keys 0 .. start + i (causal). With
+        ``attention_softmax_in_fp32`` a bf16/fp16 core runs on fp32 copies and returns the input
+        dtype (on CPU, torch's bf16 attention backward is slower than the fp32 one plus the casts)."""
         p = self.p if self.training else 0.0
         mask = dict(is_causal=True)
         if start:   # queries after cached keys: one query sees all of them, several a causal band
@@ -134,8 +137,11 @@ class ParallelAttention(nn.Module):
             else:
                 repeat = self.local_heads // self.local_groups
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        dtype = q.dtype
+        if self.core_in_fp32:   # --attention-softmax-in-fp32: the core's inputs and softmax in fp32
+            q, k, v = q.float(), k.float(), v.float()
         with dropout_stream(self.rng, p > 0, self.tp):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **mask, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **mask, **gqa).to(dtype)
 
 
 class ParallelMLP(nn.Module):

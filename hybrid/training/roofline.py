@@ -1,0 +1,38 @@
+"""The trainer's GEMM roofline: a run's own GEMM shapes (hybrid.perf.roofline) at this machine's
+measured rate (hybrid.perf.gemm_rate, cached in ``--data-cache-dir``), giving the GEMM-bound time
+of one iteration on this rank. The trainer logs each interval's step time as a fraction of it
+(``perf/gemm-bound-fraction``) beside MFU; ``--no-roofline`` skips the measurement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybrid.perf.gemm_rate import GemmRateCache
+from hybrid.perf.roofline import Gemm, distinct_shapes, gemm_bound_seconds, training_gemms
+from hybrid.recompute.plan import FULL_MODES
+
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHE_FILE = "gemm-rates.json"
+
+
+def run_gemms(cfg, tp: int, accumulation: int, model) -> list[Gemm]:
+    """The GEMMs one rank of this run executes per iteration (forward, backward, full recompute's
+    forward reruns as the model's recompute plan has them)."""
+    m = cfg.model
+    recomputer = getattr(model, "recomputer", None)
+    rerun = sum(n for mode, n in recomputer.plan.counts().items() if mode in FULL_MODES) \
+        if recomputer is not None else 0
+    return training_gemms(micro_batch=cfg.data.micro_batch_size, seq=m.seq_length,
+                          layers=m.num_layers, hidden=m.hidden_size,
+                          vocab_padded=model.config.padded_vocab_size(tp), tp=tp,
+                          micro_batches=accumulation, recomputed_layers=rerun,
+                          heads=m.num_attention_heads, arch=m.perf_architecture())
+
+
+def gemm_bound_time(gemms: list[Gemm], precision: str, device, cache_dir: str | Path) -> float:
+    """Seconds the GEMMs take at this machine's cached (or now measured) rate of each shape."""
+    cache = GemmRateCache(Path(cache_dir) / CACHE_FILE)
+    rates = cache.rates(distinct_shapes(gemms), GEMM_DTYPES[precision], device)
+    return gemm_bound_seconds(gemms, rates)

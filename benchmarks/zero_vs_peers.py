@@ -234,13 +234,16 @@ def _variants(deepspeed: bool, compiled: bool = False) -> dict:
 
 
 def compile_unavailable(names: list[str]) -> str | None:
-    """Why the compiled ours rows cannot run in this checkout (None: they can)."""
+    """Why the compiled ours rows cannot run on this machine (None: they can): inductor's
+    C++ compiler on CPU."""
     if not any(n.startswith("ours") and " compiled " in n for n in names):
         return None
+    import torch
+    from models.gpt.compile import CompileUnsupported, check_compile_support
     try:
-        from models.gpt.compile import compile_layers  # noqa: F401
-    except ImportError:
-        return "this checkout has no models.gpt.compile (the trainer's --compile work)"
+        check_compile_support(torch.device("cpu"))
+    except CompileUnsupported as err:
+        return str(err)
     return None
 
 

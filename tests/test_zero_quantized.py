@@ -203,6 +203,7 @@ def _run(state: ParallelState, zero: ZeroConfig) -> dict:
 ENGINE_CASES = {  # name -> (tp, stage, precision, qwZ, qgZ)
     "s3": (1, 3, "fp32", False, False), "s3_qwz": (1, 3, "fp32", True, False),
     "s3_qgz": (1, 3, "fp32", False, True), "s3_both": (1, 3, "fp32", True, True),
+    "s3_zeropp": (1, 3, "fp32", True, True),   # with hpZ: ZeRO++'s three options together
     "s2": (1, 2, "bf16", False, False), "s2_qgz": (1, 2, "bf16", False, True),
     "s1": (1, 1, "fp32", False, False), "s1_qgz": (1, 1, "fp32", False, True),
     "tp2_s3": (2, 3, "bf16", False, False), "tp2_s3_both": (2, 3, "bf16", True, True),
@@ -224,7 +225,8 @@ def _engines(rank: int, world: int) -> dict:
         # read by fp16 only: overflows at 2^40 (and maybe 2^20), trains from 2^0 on
         scale = LossScaleConfig(initial_scale=2.0 ** 40, hysteresis=1, backoff_factor=2.0 ** -20)
         zero = ZeroConfig(stage=stage, precision=precision, quantized_weights=qwz,
-                          quantized_gradients=qgz, bucket_size=3000, loss_scale=scale)
+                          quantized_gradients=qgz, bucket_size=3000, loss_scale=scale,
+                          hpz=name.endswith("zeropp"))
         out[name] = _run(states[tp], zero)
     return out
 
@@ -246,6 +248,25 @@ def test_quantized_losses_stay_close_to_the_exact_run(option):
             assert gaps[0] > 0     # the very first forward already uses the quantized weights
         else:
             assert gaps[0] == 0    # qgZ: the first forward is exact, the update is not
+
+
+def _cross(records, dtype=None, op=None) -> float:
+    return sum(r[5] for r in records if (dtype is None or r[3] == dtype) and (op is None or r[1] == op))
+
+
+def test_hpz_qwz_and_qgz_together_keep_only_the_forward_gather_across_hosts():
+    """ZeRO++'s three options: hpZ moves the backward's (int8) all-gather inside the host, so of
+    s3_both's cross-host bytes exactly half of the int8 gathers' go away; the persistent unit's
+    exact gather and qgZ's all-to-alls are unchanged. Losses stay near the exact run's."""
+    for r in engine_results():
+        both, zeropp = r["s3_both"]["records"], r["s3_zeropp"]["records"]
+        int8_gathers = _cross(both, torch.int8, "all_gather")
+        assert int8_gathers > 0
+        assert _cross(zeropp, torch.int8, "all_gather") == pytest.approx(int8_gathers / 2)
+        assert _cross(zeropp) == pytest.approx(_cross(both) - int8_gathers / 2)
+        assert _cross(zeropp) < _cross(r["s3"]["records"]) / 5   # fp32 here: about 8x fewer
+        gaps = [abs(a - b) for a, b in zip(r["s3_zeropp"]["losses"], r["s3"]["losses"])]
+        assert 0 < max(gaps) <= LOSS_GAP
 
 
 def test_on_one_host_qgz_is_one_hop_and_nothing_crosses():

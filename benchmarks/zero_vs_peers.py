@@ -109,7 +109,7 @@ def _ours(rank, world, stage, precision, compiled=False):
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision=precision,
                                                         bucket_size=1_000_000),
                                AdamWConfig(lr=1e-4), **({"seed": SEED} if stage == 3 else {}))
-    if compiled:   # regional compile of each layer (the --compile work), when this checkout has it
+    if compiled:   # regional compile of each layer (models/gpt/compile.py, the trainer's --compile)
         from models.gpt.compile import compile_layers
         compile_layers(model)
 

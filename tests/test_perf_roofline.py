@@ -124,3 +124,14 @@ def test_unreadable_cache_is_measured_again_and_rewritten(tmp_path, counted, cap
     rates = GemmRateCache(path).rates([(8, 8, 8)], torch.float32)
     assert len(counted) == 1 and "unreadable GEMM-rate cache" in caplog.text
     assert list(json.loads(path.read_text()).values()) == [rates[(8, 8, 8)]]
+
+
+def test_pipeline_stages_split_the_whole_models_gemms():
+    """PP 2: the first stage runs its layers only, the last its layers and the output layer; together
+    they are the whole model's GEMMs."""
+    kw = dict(micro_batch=2, seq=32, hidden=64, vocab_padded=256, micro_batches=4)
+    whole = gemm_flops(training_gemms(layers=4, **kw))
+    first = gemm_flops(training_gemms(layers=2, logits=False, **kw))
+    last = gemm_flops(training_gemms(layers=2, **kw))
+    assert first + last == pytest.approx(whole, rel=1e-12)
+    assert not any(g.name.startswith("logits") for g in training_gemms(layers=2, logits=False, **kw))

@@ -238,7 +238,7 @@ def test_pipeline_two_stages_each_schedule_matches_reference():
 
 def test_pipeline_with_tensor_parallel_sequence_parallel_and_recompute():
     """PP 2 x TP 2 (+SP): the p2p tensor is the sequence shard (/t); full recompute per stage."""
-    cases = [("1f1b", 1, 2, 1, "full"), ("interleaved", 2, 2, 0, None)]
+    cases = [("1f1b", 1, 2, 1, "full"), ("interleaved", 2, 2, 0, None), ("gpipe", 1, 2, 2, None)]
     results = run_on_ranks(_pipeline_parity, 4, args=(2, 2, cases),
                            kwargs={"sequence_parallel": True}, timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
@@ -271,16 +271,21 @@ def test_pipeline_eight_ranks_pp2_tp2_dp2():
 
 @pytest.mark.slow
 def test_pipeline_four_stages():
-    """PP 4 x TP 1 x DP 1 (world 4, slow: many steps of small messages) and PP 4 x DP 2 (world 8)."""
+    """PP 4 x TP 1 x DP 1 (world 4, slow: many steps of small messages) and PP 4 x DP 2 (world 8),
+    each schedule (interleaved: 8 layers, v 2)."""
     cases = [("1f1b", 1, 4, 1, None), ("gpipe", 1, 4, 0, None), ("1f1b", 1, 4, 2, "full")]
     run_on_ranks(_pipeline_parity, 4, args=(1, 4, cases), timeout=900)
-    run_on_ranks(_pipeline_parity, 8, args=(1, 4, [("1f1b", 1, 4, 1, None)]), timeout=900)
+    interleaved = [("interleaved", 2, 4, 1, None)]
+    run_on_ranks(_pipeline_parity, 4, args=(1, 4, interleaved), kwargs={"layers": 8}, timeout=900)
+    run_on_ranks(_pipeline_parity, 8, args=(1, 4, [("1f1b", 1, 4, 1, None), ("gpipe", 1, 4, 2, None)]),
+                 timeout=900)
+    run_on_ranks(_pipeline_parity, 8, args=(1, 4, interleaved), kwargs={"layers": 8}, timeout=900)
 
 
 @pytest.mark.slow
 def test_pipeline_four_stages_with_tensor_parallel_and_interleaving():
-    """PP 4 x TP 2 (+SP), 8 layers: interleaved with v 2 over 4 micro-batches, and GPipe."""
-    cases = [("interleaved", 2, 4, 1, None), ("gpipe", 1, 4, 2, "full")]
+    """PP 4 x TP 2 (+SP), 8 layers: interleaved with v 2 over 4 micro-batches, GPipe and 1F1B."""
+    cases = [("interleaved", 2, 4, 1, None), ("gpipe", 1, 4, 2, "full"), ("1f1b", 1, 4, 0, None)]
     run_on_ranks(_pipeline_parity, 8, args=(2, 4, cases),
                  kwargs={"sequence_parallel": True, "layers": 8}, timeout=1200)
 

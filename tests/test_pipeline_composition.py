@@ -215,8 +215,8 @@ def test_optimizer_offload_and_zero2_interleaved_accumulation_over_dp(tmp_path):
 # ---- the 3-D layout at 16 ranks ------------------------------------------------------------------
 @pytest.mark.slow
 def test_pipeline_sixteen_ranks_pp4_tp2_dp2():
-    """PP 4 x TP 2 (+SP) x DP 2, 8 layers: 1F1B with ZeRO 1 and interleaved (v 2) with ZeRO 2
-    and full recompute, 4 micro-batches each."""
-    cases = [("1f1b", 1, 4, 1, None), ("interleaved", 2, 4, 2, "full")]
+    """PP 4 x TP 2 (+SP) x DP 2, 8 layers: 1F1B with ZeRO 1, interleaved (v 2) with ZeRO 2 and
+    full recompute, GPipe with ZeRO 0, 4 micro-batches each."""
+    cases = [("1f1b", 1, 4, 1, None), ("interleaved", 2, 4, 2, "full"), ("gpipe", 1, 4, 0, None)]
     run_on_ranks(_pipeline_parity, 16, args=(2, 4, cases),
                  kwargs={"sequence_parallel": True, "layers": 8}, timeout=1800)

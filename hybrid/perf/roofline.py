@@ -63,14 +63,18 @@ def forward_gemms(tokens: int, hidden: int, vocab_padded: int, tp: int = 1, *,
 
 def training_gemms(*, micro_batch: int, seq: int, layers: int, hidden: int, vocab_padded: int,
                    tp: int = 1, micro_batches: int = 1, recomputed_layers: int = 0,
-                   heads: int | None = None, arch: Architecture = GPT2) -> list[Gemm]:
+                   heads: int | None = None, arch: Architecture = GPT2,
+                   logits: bool = True) -> list[Gemm]:
     """Every GEMM one rank runs in an iteration of ``micro_batches`` micro-batches: forward, input
     gradient (``.dgrad``) and weight gradient (``.wgrad``) of each shape, the layers' ``layers``
-    times (plus ``recomputed_layers`` reruns of their forward), the output layer's once."""
+    times (plus ``recomputed_layers`` reruns of their forward), the output layer's once (``logits``
+    False: a pipeline stage that does not hold it; ``layers`` is then the stage's)."""
     if not 0 <= recomputed_layers <= layers:
         raise ValueError(f"recomputed_layers must be in [0, {layers}], got {recomputed_layers}")
     out = []
     for g in forward_gemms(micro_batch * seq, hidden, vocab_padded, tp, heads=heads, arch=arch):
+        if g.name == "logits" and not logits:
+            continue
         per_batch = 1 if g.name == "logits" else layers
         forward = per_batch + (0 if g.name == "logits" else recomputed_layers)
         out += [Gemm(g.name, g.m, g.k, g.n, forward * micro_batches),

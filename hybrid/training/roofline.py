@@ -17,18 +17,20 @@ GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 CACHE_FILE = "gemm-rates.json"
 
 
-def run_gemms(cfg, tp: int, accumulation: int, model) -> list[Gemm]:
+def run_gemms(cfg, tp: int, accumulation: int, models: list) -> list[Gemm]:
     """The GEMMs one rank of this run executes per iteration (forward, backward, full recompute's
-    forward reruns as the model's recompute plan has them)."""
+    forward reruns as each model's recompute plan has them). ``models``: the model, or with
+    pipeline parallelism this stage's chunks (their layers only; the output layer on the last
+    stage; ``accumulation`` is then the pipeline's micro-batches per step)."""
     m = cfg.model
-    recomputer = getattr(model, "recomputer", None)
-    rerun = sum(n for mode, n in recomputer.plan.counts().items() if mode in FULL_MODES) \
-        if recomputer is not None else 0
+    rerun = sum(n for model in models if model.recomputer is not None
+                for mode, n in model.recomputer.plan.counts().items() if mode in FULL_MODES)
     return training_gemms(micro_batch=cfg.data.micro_batch_size, seq=m.seq_length,
-                          layers=m.num_layers, hidden=m.hidden_size,
-                          vocab_padded=model.config.padded_vocab_size(tp), tp=tp,
+                          layers=sum(len(model.layers) for model in models), hidden=m.hidden_size,
+                          vocab_padded=models[0].config.padded_vocab_size(tp), tp=tp,
                           micro_batches=accumulation, recomputed_layers=rerun,
-                          heads=m.num_attention_heads, arch=m.perf_architecture())
+                          heads=m.num_attention_heads, arch=m.perf_architecture(),
+                          logits=any(model.post_process for model in models))
 
 
 def gemm_bound_time(gemms: list[Gemm], precision: str, device, cache_dir: str | Path) -> float:

@@ -297,7 +297,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                       make_loader=make_loader or make_loader_factory(data, cfg, state),
                       metrics=metrics,
                       throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops,
-                                                 gemm_bound_s=build_roofline(cfg, state, model)),
+                                                 gemm_bound_s=build_roofline(
+                                                     cfg, state, stage.chunks if stage else [model])),
                       rng=rng, train_state=train_state, pipeline=stage,
                       compile_clock=compile_clock)
     if resume and cfg.checkpoint.save == cfg.checkpoint.load:
@@ -305,14 +306,13 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     return trainer
 
 
-def build_roofline(cfg: TrainConfig, state: ParallelState, model) -> float | None:
-    """This rank's GEMM-bound seconds per iteration (hybrid.training.roofline), None with
-    --no-roofline and with pipeline parallelism (the GEMM list is the whole model's; a stage runs
-    a share of the layers and the logits on the last stage only)."""
-    if not cfg.logging.roofline or cfg.parallel.pipeline_model_parallel_size > 1:
+def build_roofline(cfg: TrainConfig, state: ParallelState, models: list) -> float | None:
+    """This rank's GEMM-bound seconds per iteration (hybrid.training.roofline) for ``models`` (the
+    model, or this pipeline stage's chunks), None with --no-roofline."""
+    if not cfg.logging.roofline:
         return None
     from hybrid.training.roofline import gemm_bound_time, run_gemms
-    gemms = run_gemms(cfg, state.tp_size, cfg.grad_accumulation_steps(state.world_size), model)
+    gemms = run_gemms(cfg, state.tp_size, cfg.grad_accumulation_steps(state.world_size), models)
     return gemm_bound_time(gemms, cfg.optimizer.precision, state.device, cfg.data.data_cache_dir)
 
 

@@ -190,7 +190,7 @@ class PipelineRunner:
         """The measured bubble of this stage: idle time over the step time of the whole pipeline
         (the longest stage's, all stages starting together after the previous optimizer step).
         Collective over the PP group (a control all-reduce, not recorded)."""
-        longest = torch.tensor([output.step_time], dtype=torch.float64)
+        longest = torch.tensor([output.step_time], dtype=torch.float64, device=self.state.device)
         with comm.unrecorded(self.state.pp):
             comm.all_reduce(longest, self.state.pp, op="max")
         return output.bubble(float(longest))

@@ -114,12 +114,9 @@ def micro_batches(loader, m: int, device) -> list[tuple[torch.Tensor, torch.Tens
 def pipeline_bubble(stage: PipelineStage, output, state: ParallelState) -> float:
     """The measured bubble of the step: idle time over the pipeline's step time, averaged over the
     stages of this PP column (the quantity of (p - 1) / (v m + p - 1), hybrid.pipeline.schedules).
-    Two control all-reduces over the PP group (the longest step, the stages' bubbles), not in the
-    comm ledger."""
-    longest = torch.tensor([output.step_time], dtype=torch.float64, device=state.device)
+    Two control all-reduces over the PP group (the longest step in :meth:`PipelineRunner.bubble`,
+    then the stages' bubbles), not in the comm ledger."""
+    total = torch.tensor([stage.runner.bubble(output)], dtype=torch.float64, device=state.device)
     with comm.unrecorded(state.pp):
-        comm.all_reduce(longest, state.pp, op="max")
-        total = torch.tensor([output.bubble(float(longest))], dtype=torch.float64,
-                             device=state.device)
         comm.all_reduce(total, state.pp)
     return float(total) / state.pp_size

@@ -145,9 +145,7 @@ def build_compiled_layers(cfg: TrainConfig, models: list):
         return None
     from models.gpt.compile import compile_layers
     cache = Path(cfg.data.data_cache_dir) / "inductor"
-    clock = compile_layers(models[0], cache_dir=cache)
-    for model in models[1:]:   # the first clock counts every compile of the process
-        compile_layers(model, cache_dir=cache)
+    clock = compile_layers(*models, cache_dir=cache)
     log.info("torch.compile: %d transformer layers compile at their first use (inductor, %s), "
              "cache %s", sum(len(m.layers) for m in models), models[0].state.device.type, cache)
     return clock

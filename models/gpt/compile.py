@@ -110,14 +110,15 @@ def _compiled_forward(layer: nn.Module, compiled):
     return forward
 
 
-def compile_layers(model: nn.Module, *, cache_dir: str | Path | None = None) -> CompileClock:
-    """Compile each transformer layer of ``model`` (``model.layers``) in place; returns the clock
-    that accumulates the compile time (compilation happens at the first forward and backward).
-    ``cache_dir``: inductor's cache directory (default: torch's). Idempotent per layer."""
-    check_compile_support(model.state.device)
+def compile_layers(*models: nn.Module, cache_dir: str | Path | None = None) -> CompileClock:
+    """Compile each transformer layer of ``models`` (their ``layers``: a model, or a pipeline
+    stage's chunks) in place; returns the one clock that accumulates the compile time (compilation
+    happens at the first forward and backward). ``cache_dir``: inductor's cache directory (default:
+    torch's). Idempotent per layer."""
+    check_compile_support(models[0].state.device)
     if cache_dir is not None:
         use_cache_dir(cache_dir)
-    for layer in model.layers:
+    for layer in (layer for model in models for layer in model.layers):
         if getattr(layer, "compiled", False):
             continue
         layer.forward = _compiled_forward(layer, torch.compile(layer.forward))

@@ -102,6 +102,7 @@ class Trainer:
                 if self.cfg.checkpoint.save_interval and self._due(self.cfg.checkpoint.save_interval):
                     self._checkpoint(stats)
         _close(loader)
+        self._land_tied_weight()
         if self.ts.iteration >= self.train_iters and self.last_saved_iteration != self.ts.iteration:
             self._checkpoint(stats)
         self.metrics.flush()
@@ -180,8 +181,16 @@ class Trainer:
         self.optimizer.lr = lr
         result = self.optimizer.step()
         if self.pipeline is not None and self.pipeline.tied is not None:
-            self.pipeline.tied.sync_weight()   # the first stage's updated E to the last stage
+            # the first stage's updated E to the last stage, overlapping the next step's start:
+            # the runner lands it before the last stage's first forward (and _land_tied_weight
+            # before a save or the end of training)
+            self.pipeline.tied.sync_weight(wait=False)
         return result
+
+    def _land_tied_weight(self) -> None:
+        """Complete the asynchronous tied-embedding sync of the last step (pipeline only)."""
+        if self.pipeline is not None and self.pipeline.tied is not None:
+            self.pipeline.tied.land_weight()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -209,6 +218,7 @@ class Trainer:
     def save(self) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self._land_tied_weight()
         resume.save(self.cfg.checkpoint.save, self.ts, self.model, self.optimizer, self.state,
                     self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
         self.last_saved_iteration = self.ts.iteration

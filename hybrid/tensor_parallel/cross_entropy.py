@@ -16,21 +16,22 @@ reduction, so the result equals an unpadded ``F.cross_entropy`` and padded colum
 gradient.
 
 Cost on a CPU. A ``[tokens, V/tp]`` fp32 intermediate (16 MiB at 512 x 8192) does not fit in a core's
-L2 cache, so every full-size elementwise pass over it is memory bound. Both passes therefore walk the
-logits in blocks of rows whose fp32 working copy is about one L2 cache (:data:`_BLOCK_ELEMENTS`), and
-read the logits once each:
+L2 cache, so every full-size elementwise pass over it is memory bound. The forward therefore walks the
+logits in blocks of rows whose fp32 working copy is about one L2 cache (:data:`_BLOCK_ELEMENTS`) and
+reads them once: each block gives its rows' local max ``m_r`` and ``S_r = sum exp(z - m_r)``; after
+the max all-reduce, ``S_r * exp(m_r - m)`` rescales them to the global max (the online-softmax
+identity), so the two collectives are unchanged. What backward works from depends on the dtype:
 
-- forward: each block gives its rows' local max ``m_r`` and ``S_r = sum exp(z - m_r)`` in one sweep;
-  after the max all-reduce, ``S_r * exp(m_r - m)`` rescales them to the global max (the online-softmax
-  identity), so the two collectives are unchanged;
-- backward: recomputes ``exp(z - m) * (grad / S)`` block by block, subtracts ``grad`` at the target,
-  and writes the block in the logits' dtype (the fp32 result rounded once).
+- fp32 logits: the forward writes ``exp(z - m_r)`` into a tensor of the logits' size, which autograd
+  keeps (the same bytes as a fp32 softmax); backward scales it by ``grad * exp(m_r - m) / S`` in
+  place, subtracts ``grad`` at the target and returns it (one pass, no new allocation);
+- bf16/fp16 logits: autograd keeps the logits themselves (half the bytes of a fp32 softmax: 8 MiB
+  instead of 16 MiB at 512 x 8192) and two floats a token; backward recomputes
+  ``exp(z - m) * grad / S`` block by block in fp32, subtracts ``grad`` at the target and rounds each
+  block once into the logits' dtype (a mixed-dtype ``mul(out=)`` would take a slow scalar path).
 
-Memory: autograd holds the input logits (which the output layer produced anyway) and two floats a
-token (``m``, ``S``) beside the target index, not a fp32 softmax. With bf16/fp16 logits that halves
-what the loss keeps alive until backward (8 MiB instead of 16 MiB at 512 x 8192); with fp32 logits it
-is the same amount. Because backward only reads what it saved, a second backward through the same
-graph (``retain_graph=True``) returns the same gradient again.
+Because the fp32 backward consumes what it saved, a second backward through the same graph is refused
+with a clear error, in every dtype alike (one contract).
 
 ``exp`` is taken as ``exp2(x * log2 e)``: PyTorch's vectorised ``exp2`` is about three times faster
 than its ``exp`` on CPU, and the extra rounding of ``x * log2 e`` (``x = z - m <= 0``) changes
@@ -41,6 +42,7 @@ gradients round to the same values in all but about 1e-4 of the entries (one uni
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -75,20 +77,25 @@ def _as_fp32(source: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     return source if source.dtype == torch.float32 else work.copy_(source)
 
 
-def _local_max_and_sum(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_max_and_sum(z: torch.Tensor, exps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``z [n, v]`` (any float dtype): its max ``m_r`` and ``sum exp(z - m_r)``, fp32 [n].
 
-    A row of only -inf gets ``m_r`` = the lowest finite float and a sum of 0, so rescaling it to
-    the global max gives 0 instead of NaN.
+    ``exps [n, v]`` fp32, if given, receives ``exp(z - m_r)``; otherwise each block is computed in a
+    scratch buffer. A row of only -inf gets ``m_r`` = the lowest finite float and a sum of 0, so
+    rescaling it to the global max gives 0 instead of NaN.
     """
     n, width = z.shape
     step = _rows_per_block(n, width, z.device)
     row_max = torch.empty(n, 1, device=z.device)                         # [n, 1] fp32
     row_sum = torch.empty(n, device=z.device)                            # [n] fp32
-    buffer = torch.empty(min(step, n), width, device=z.device)           # [rows, v] fp32, in cache
+    if exps is None:   # every block in one scratch buffer [rows, v] fp32, in cache
+        works = itertools.repeat(torch.empty(min(step, n), width, device=z.device))
+    else:
+        works = exps.split(step)
     lowest = torch.finfo(torch.float32).min
-    for block, block_max, block_sum in zip(z.split(step), row_max.split(step), row_sum.split(step)):
-        work = buffer[: block.size(0)]
+    blocks = zip(z.split(step), works, row_max.split(step), row_sum.split(step))
+    for block, work, block_max, block_sum in blocks:
+        work = work[: block.size(0)]
         block = _as_fp32(block, work)
         torch.amax(block, dim=-1, keepdim=True, out=block_max).clamp_min_(lowest)
         torch.sum(_exp_shifted(block, block_max, work), dim=-1, out=block_sum)
@@ -106,8 +113,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n = z.size(0)
         flat_target = target.reshape(-1)
 
+        # fp32 logits: keep exp(z - m_r) [n, V/tp] (the logits' own size, padding columns 0), which
+        # backward turns into the gradient in place; narrower logits are kept themselves (half the
+        # bytes of a fp32 softmax) and backward recomputes the exponentials from them
+        keep_exps = logits.dtype == torch.float32
+        kept = torch.empty(n, local_vocab, device=z.device) if keep_exps else logits
+        exps = kept[:, :valid] if keep_exps else None
+        if keep_exps:
+            kept[:, valid:].zero_()
         if valid:
-            local_max, local_sum = _local_max_and_sum(z)
+            local_max, local_sum = _local_max_and_sum(z, exps)
         else:   # a shard of padding only: it contributes nothing
             local_max = torch.full((n,), float("-inf"), device=z.device)
             local_sum = torch.zeros(n, device=z.device)
@@ -122,25 +137,38 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             target_logit = torch.zeros(n, device=z.device)
         rescale = (local_max - z_max).exp_()                          # [n] <= 1; exactly 1 at tp 1
-        stats = torch.stack([local_sum.mul_(rescale), target_logit])   # [2, n]
+        stats = torch.stack([local_sum * rescale, target_logit])       # [2, n]
         comm.all_reduce(stats, group)
         sum_exp, target_logit = stats[0], stats[1]
 
-        ctx.save_for_backward(logits, z_max, sum_exp, local_target, outside)
-        ctx.valid = valid
+        ctx.save_for_backward(kept, rescale if keep_exps else z_max, sum_exp, local_target, outside)
+        ctx.keep_exps, ctx.valid, ctx.logits_shape, ctx.used = keep_exps, valid, logits.shape, False
         return (torch.log(sum_exp) - target_logit).view(target.shape)   # [...] fp32
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, z_max, sum_exp, local_target, outside = ctx.saved_tensors
-        local_vocab, valid = logits.size(-1), ctx.valid
-        z = logits.reshape(-1, local_vocab)[:, :valid]                  # [n, valid]
-        grad = torch.empty(z.size(0), local_vocab, dtype=logits.dtype, device=logits.device)
+        if ctx.used:
+            raise RuntimeError("a second backward through the vocab-parallel cross-entropy "
+                               "(retain_graph) is not supported: its first backward turned what "
+                               "it saved into the gradient; run the forward again")
+        ctx.used = True
+        kept, shift_or_rescale, sum_exp, local_target, outside = ctx.saved_tensors
+        shape, valid = ctx.logits_shape, ctx.valid
+        grad_loss = grad_loss.reshape(-1).float()                       # [n]
+        target_grad = grad_loss.masked_fill(outside, 0.0)
+        if ctx.keep_exps:    # exp(z - m_r) * grad * exp(m_r - m) / S, in the buffer it came in
+            grad = kept
+            if valid:
+                grad[:, :valid].mul_((grad_loss * shift_or_rescale / sum_exp).unsqueeze(-1))
+                grad[:, :valid].scatter_add_(-1, local_target.unsqueeze(-1), -target_grad.unsqueeze(-1))
+            return grad.view(shape), None, None, None
+        grad = torch.empty(local_target.size(0), shape[-1], dtype=kept.dtype, device=kept.device)
         grad[:, valid:].zero_()                                         # padding columns
         if valid:
-            _write_gradient(grad[:, :valid], z, z_max, grad_loss.reshape(-1).float() / sum_exp,
-                            local_target, grad_loss.reshape(-1).float().masked_fill(outside, 0.0))
-        return grad.view(logits.shape), None, None, None
+            z = kept.reshape(-1, shape[-1])[:, :valid]                  # [n, valid]
+            _write_gradient(grad[:, :valid], z, shift_or_rescale, grad_loss / sum_exp,
+                            local_target, target_grad)
+        return grad.view(shape), None, None, None
 
 
 def _write_gradient(grad, z, z_max, scale, local_target, target_grad):
@@ -151,15 +179,13 @@ def _write_gradient(grad, z, z_max, scale, local_target, target_grad):
     """
     n, width = z.shape
     step = _rows_per_block(n, width, z.device)
-    in_place = grad.dtype == torch.float32
-    buffer = None if in_place else torch.empty(min(step, n), width, device=z.device)
+    buffer = torch.empty(min(step, n), width, device=z.device)          # [rows, v] fp32, in cache
     per_row = (t.unsqueeze(-1).split(step) for t in (z_max, scale, local_target, target_grad.neg()))
     for out, block, shift, factor, column, minus_target in zip(grad.split(step), z.split(step), *per_row):
-        work = out if in_place else buffer[: out.size(0)]
-        _exp_shifted(_as_fp32(block, work), shift, work).mul_(factor)
+        work = buffer[: out.size(0)]
+        _exp_shifted(work.copy_(block), shift, work).mul_(factor)
         work.scatter_add_(-1, column, minus_target)
-        if not in_place:
-            out.copy_(work)
+        out.copy_(work)
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, group: Group, *,

@@ -52,8 +52,9 @@ from hybrid.comm import Group
 
 # Rows per block are chosen so a block of fp32 logits holds about this many elements (2 MiB, one
 # core's L2 cache here). Measured on the benchmark GPT's [512, 8192] and GPT-2 small's [256, 50304]
-# logits, one thread: smaller blocks lose more to the per-operation overhead than they gain in cache
-# hits (64K elements: +40%), and a whole-tensor pass is memory bound (+20% at 16 MiB, x2.5 at 50 MiB).
+# logits, one thread (forward + backward): smaller blocks lose more to the per-operation overhead than
+# they gain in cache hits (64K elements: 40-60% slower), and whole-tensor passes are memory bound
+# (15-30% slower at [512, 8192], 1.8-2.9 times slower at [256, 50304]).
 # Accelerators take all rows at once (one kernel per operation).
 _BLOCK_ELEMENTS = 1 << 19
 _LOG2_E = 1.0 / math.log(2.0)

@@ -1,6 +1,6 @@
-"""The vocab-parallel cross-entropy's backward turns its saved softmax into the gradient in place
-(Megatron does the same): a second backward through the same graph must fail with a clear message
-instead of returning a wrong gradient."""
+"""The vocab-parallel cross-entropy's backward turns what it saved into the gradient in place for fp32
+logits (their exponentials, as Megatron does with its softmax): a second backward through the same
+graph must fail with a clear message, in every dtype alike, instead of returning a wrong gradient."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_second_backward_is_refused(dtype):
     logits = torch.randn(4, 64).to(dtype).requires_grad_()
     target = torch.randint(0, 64, (4,))

@@ -35,6 +35,7 @@ from hybrid.comm import Group
 from hybrid.recompute import checkpoint
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RNGTracker,
                                     RowParallelLinear)
+from models.gpt.attention_core import attention_core
 from models.gpt.config import GPTConfig
 from models.gpt.kv_cache import LayerKVCache
 from models.gpt.rotary import RotaryEmbedding
@@ -123,8 +124,14 @@ class ParallelAttention(nn.Module):
         [b, g/tp, start + s, d] -> [b, a/tp, s, d]; query head j reads key/value head j // (a/g).
         Query i sits at position start + i and sees keys 0 .. start + i (causal). With
         ``attention_softmax_in_fp32`` a bf16/fp16 core runs on fp32 copies and returns the input
-        dtype (on CPU, torch's bf16 attention backward is slower than the fp32 one plus the casts)."""
+        dtype. On CPU the core is :func:`~models.gpt.attention_core.attention_core`, which returns
+        a view of an ``[s, b, a/tp, d]`` tensor (the output projection reads it without a copy);
+        elsewhere torch's SDPA (flash kernels on CUDA)."""
         p = self.p if self.training else 0.0
+        if q.device.type == "cpu":   # explicit products beat SDPA's CPU kernels (attention_core.py)
+            with dropout_stream(self.rng, p > 0, self.tp):
+                return attention_core(q, k, v, start=start, dropout_p=p,
+                                      compute_dtype=torch.float32 if self.core_in_fp32 else None)
         mask = dict(is_causal=True)
         if start:   # queries after cached keys: one query sees all of them, several a causal band
             s, total = q.size(2), k.size(2)

@@ -42,33 +42,43 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: 
     return _Core.apply(q, k, v, start, dropout_p, compute_dtype or q.dtype)
 
 
+def packed_attention_core(qkv: torch.Tensor, *, dropout_p: float = 0.0,
+                          compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The causal core straight from the QKV projection's output viewed ``[s, b, g, r + 2, d]``
+    (per key/value group its r query heads, then key, then value) -> ``[s, b, g r, d]`` in its
+    dtype. Its gradient is one ``[s, b, g, r + 2, d]`` tensor: no zero-filled gradients of the q, k
+    and v slices summed in backward."""
+    if qkv.dim() != 5 or qkv.size(3) < 3:
+        raise ValueError(f"attention core: qkv {tuple(qkv.shape)}: expected [s, b, groups, "
+                         f"query heads per group + 2, d]")
+    return _PackedCore.apply(qkv, dropout_p, compute_dtype or qkv.dtype)
+
+
 # query rows per causal block: with s >= 128 the products skip the keys a block of 64 positions
 # cannot see (at s = 128 a quarter of the work, at 256 three eighths); below that one block
 BLOCK = 64
 
 
-def _rows(x: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tensor:
-    """``[b, n, s, d]`` (any strides) -> contiguous ``[b groups, s (n / groups), d]`` in ``dtype``,
-    rows position-major (a position's heads of one group are adjacent): one copy that also casts."""
-    b, n, s, d = x.shape
-    per_group = n // groups
-    out = torch.empty(b, groups, s, per_group, d, dtype=dtype, device=x.device)
-    out.copy_(x.view(b, groups, per_group, s, d).transpose(2, 3))
-    return out.view(b * groups, s * per_group, d)
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[s, b, g, r, d]`` (any strides) -> contiguous ``[b g, s r, d]`` in ``dtype``, rows
+    position-major (a position's ``r`` heads of one group adjacent): one copy that also casts."""
+    s, b, g, r, d = x.shape
+    out = torch.empty(b, g, s, r, d, dtype=dtype, device=x.device)
+    out.copy_(x.permute(1, 2, 0, 3, 4))
+    return out.view(b * g, s * r, d)
 
 
-def _sbhd(b: int, n: int, s: int, d: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A new ``[s, b, n, d]`` tensor (the projections' layout) that :func:`_put` fills."""
-    return torch.empty(s, b, n, d, dtype=dtype, device=device)
+def _put(out: torch.Tensor, lo: int, x: torch.Tensor) -> None:
+    """Copy rows ``[b g, c r, d]`` of positions ``lo .. lo + c`` (ordered as :func:`_rows` orders
+    them) into ``out [s, b, g, r, d]`` (any strides), casting."""
+    _, b, g, r, d = out.shape
+    c = x.size(1) // r
+    out[lo:lo + c].copy_(x.view(b, g, c, r, d).permute(2, 0, 1, 3, 4))
 
 
-def _put(out: torch.Tensor, lo: int, x: torch.Tensor, groups: int) -> None:
-    """Copy rows ``[b groups, c (n / groups), d]`` of positions ``lo .. lo + c`` (ordered as
-    :func:`_rows` orders them) into ``out [s, b, n, d]``, casting."""
-    s, b, n, d = out.shape
-    c = x.size(1) * groups // n
-    out[lo:lo + c].view(c, b, groups, n // groups, d).copy_(
-        x.view(b, groups, c, n // groups, d).permute(2, 0, 1, 3, 4))
+def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, n, s, d]`` -> its ``[s, b, groups, n / groups, d]`` view."""
+    return x.permute(2, 0, 1, 3).unflatten(2, (groups, -1))
 
 
 def _causal_bias(s: int, per_group: int, t: int, start: int, dtype: torch.dtype,
@@ -87,62 +97,95 @@ def _blocks(s: int, start: int) -> list[tuple[int, int, int]]:
     return [(lo, lo + size, start + lo + size) for lo in range(0, s, size)]
 
 
+def _forward(ctx, q, k, v, start: int, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """The core on q ``[s, b, g, r, d]``, k and v ``[t, b, g, 1, d]`` (any strides) -> a new
+    ``[s, b, g r, d]`` tensor in q's dtype; saves on ``ctx`` what :func:`_backward` needs.
+    ``B = b g`` batches of ``R = s r`` query rows; the causal block of positions ``[lo, hi)`` has
+    the rows ``[lo r, hi r)`` and sees the keys ``[0, start + hi)``."""
+    s, b, g, r, d = q.shape
+    t, scale = k.size(0), 1.0 / math.sqrt(d)
+    qc, kc, vc = _rows(q, dtype), _rows(k, dtype), _rows(v, dtype)     # [B, R, d], [B, t, d]
+    bias = _causal_bias(s, r, t, start, dtype, q.device)                # [R, t]
+    out = torch.empty(s, b, g, r, d, dtype=q.dtype, device=q.device)
+    probs, keeps = [], []
+    for lo, hi, end in _blocks(s, start):
+        rows = slice(lo * r, hi * r)
+        scores = torch.baddbmm(bias[rows, :end], qc[:, rows], kc[:, :end].transpose(1, 2),
+                               alpha=scale)                             # [B, rows, end]
+        probs.append(torch.softmax(scores, dim=-1))
+        dropped = probs[-1]
+        if p > 0.0:
+            dropped, keep = torch.native_dropout(dropped, p, True)      # keep: bool
+            keeps.append(keep)
+        _put(out, lo, torch.bmm(dropped, vc[:, :end]))
+    ctx.save_for_backward(qc, kc, vc, *probs, *keeps)
+    ctx.sizes, ctx.p, ctx.scale, ctx.start = (s, b, g, r), p, scale, start
+    return out.flatten(2, 3)
+
+
+def _backward(ctx, grad: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """From the output's gradient ``[s, b, g, r, d]`` (any strides) write the gradients of q, k
+    and v into ``dq [s, b, g, r, d]``, ``dk`` and ``dv [t, b, g, 1, d]`` (any strides)."""
+    qc, kc, vc, *saved = ctx.saved_tensors
+    (s, b, g, r), p, scale = ctx.sizes, ctx.p, ctx.scale
+    blocks = _blocks(s, ctx.start)
+    probs, keeps = saved[:len(blocks)], saved[len(blocks):]
+    do = _rows(grad, qc.dtype)                                          # [B, R, d]
+    dkc = dvc = None                 # [B, t, d]: the last block sees every key, so it goes first
+    for i, (lo, hi, end) in reversed(list(enumerate(blocks))):
+        rows = slice(lo * r, hi * r)
+        dp = torch.bmm(do[:, rows], vc[:, :end].transpose(1, 2))        # [B, rows, end]
+        dropped = probs[i]
+        if keeps:
+            dropped = torch.ops.aten.native_dropout_backward(probs[i], keeps[i], 1.0 / (1.0 - p))
+            dp = torch.ops.aten.native_dropout_backward(dp, keeps[i], 1.0 / (1.0 - p))
+        ds = torch._softmax_backward_data(dp, probs[i], -1, qc.dtype).mul_(scale)
+        _put(dq, lo, torch.bmm(ds, kc[:, :end]))
+        dk_i = torch.bmm(ds.transpose(1, 2), qc[:, rows])                # [B, end, d]
+        dv_i = torch.bmm(dropped.transpose(1, 2), do[:, rows])
+        if dkc is None:
+            dkc, dvc = dk_i, dv_i
+        else:
+            dkc[:, :end] += dk_i
+            dvc[:, :end] += dv_i
+    _put(dk, 0, dkc)
+    _put(dv, 0, dvc)
+
+
 class _Core(torch.autograd.Function):
-    """See the module docstring; ``B = b g`` batches of ``R = s a/g`` query rows, per causal block
-    of positions ``[lo, hi)`` its rows ``[lo a/g, hi a/g)`` and keys ``[0, start + hi)``."""
+    """q ``[b, a, s, d]``, k and v ``[b, g, t, d]`` -> ``[b, a, s, d]`` (a view of ``[s, b, a, d]``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, start, p, dtype):
-        b, a, s, d = q.shape
-        g, t = k.size(1), k.size(2)
-        r, scale = a // g, 1.0 / math.sqrt(d)
-        qc = _rows(q, dtype, g)                                             # [B, R, d]
-        kc, vc = _rows(k, dtype, g), _rows(v, dtype, g)                     # [B, t, d]
-        bias = _causal_bias(s, r, t, start, dtype, q.device)                # [R, t]
-        out = _sbhd(b, a, s, d, q.dtype, q.device)
-        probs, keeps = [], []
-        for lo, hi, end in _blocks(s, start):
-            rows = slice(lo * r, hi * r)
-            scores = torch.baddbmm(bias[rows, :end], qc[:, rows], kc[:, :end].transpose(1, 2),
-                                   alpha=scale)                             # [B, rows, end]
-            probs.append(torch.softmax(scores, dim=-1))
-            dropped = probs[-1]
-            if p > 0.0:
-                dropped, keep = torch.native_dropout(dropped, p, True)      # keep: bool
-                keeps.append(keep)
-            _put(out, lo, torch.bmm(dropped, vc[:, :end]), g)
-        ctx.save_for_backward(qc, kc, vc, *probs, *keeps)
-        ctx.shape, ctx.p, ctx.scale, ctx.start = (b, a, g, s), p, scale, start
-        return out.permute(1, 2, 0, 3)                                      # [b, a, s, d]
+        g = k.size(1)
+        out = _forward(ctx, _heads(q, g), _heads(k, g), _heads(v, g), start, p, dtype)
+        return out.permute(1, 2, 0, 3)
 
     @staticmethod
     def backward(ctx, grad):
-        qc, kc, vc, *saved = ctx.saved_tensors
-        (b, a, g, s), p, scale = ctx.shape, ctx.p, ctx.scale
-        blocks = _blocks(s, ctx.start)
-        probs, keeps = saved[:len(blocks)], saved[len(blocks):]
-        r, d = a // g, qc.size(2)
-        do = _rows(grad, qc.dtype, g)                                       # [B, R, d]
-        dq = _sbhd(b, a, s, d, grad.dtype, grad.device)
-        dk = dv = None                   # [B, t, d]: the last block sees every key, so it goes first
-        for i, (lo, hi, end) in reversed(list(enumerate(blocks))):
-            rows = slice(lo * r, hi * r)
-            dp = torch.bmm(do[:, rows], vc[:, :end].transpose(1, 2))        # [B, rows, end]
-            dropped = probs[i]
-            if keeps:
-                dropped = torch.ops.aten.native_dropout_backward(probs[i], keeps[i], 1.0 / (1.0 - p))
-                dp = torch.ops.aten.native_dropout_backward(dp, keeps[i], 1.0 / (1.0 - p))
-            ds = torch._softmax_backward_data(dp, probs[i], -1, qc.dtype).mul_(scale)
-            _put(dq, lo, torch.bmm(ds, kc[:, :end]), g)
-            dk_i = torch.bmm(ds.transpose(1, 2), qc[:, rows])                # [B, end, d]
-            dv_i = torch.bmm(dropped.transpose(1, 2), do[:, rows])
-            if dk is None:
-                dk, dv = dk_i, dv_i
-            else:
-                dk[:, :end] += dk_i
-                dv[:, :end] += dv_i
-        dk_out, dv_out = (_sbhd(b, g, dk.size(1), d, grad.dtype, grad.device) for _ in "kv")
-        _put(dk_out, 0, dk, g)
-        _put(dv_out, 0, dv, g)
-        return (dq.permute(1, 2, 0, 3), dk_out.permute(1, 2, 0, 3), dv_out.permute(1, 2, 0, 3),
-                None, None, None)
+        s, b, g, r = ctx.sizes
+        d, t = grad.size(3), ctx.saved_tensors[1].size(1)
+        dq = grad.new_empty(s, b, g, r, d)
+        dk, dv = grad.new_empty(t, b, g, 1, d), grad.new_empty(t, b, g, 1, d)
+        _backward(ctx, _heads(grad, g), dq, dk, dv)
+        return (dq.flatten(2, 3).permute(1, 2, 0, 3), dk.flatten(2, 3).permute(1, 2, 0, 3),
+                dv.flatten(2, 3).permute(1, 2, 0, 3), None, None, None)
+
+
+class _PackedCore(torch.autograd.Function):
+    """qkv ``[s, b, g, r + 2, d]`` (per group its r query heads, then key and value) ->
+    ``[s, b, g r, d]``; its gradient is written straight into one ``[s, b, g, r + 2, d]`` tensor."""
+
+    @staticmethod
+    def forward(ctx, qkv, p, dtype):
+        r = qkv.size(3) - 2
+        return _forward(ctx, qkv[:, :, :, :r], qkv[:, :, :, r:r + 1], qkv[:, :, :, r + 1:], 0, p,
+                        dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, b, g, r = ctx.sizes
+        dqkv = grad.new_empty(s, b, g, r + 2, grad.size(3))
+        _backward(ctx, grad.unflatten(2, (g, r)), dqkv[:, :, :, :r], dqkv[:, :, :, r:r + 1],
+                  dqkv[:, :, :, r + 1:])
+        return dqkv, None, None

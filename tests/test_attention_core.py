@@ -76,14 +76,15 @@ def test_low_precision_as_close_to_fp64_as_sdpa(shape, dtype, compute):
         assert _rel(mine, exact.float()) <= 1.5 * _rel(theirs, exact.float()) + floor
 
 
-def test_dropout_gradient_and_reproducibility():
-    inputs, _ = _inputs(1, 4, 2, 128, 8, 0, torch.float64)
+def test_dropout_gradient_and_reproducibility(monkeypatch):
+    import models.gpt.attention_core as core_module
+    monkeypatch.setattr(core_module, "BLOCK", 4)       # four causal blocks at s = 16: a small gradcheck
+    inputs, _ = _inputs(1, 2, 1, 16, 2, 0, torch.float64)
 
     def core(*x):
         torch.manual_seed(7)   # the same mask on every evaluation of gradcheck
         return attention_core(*x, dropout_p=0.3)
-    small = [x[:, :, :, :4].detach().clone().requires_grad_() for x in inputs]
-    assert torch.autograd.gradcheck(core, small)
+    assert torch.autograd.gradcheck(core, inputs)
     out = core(*inputs)
     assert torch.equal(out, core(*inputs))
     torch.manual_seed(8)

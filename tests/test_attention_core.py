@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.gpt.attention_core import attention_core
+from models.gpt.attention_core import attention_core, packed_attention_core
 
 # (b, query heads, key/value heads, s, d, start): one block, two and four causal blocks (s >= 128),
 # GQA, queries after cached keys (a band; s = 1 sees every key)
@@ -91,9 +91,32 @@ def test_dropout_gradient_and_reproducibility(monkeypatch):
     assert not torch.equal(out, attention_core(*inputs, dropout_p=0.3))
 
 
+@pytest.mark.parametrize("dtype,compute", [(torch.float32, None), (torch.bfloat16, torch.float32)])
+def test_packed_core_equals_the_core_on_views(dtype, compute):
+    """From the QKV output [s, b, g, r + 2, d]: the same output, dropout mask and QKV gradient
+    (bitwise) as the core on its q, k, v views."""
+    s, b, g, r, d = 128, 2, 2, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(s, b, g, r + 2, d, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(s, b, g * r, d, generator=gen).to(dtype)
+
+    def views(x):
+        q = x[:, :, :, :r].reshape(s, b, g * r, d)
+        return [t.permute(1, 2, 0, 3) for t in (q, x[:, :, :, r], x[:, :, :, r + 1])]
+    torch.manual_seed(5)
+    packed = packed_attention_core(qkv, dropout_p=0.2, compute_dtype=compute)
+    (packed_grad,) = torch.autograd.grad(packed, qkv, grad)
+    torch.manual_seed(5)
+    plain = attention_core(*views(qkv), dropout_p=0.2, compute_dtype=compute).permute(2, 0, 1, 3)
+    (plain_grad,) = torch.autograd.grad(plain, qkv, grad)
+    assert torch.equal(packed, plain) and torch.equal(packed_grad, plain_grad)
+
+
 def test_rejects_mismatched_shapes():
     q = torch.randn(1, 4, 8, 16)
     with pytest.raises(ValueError, match="expected k and v"):
         attention_core(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
     with pytest.raises(ValueError, match="expected k and v"):
         attention_core(q, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
+    with pytest.raises(ValueError, match="expected \\[s, b, groups"):
+        packed_attention_core(torch.randn(8, 1, 2, 2, 16))

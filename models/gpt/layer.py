@@ -128,7 +128,8 @@ class ParallelAttention(nn.Module):
     def packed_core(self, qkv: torch.Tensor) -> torch.Tensor:
         """The CPU core straight from the QKV output ``[s, b, g/tp, a/g + 2, d]`` (no rotary, no
         cache): :func:`~models.gpt.attention_core.packed_attention_core` -> ``[s, b, a/tp, d]``,
-        the same values and dropout as :meth:`core` without the q, k, v views' copies."""
+        the same values and dropout mask as :meth:`core`; its backward writes one QKV gradient
+        instead of three zero-filled slice gradients summed by autograd."""
         p = self.p if self.training else 0.0
         with dropout_stream(self.rng, p > 0, self.tp):
             return packed_attention_core(qkv, dropout_p=p, compute_dtype=self._core_dtype())

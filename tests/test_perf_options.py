@@ -71,19 +71,19 @@ def test_gpt2_defaults_unchanged_and_options_move_the_estimates():
         pytest.approx(sbh * (10 + (8 + 8 * 2816 / h) / 2))
 
 
-MEASURED = [("llama", "selective"), ("rope", "selective"), ("gqa", "selective"),
+MEASURED = [("llama", "none"), ("llama", "selective"), ("rope", "none"), ("rope", "selective"),
+            ("gqa", "none"), ("gqa", "selective"),
             ("swiglu", "none"), ("swiglu", "selective"), ("rmsnorm", "none"), ("rmsnorm", "selective")]
 
 
 @pytest.mark.parametrize("name, mode", MEASURED)
 def test_activation_model_equals_measured_bytes(name, mode):
     """Bytes a layer keeps for backward (saved_tensors_hooks, fp32 on CPU, dropout 0.1) equal the
-    activation model through the recompute planner's element sizes. Without recompute, rotary and
-    GQA are measured on the GPU path only: on CPU with dropout SDPA's math path keeps its own
-    scaled copies of q and k instead of the core inputs the model counts (what flash attention keeps)."""
+    activation model through the recompute planner's element sizes, with the CPU attention core's
+    accounting (``cpu_core``)."""
     from hybrid.recompute import ModelDims
     from hybrid.recompute.planner import mode_costs
-    from tests.test_recompute_gpt import _per_layer, _sdpa_excess, _step
+    from tests.test_recompute_gpt import _per_layer, _step
     config = options_config(OPTIONS[name]).replace(hidden_dropout=0.1, attention_dropout=0.1,
                                                    seq_length=32, vocab_size=128)
     state = ParallelState.single_process()
@@ -91,8 +91,8 @@ def test_activation_model_equals_measured_bytes(name, mode):
     got = ref if mode == "none" else _step(state, config, 2, False, mode)
     measured = _per_layer(got, ref, config)["device"]
     d = ModelDims(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
-                  2, mask_bytes=4, arch=config.perf_architecture())
-    expected = mode_costs(d)[mode].device_bytes + _sdpa_excess(d, mode)
+                  2, mask_bytes=4, cpu_core=True, arch=config.perf_architecture())
+    expected = mode_costs(d)[mode].device_bytes
     cos_sin = 2 * config.seq_length * config.head_dim * 4 / config.num_layers   # shared rotary cache
     if config.position_embedding_type == "rope":
         expected += cos_sin

@@ -5,8 +5,8 @@
   the same inputs with the RNGTracker's states restored, so dropout masks are identical);
 * memory: saved-activation bytes per layer and rank (saved_tensors_hooks) agree with the activation
   model (hybrid.perf.activations via the planner's element-size conversion, CPU fp32 dropout masks)
-  within 10% on two GPT shapes - exactly, in fact, once SDPA's math-path copies of q and k are
-  added for "none" (see _sdpa_excess); Pa divides the checkpoint bytes by TP; Pa+cpu moves them to
+  within 10% on two GPT shapes - exactly, in fact, with the CPU attention core's own accounting
+  (``cpu_core``: a bool attention mask, no dropout output kept); Pa divides the checkpoint bytes by TP; Pa+cpu moves them to
   the host tier;
 * communication: Pa adds exactly one all-gather of one [s, b, h] checkpoint per layer to the TP
   ledger (none under SP, where the checkpoint already is a sequence shard).
@@ -107,20 +107,14 @@ def _ranks(rank, world_size, tp):
 
 def _expected(config, mb, tp, sp, name) -> dict[str, float]:
     d = ModelDims(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
-                  mb, tp=tp, sequence_parallel=sp and tp > 1, mask_bytes=4)   # CPU masks are fp32
+                  mb, tp=tp, sequence_parallel=sp and tp > 1, mask_bytes=4,   # CPU masks are fp32
+                  cpu_core=True)
     mode = name.replace("-md", "")
     if mode == "full-k2":   # one checkpoint per 2-layer segment
         segments = -(-config.num_layers // 2)
         return {"device": mode_costs(d)["full"].device_bytes * segments / config.num_layers}
     c = mode_costs(d)[mode]
-    return {"device": c.device_bytes + _sdpa_excess(d, mode), "host": c.host_bytes}
-
-
-def _sdpa_excess(d: ModelDims, mode: str) -> float:
-    """Bytes torch's SDPA keeps beyond the paper's count: with attention dropout on CPU it takes the
-    math path, which saves scaled copies of q and k ([b, a/t, s, d] each) while v, a view of the
-    fused QKV output, keeps that whole output (the paper's Q, K, V) alive: + 2 s b h / t values."""
-    return 2 * d.sbh / d.tp * d.bytes_per_element if mode == "none" else 0.0
+    return {"device": c.device_bytes, "host": c.host_bytes}
 
 
 def _check_memory_and_comm(results, tp):

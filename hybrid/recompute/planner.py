@@ -6,7 +6,9 @@ formulas, 16-bit values and 1-byte dropout masks) converted to the activation el
 bytes scale by ``bytes_per_element / 2``, the masks (two hidden-dropout masks ``sbh``, ``/t`` with SP,
 and the attention-dropout mask ``as²b/t`` unless selective) take ``mask_bytes`` each (1 on CUDA,
 where dropout keeps a bool mask; on CPU torch's dropout keeps a mask in the activation dtype), plus
-the fp32 mean and rstd of the two LayerNorms (``16 sb`` bytes, which the paper neglects). Checkpoints are one
+the fp32 mean and rstd of the two LayerNorms (``16 sb`` bytes, which the paper neglects). The CPU
+attention core (models/gpt/attention_core.py) keeps a bool attention-dropout mask and recomputes the
+dropped probabilities in backward instead of keeping them (``cpu_core``). Checkpoints are one
 ``[s, b, h]`` layer input: :func:`~hybrid.perf.activations.checkpoint_bytes` (``/t`` with Pa, 0 on the
 device with Pa+cpu; under SP already a ``[s/t, b, h]`` shard, never partitioned twice).
 
@@ -56,9 +58,8 @@ class ModelDims:
     mask_bytes: int = 1             # a dropout-mask element: 1 (CUDA bool mask); CPU dropout keeps a
                                     # mask of the activation dtype (bytes_per_element)
     other_bytes: float = 0.0        # activations outside the layers (embedding, logits, loss)
-    core_copies: int = 0            # extra [s, b, h/t] tensors the attention core keeps beyond the
-                                    # paper's count: 2 for torch SDPA's math path (CPU with dropout:
-                                    # scaled copies of q and k), 0 for Megatron's core
+    cpu_core: bool = False          # the CPU attention core: its dropout mask is bool, its dropout
+                                    # output is recomputed, not kept (Megatron's core keeps both)
     arch: Architecture = GPT2       # the model's options (GQA, SwiGLU, RMSNorm, ...)
 
     def __post_init__(self) -> None:
@@ -76,13 +77,12 @@ class ModelDims:
                     bytes_per_element: int = 4, device: str = "cuda",
                     other_bytes: float | None = None) -> "ModelDims":
         """From a :class:`models.gpt.config.GPTConfig` for our GPT model on ``device``'s type. On
-        CPU, dropout masks take the activation dtype and attention with dropout runs SDPA's math
-        path (two extra core copies); on CUDA masks are bool. ``other_bytes`` defaults to the fp32
+        CPU, hidden-dropout masks take the activation dtype and the attention core is the CPU one
+        (``cpu_core``); on CUDA masks are bool. ``other_bytes`` defaults to the fp32
         logits shard the vocab-parallel loss keeps (:func:`~hybrid.perf.activations.logits_bytes`)
         plus four ``sbh`` tensors around the final LayerNorm and the output layer."""
         on_cpu = str(device).startswith("cpu")
         mask_bytes = bytes_per_element if on_cpu else 1
-        core_copies = 2 if on_cpu and config.attention_dropout > 0 else 0
         if other_bytes is None:
             sbh = config.seq_length * micro_batch * config.hidden_size
             vocab = config.padded_vocab_size(tp)
@@ -90,7 +90,7 @@ class ModelDims:
                            + 4 * sbh * bytes_per_element)
         return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                    micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
-                   other_bytes, core_copies, config.perf_architecture())
+                   other_bytes, on_cpu, config.perf_architecture())
 
     @property
     def sbh(self) -> int:
@@ -126,13 +126,19 @@ def layer_activation_bytes(d: ModelDims, recompute: str) -> float:
     t, sp = d.tp, d.sequence_parallel
     b16 = act.activation_bytes_per_layer(d.seq, d.micro_batch, d.hidden, d.heads, tp=t,
                                          sequence_parallel=sp, recompute=recompute, arch=d.arch)
-    masks = 2 * d.sbh / (t if sp else 1)                 # mask elements (1 byte each in b16)
-    if recompute == "none":
-        masks += d.heads * d.seq * d.seq * d.micro_batch / t
+    attention = d.heads * d.seq * d.seq * d.micro_batch / t if recompute == "none" else 0.0  # as²b/t
+    masks = 2 * d.sbh / (t if sp else 1) + attention     # mask elements (1 byte each in b16)
     stats = 1 if d.arch.rmsnorm else 2                   # fp32 rstd (RMSNorm) or mean and rstd
     ln_stats = 2 * stats * 4 * d.seq * d.micro_batch / (t if sp else 1)   # of the 2 norms
-    copies = d.core_copies * d.sbh / t * d.bytes_per_element if recompute == "none" else 0.0
-    return (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats + copies
+    value = (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats
+    if d.cpu_core:   # a bool attention mask, and no dropout output (as²b/t values) kept
+        value += attention * (1 - d.mask_bytes) - attention * d.bytes_per_element
+        # its own copies of q, k, v are the paper's Q, K, V: nothing beside them (core_input_copies)
+        # unless selective recompute of a rotary core keeps the core's inputs
+        if recompute == "none" or d.arch.learned_positions:
+            copies = d.arch.core_input_copies(d.hidden, d.heads)
+            value -= copies * d.sbh / t * d.bytes_per_element / 2
+    return value
 
 
 def mode_costs(d: ModelDims, cost: CostModel = CostModel()) -> dict[str, ModeCost]:

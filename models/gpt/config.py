@@ -81,8 +81,8 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = _help("an output layer of its own, not the "
                                                       "word embedding", default=False)
     attention_softmax_in_fp32: bool = _help("run the attention core (q k^T, softmax, x v) in fp32 "
-                                            "when the model is bf16 or fp16: more exact, and on "
-                                            "CPU faster than bf16 attention's backward",
+                                            "when the model is bf16 or fp16 (on CPU slower than "
+                                            "the bf16 core)",
                                             default=False)
 
     def __post_init__(self) -> None:

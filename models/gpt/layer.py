@@ -35,6 +35,7 @@ from hybrid.comm import Group
 from hybrid.recompute import checkpoint
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RNGTracker,
                                     RowParallelLinear)
+from models.gpt.attention_core import attention_core, packed_attention_core
 from models.gpt.config import GPTConfig
 from models.gpt.kv_cache import LayerKVCache
 from models.gpt.rotary import RotaryEmbedding
@@ -103,6 +104,12 @@ class ParallelAttention(nn.Module):
         s, b, _ = qkv.shape
         per_group = self.local_heads // self.local_groups                   # query heads per group
         qkv = qkv.view(s, b, self.local_groups, per_group + 2, self.head_dim)
+        if cache is None and self.rotary is None and qkv.device.type == "cpu":
+            if self.recompute_core:
+                y = _checkpoint_eagerly(self.packed_core, qkv, rng=self.rng)
+            else:
+                y = self.packed_core(qkv)                                   # [s, b, a/tp, d]
+            return self.proj(y.view(s, b, -1))                              # [s(/tp), b, h]
         q = qkv[:, :, :, :per_group].reshape(s, b, self.local_heads, self.head_dim)  # [s, b, a/tp, d]
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]         # [s, b, g/tp, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))               # [b, heads, s, d]
@@ -118,13 +125,31 @@ class ParallelAttention(nn.Module):
         y = y.permute(2, 0, 1, 3).reshape(s, b, -1)                          # [s, b, h/tp]
         return self.proj(y)                                                 # [s(/tp), b, h]
 
+    def packed_core(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The CPU core straight from the QKV output ``[s, b, g/tp, a/g + 2, d]`` (no rotary, no
+        cache): :func:`~models.gpt.attention_core.packed_attention_core` -> ``[s, b, a/tp, d]``,
+        the same values and dropout mask as :meth:`core`; its backward writes one QKV gradient
+        instead of three zero-filled slice gradients summed by autograd."""
+        p = self.p if self.training else 0.0
+        with dropout_stream(self.rng, p > 0, self.tp):
+            return packed_attention_core(qkv, dropout_p=p, compute_dtype=self._core_dtype())
+
+    def _core_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.core_in_fp32 else None
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v with attention dropout: q [b, a/tp, s, d], k and v
         [b, g/tp, start + s, d] -> [b, a/tp, s, d]; query head j reads key/value head j // (a/g).
         Query i sits at position start + i and sees keys 0 .. start + i (causal). With
         ``attention_softmax_in_fp32`` a bf16/fp16 core runs on fp32 copies and returns the input
-        dtype (on CPU, torch's bf16 attention backward is slower than the fp32 one plus the casts)."""
+        dtype. On CPU the core is :func:`~models.gpt.attention_core.attention_core`, which returns
+        a view of an ``[s, b, a/tp, d]`` tensor (the output projection reads it without a copy);
+        elsewhere torch's SDPA (flash kernels on CUDA)."""
         p = self.p if self.training else 0.0
+        if q.device.type == "cpu":   # explicit products beat SDPA's CPU kernels (attention_core.py)
+            with dropout_stream(self.rng, p > 0, self.tp):
+                return attention_core(q, k, v, start=start, dropout_p=p,
+                                      compute_dtype=self._core_dtype())
         mask = dict(is_causal=True)
         if start:   # queries after cached keys: one query sees all of them, several a causal band
             s, total = q.size(2), k.size(2)

@@ -254,6 +254,8 @@ def _setup(setup: dict) -> None:
     warnings.filterwarnings("ignore")
     PEER_MODEL["name"], DP_TRANSPORT["name"] = setup["peer_model"], setup["dp_transport"]
     DIMS.update(setup["dims"])
+    from hybrid.processes import keep_freed_memory
+    keep_freed_memory()   # as the trainer does; process-wide, so every variant steps with it
 
 
 def _build(rank, world, names, setup):

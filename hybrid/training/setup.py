@@ -25,6 +25,7 @@ from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import describe_group, nodes_of
+from hybrid.processes import keep_freed_memory
 from hybrid.training.config import TrainConfig
 from hybrid.training.exit import SetupSignals
 from hybrid.training.liveness import Liveness
@@ -388,6 +389,7 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     gone raises :class:`~hybrid.training.liveness.PeersLostError` naming them (and their host)
     instead of gloo's address and port."""
     env = env if env is not None else LaunchEnv.from_environ()
+    keep_freed_memory()   # steps reuse their temporaries' pages instead of faulting them in
     with SetupSignals() as signals:   # a stop signal before training: nothing to save, stop now
         check_save_dir(cfg)
         check_output_dirs(cfg)

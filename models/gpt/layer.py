@@ -37,6 +37,7 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RN
                                     RowParallelLinear)
 from models.gpt.attention_core import attention_core, packed_attention_core
 from models.gpt.config import GPTConfig
+from models.gpt.gelu import gelu_tanh
 from models.gpt.kv_cache import LayerKVCache
 from models.gpt.rotary import RotaryEmbedding
 
@@ -187,7 +188,7 @@ class ParallelMLP(nn.Module):
         if self.swiglu:
             gate, up = y.view(*y.shape[:-1], -1, 2).unbind(dim=-1)  # [s, b, f/tp] each
             return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(y, approximate="tanh"))
+        return self.fc2(gelu_tanh(y))
 
 
 class TransformerLayer(nn.Module):

@@ -45,8 +45,9 @@ run one after another, each in fresh rank processes (``--sequential``; they do n
 together), so its ratios are of medians taken at different times. ``--compile`` adds torch.compile'd variants: DDP and FSDP2
 (torch.compile of the wrapped model), DeepSpeed (``engine.compile()``) and ours (regional compile
 of each layer, models.gpt.compile) where this checkout has it, else skipped with the reason
-printed. Every variant's GPTModel runs its attention core in fp32 under bf16
-(``--attention-softmax-in-fp32``; ``--no-attention-fp32`` turns it off for all).
+printed. Every variant's GPTModel runs its attention core in the model's dtype (on CPU the bf16
+core of models/gpt/attention_core.py is faster than a fp32 one and as close to the fp32 model);
+``--attention-fp32`` runs it in fp32 for all (``--attention-softmax-in-fp32``).
 
 Run:  python benchmarks/zero_vs_peers.py [--size benchmark|gpt2-small] [--steps N] [--only NAME ...]
                                         [--no-deepspeed] [--compile] [--peer-model ours|reference]
@@ -325,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
     parser.add_argument("--compile", action="store_true",
                         help="add the torch.compile'd variants (ours where this checkout can)")
-    parser.add_argument("--attention-fp32", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--attention-fp32", action=argparse.BooleanOptionalAction, default=False,
                         help="every variant's GPTModel with --attention-softmax-in-fp32")
     parser.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=None,
                         help="variants one after another, each in fresh rank processes, instead of "

@@ -8,6 +8,7 @@ difference being its own. Storages are counted once, by data pointer.
 from __future__ import annotations
 
 import gc
+import weakref
 
 
 def live_storages() -> dict[int, int]:
@@ -16,6 +17,8 @@ def live_storages() -> dict[int, int]:
     import torch
     out = {}
     for obj in gc.get_objects():
+        if isinstance(obj, weakref.ProxyTypes):   # isinstance on a dead proxy raises
+            continue
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
             try:
                 storage = obj.untyped_storage()

@@ -50,7 +50,8 @@ class _GeluTanh16(torch.autograd.Function):
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")``; bf16/fp16 through :class:`_GeluTanh16` (module docstring)."""
-    if x.dtype in (torch.bfloat16, torch.float16):
+    """``F.gelu(x, approximate="tanh")``; bf16/fp16 on CPU through :class:`_GeluTanh16` (module
+    docstring; CUDA keeps torch's kernel, which does its math in fp32 registers in one pass)."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
         return _GeluTanh16.apply(x)
     return F.gelu(x, approximate="tanh")

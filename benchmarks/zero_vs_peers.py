@@ -219,7 +219,7 @@ def _variants(deepspeed: bool, compiled: bool = False) -> dict:
     """Every variant by name; ``compiled`` adds the torch.compile'd ones: ours (regional, per
     layer) where this checkout has models.gpt.compile, DDP and FSDP2 (torch.compile of the
     wrapped model; not ZeroRedundancyOptimizer, whose DDP is the same) and DeepSpeed's
-    engine.compile()."""
+    engine.compile() at ZeRO-1 and 2 (not 3, which fails to trace)."""
     modes = (False, True) if compiled else (False,)
     tag = lambda c: " compiled" if c else ""   # noqa: E731
     out = {f"ours stage {s}{tag(c)} {p}": (_ours, (s, p, c)) for c in modes
@@ -228,9 +228,10 @@ def _variants(deepspeed: bool, compiled: bool = False) -> dict:
              ("FSDP2 reshard=True", "fsdp2_reshard"), ("FSDP2 reshard=False", "fsdp2_keep"))
     out.update({f"{name}{tag(c)} {p}": (_peer, (kind, p, c)) for c in modes
                 for p in ("fp32", "bf16") for name, kind in peers if not (c and kind == "zero1")})
-    if deepspeed:
+    if deepspeed:   # ZeRO-3's engine.compile() fails in dynamo on CPU here: its partitioned
+        # parameters are empty tensors in the trace (the position embedding adds a [0, 1] shape)
         out.update({f"DeepSpeed ZeRO-{s}{tag(c)} {p}": (_deepspeed, (s, p, c)) for c in modes
-                    for p in ("fp32", "bf16") for s in (1, 2, 3)})
+                    for p in ("fp32", "bf16") for s in (1, 2, 3) if not (c and s == 3)})
     return out
 
 

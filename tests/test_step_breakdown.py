@@ -19,6 +19,10 @@ def test_categorize_by_name_and_enclosing_range():
         == "attention core"
     assert categorize(ProfiledOp("aten::bmm", 1.0, ("aten::scaled_dot_product_attention",))) \
         == "attention core"                          # the math kernel's products stay attention
+    assert categorize(ProfiledOp("## Call CompiledFxGraph fbd74ohd ##", 1.0, ())) \
+        == "elementwise/norm/activation"             # inductor's fused kernels
+    for around in ("_PackedCore", "autograd::engine::evaluate_function: _CoreBackward"):
+        assert categorize(ProfiledOp("aten::bmm", 1.0, (around,))) == "attention core"
     assert categorize(ProfiledOp("aten::copy_", 1.0, ("aten::_to_copy", "aten::to"))) == "casts"
     assert categorize(ProfiledOp("aten::copy_", 1.0, ("aten::clone",))) \
         == "elementwise/norm/activation"             # a same-dtype copy is memory traffic

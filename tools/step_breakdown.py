@@ -12,10 +12,12 @@ The config's ``world_size`` (TP x DP) ranks run on this machine as gloo processe
 - communication: inside hybrid.comm's collectives and their handles' ``wait`` (gloo or shared
   memory; a rank waiting for a slower peer counts here);
 - GEMMs: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` ...;
-- attention core: the fused attention kernels (``scaled_dot_product_*``, flash / efficient / math);
+- attention core: the fused attention kernels (``scaled_dot_product_*``, flash / efficient / math)
+  and the CPU core of models/gpt/attention_core.py, with every op inside them;
 - casts: dtype conversions (``to`` / ``_to_copy`` and the copies inside them);
 - elementwise / norm / activation: every other aten op that computes (LayerNorm, GELU, residual
-  adds, softmax and the cross-entropy's reductions, embedding, gradient accumulation, fills);
+  adds, softmax and the cross-entropy's reductions, embedding, gradient accumulation, fills), and
+  with ``--compile`` the fused kernels inductor generated for the layers;
 - framework overhead (rest): the step's wall time less all of the above - Python, autograd and
   dispatch, tensor metadata ops (views, ``empty``), and the profiler's own cost.
 
@@ -38,7 +40,10 @@ OPTIMIZER_RANGE = "breakdown::optimizer"
 COMM_PREFIX = "breakdown::comm."
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::addmv",
             "aten::mv", "aten::_addmm_activation", "aten::_int_mm", "aten::dot"}
-ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "_cudnn_attention")
+# SDPA's kernels, and the CPU core of models/gpt/attention_core.py (its autograd Functions' forward
+# and backward ranges: "_Core", "_PackedCore", "..Backward")
+ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "_cudnn_attention",
+                   "_Core", "_PackedCore")
 CAST_OPS = {"aten::to", "aten::_to_copy"}
 # aten ops that only create or reshape tensor metadata: their self time is dispatch overhead
 METADATA_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::view",
@@ -50,6 +55,7 @@ METADATA_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten:
                 "aten::contiguous", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
                 "aten::result_type", "aten::set_", "aten::resize_", "aten::numpy_T",
                 "aten::view_as", "aten::expand_as", "aten::squeeze_", "aten::unsqueeze_"}
+COMPILED_GRAPH_MARK = "CompiledFxGraph"   # the profiler's range around a compiled graph's kernels
 COMM_MARKS = ("gloo", "c10d::", "nccl", "record_param_comms")
 
 
@@ -76,6 +82,8 @@ def categorize(op: ProfiledOp) -> str | None:
         return "GEMMs"
     if op.name in CAST_OPS or (op.name == "aten::copy_" and any(a in CAST_OPS for a in around)):
         return "casts"
+    if COMPILED_GRAPH_MARK in op.name:   # --compile: the self time of a compiled graph's call is
+        return "elementwise/norm/activation"   # inductor's fused kernels (its GEMMs are aten ops)
     if op.name.startswith("aten::") and op.name not in METADATA_OPS:
         return "elementwise/norm/activation"
     return None

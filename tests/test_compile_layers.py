@@ -1,6 +1,7 @@
 """Regional torch.compile of the transformer layers (models/gpt/compile.py) trains like eager: the same
 tiny GPT, data and ZeRO engine, 5 steps eager then 5 steps compiled on the same ranks, losses and
-final parameters compared (fp32 rtol 1e-5; bf16 within BF16_RTOL, see docs/compile.md), across TP 1/2
+final parameters compared (fp32 rtol 1e-5; 16-bit losses within BF16_RTOL and each
+parameter tensor within BF16_RTOL relative distance, see docs/compile.md), across TP 1/2
 (TP 2 with sequence parallelism) x ZeRO stages 0-3 x recompute modes. The comm ledger is identical
 (the TP collectives graph-break and run eagerly, once each), and so is ZeRO-3's trace of gathers,
 releases and reductions (its hooks stay on the layer modules, neither bypassed nor doubled).
@@ -101,8 +102,13 @@ def _compiled_vs_eager(rank, world_size, tp, sequence_parallel, cases, cache_dir
                                    atol=atol, msg=lambda m: f"{what} losses: {m}")
         assert compiled[1].keys() == eager[1].keys()
         for name, p in eager[1].items():
-            torch.testing.assert_close(compiled[1][name], p, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{what} {name}: {m}")
+            if precision == "fp32":
+                torch.testing.assert_close(compiled[1][name], p, rtol=rtol, atol=atol,
+                                           msg=lambda m: f"{what} {name}: {m}")
+            else:   # per tensor: AdamW turns an ulp-level sign flip of a near-zero gradient
+                # into a full lr step of one element, so elements are not compared one by one
+                gap = float((compiled[1][name] - p).norm() / p.norm().clamp_min(1e-12))
+                assert gap <= BF16_RTOL, f"{what} {name}: relative distance {gap:.3g}"
         assert compiled[2] == eager[2], f"{what}: the TP/DP collectives differ under compile"
         assert compiled[3] == eager[3], f"{what}: ZeRO-3's hooks ran differently under compile"
     return len(cases)

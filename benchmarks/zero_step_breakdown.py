@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,29 +22,14 @@ def _rank(rank, world, size, stage, precision, compiled, steps):
     import torch
     from benchmarks import zero_vs_peers as bench
     from benchmarks.step_roofline import SIZES
-    from tools import step_breakdown as sb
+    from tools.step_breakdown import profile_steps
     bench._setup({"peer_model": "ours", "dp_transport": "auto",
                   "dims": {**SIZES[size], "attention_fp32": False}})
     torch.set_num_threads(1)
     step, _ = bench._ours(rank, world, stage, precision, compiled)
-    warmup, timed = 5, 9
-    batches = bench._batches(rank, warmup + timed + steps)
-    for tokens, labels in batches[:warmup]:
-        step(tokens, labels)
-    plain = []
-    for tokens, labels in batches[warmup:warmup + timed]:
-        start = time.perf_counter()
-        step(tokens, labels)
-        plain.append(time.perf_counter() - start)
-    with sb.labelled(types.SimpleNamespace(optimizer=step.optimizer)), torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for tokens, labels in batches[warmup + timed:]:
-            step(tokens, labels)
-        profiled = (time.perf_counter() - start) / steps
-    parts = sb.breakdown(sb.profiled_ops(prof), profiled * steps * 1e6)
-    return {"step_s": profiled, "unprofiled_step_s": min(plain),
-            "parts_s": {k: v / steps / 1e6 for k, v in parts.items()}}
+    warmup = 5
+    batches = iter(bench._batches(rank, warmup + 2 * steps))
+    return profile_steps(lambda: step(*next(batches)), step.optimizer, warmup=warmup, steps=steps)
 
 
 def main() -> None:
@@ -67,7 +50,7 @@ def main() -> None:
                                           args.steps), timeout=1800)[0]
     result.update(gemm_bound_s=gemm_bound_ms(SIZES[args.size], args.precision) / 1e3,
                   precision=args.precision, world=2, tp=1, dp=2, zero_stage=args.stage)
-    print(report(result).replace("an unprofiled step", "the fastest unprofiled step"))
+    print(report(result))
     print("(with --compile, GEMMs include the attention core's products: they run inside the "
           "compiled layer, whose own kernels count as elementwise)" if args.compile else "")
 

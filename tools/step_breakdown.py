@@ -114,8 +114,8 @@ def profiled_ops(prof) -> list[ProfiledOp]:
 
 
 @contextmanager
-def labelled(trainer):
-    """The optimizer step and hybrid.comm's collectives (and their handles' waits) inside named
+def labelled(optimizer):
+    """``optimizer``'s step and hybrid.comm's collectives (and their handles' waits) inside named
     profiler ranges, for :func:`categorize`; undone on exit."""
     import torch
     from hybrid import comm
@@ -130,7 +130,7 @@ def labelled(trainer):
             return _RangedHandle(handle, name) if hasattr(handle, "wait") else handle
         return call
 
-    step = trainer.optimizer.step
+    step = optimizer.step
 
     def optimizer_step(*args, **kwargs):
         with torch.profiler.record_function(OPTIMIZER_RANGE):
@@ -138,13 +138,13 @@ def labelled(trainer):
 
     for name, fn in originals.items():
         setattr(comm, name, ranged(name, fn))
-    trainer.optimizer.step = optimizer_step
+    optimizer.step = optimizer_step
     try:
         yield
     finally:
         for name, fn in originals.items():
             setattr(comm, name, fn)
-        del trainer.optimizer.step
+        del optimizer.step
 
 
 class _RangedHandle:
@@ -162,6 +162,31 @@ class _RangedHandle:
         return getattr(self._handle, attr)
 
 
+def profile_steps(step, optimizer, *, warmup: int, steps: int, barrier=lambda: None) -> dict:
+    """``warmup`` calls of ``step()``, ``steps`` timed ones, then ``steps`` under the profiler with
+    ``optimizer.step`` and hybrid.comm's collectives labelled: the mean profiled and unprofiled step
+    seconds and the profiled steps' seconds per category. ``barrier`` lines the ranks up before
+    each timed part."""
+    import torch
+    for _ in range(warmup):
+        step()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    plain = (time.perf_counter() - start) / steps
+    barrier()
+    with labelled(optimizer), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        profiled = (time.perf_counter() - start) / steps
+    parts = breakdown(profiled_ops(prof), profiled * steps * 1e6)
+    return {"step_s": profiled, "unprofiled_step_s": plain,
+            "parts_s": {k: v / steps / 1e6 for k, v in parts.items()}}
+
+
 def _rank_main(rank, world, argv, steps, warmup, threads):
     import logging
     import torch
@@ -175,26 +200,11 @@ def _rank_main(rank, world, argv, steps, warmup, threads):
     trainer = build_trainer(cfg, state)
     loader = trainer.make_loader("train", 0)
     lr = trainer.schedule(0)
-    for _ in range(warmup):
-        trainer.train_step(loader, lr)
-    comm_barrier(state)
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step(loader, lr)
-    plain = (time.perf_counter() - start) / steps
-    comm_barrier(state)
-    with labelled(trainer), torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step(loader, lr)
-        profiled = (time.perf_counter() - start) / steps
-    ops = profiled_ops(prof)
-    parts = {k: v / steps / 1e6 for k, v in breakdown(ops, profiled * steps * 1e6).items()}
-    return {"step_s": profiled, "unprofiled_step_s": plain, "parts_s": parts,
-            "gemm_bound_s": trainer.throughput.gemm_bound_s, "precision": cfg.optimizer.precision,
-            "world": world, "tp": state.tp_size, "dp": state.dp_size,
-            "zero_stage": cfg.parallel.zero_stage}
+    result = profile_steps(lambda: trainer.train_step(loader, lr), trainer.optimizer,
+                           warmup=warmup, steps=steps, barrier=lambda: comm_barrier(state))
+    return {**result, "gemm_bound_s": trainer.throughput.gemm_bound_s,
+            "precision": cfg.optimizer.precision, "world": world, "tp": state.tp_size,
+            "dp": state.dp_size, "zero_stage": cfg.parallel.zero_stage}
 
 
 def comm_barrier(state) -> None:

@@ -1,7 +1,7 @@
 """Regional torch.compile of the transformer layers (models/gpt/compile.py) trains like eager: the same
 tiny GPT, data and ZeRO engine, 5 steps eager then 5 steps compiled on the same ranks, losses and
-final parameters compared (fp32 rtol 1e-5; 16-bit losses within BF16_RTOL and each
-parameter tensor within BF16_RTOL relative distance, see docs/compile.md), across TP 1/2
+final parameters compared (fp32 rtol 1e-5; 16-bit within BF16_RTOL but for isolated AdamW
+sign flips, see docs/compile.md), across TP 1/2
 (TP 2 with sequence parallelism) x ZeRO stages 0-3 x recompute modes. The comm ledger is identical
 (the TP collectives graph-break and run eagerly, once each), and so is ZeRO-3's trace of gathers,
 releases and reductions (its hooks stay on the layer modules, neither bypassed nor doubled).
@@ -35,6 +35,7 @@ from tests.training_helpers import SEQ, make_trainer, tiny_args
 
 STEPS, INIT_SEED = 5, 11
 BF16_RTOL = 2e-2          # bf16 keeps 8 mantissa bits: fused vs unfused rounding differs by ulps
+BF16_OUTLIERS = 1e-3      # share of 16-bit parameter elements allowed beyond BF16_RTOL (sign flips)
 
 
 class CompileTask(GPTTask):
@@ -101,17 +102,28 @@ def _compiled_vs_eager(rank, world_size, tp, sequence_parallel, cases, cache_dir
         torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(eager[0]), rtol=rtol,
                                    atol=atol, msg=lambda m: f"{what} losses: {m}")
         assert compiled[1].keys() == eager[1].keys()
-        for name, p in eager[1].items():
-            if precision == "fp32":
+        if precision == "fp32":
+            for name, p in eager[1].items():
                 torch.testing.assert_close(compiled[1][name], p, rtol=rtol, atol=atol,
                                            msg=lambda m: f"{what} {name}: {m}")
-            else:   # per tensor: AdamW turns an ulp-level sign flip of a near-zero gradient
-                # into a full lr step of one element, so elements are not compared one by one
-                gap = float((compiled[1][name] - p).norm() / p.norm().clamp_min(1e-12))
-                assert gap <= BF16_RTOL, f"{what} {name}: relative distance {gap:.3g}"
+        else:
+            _assert_16bit_parameters_close(compiled[1], eager[1], what)
         assert compiled[2] == eager[2], f"{what}: the TP/DP collectives differ under compile"
         assert compiled[3] == eager[3], f"{what}: ZeRO-3's hooks ran differently under compile"
     return len(cases)
+
+
+def _assert_16bit_parameters_close(compiled: dict, eager: dict, what: str) -> None:
+    """Every parameter within BF16_RTOL (rtol and atol) but for isolated elements, at most
+    BF16_OUTLIERS of them: AdamW turns an ulp-level sign flip of a near-zero gradient element into
+    a whole learning-rate step of that element (measured: 1 of 4,096 in ``fc1.weight``); and the
+    whole model within BF16_RTOL relative distance. A wrong graph moves far more than that."""
+    c = torch.cat([compiled[name].flatten() for name in eager])
+    e = torch.cat([p.flatten() for p in eager.values()])
+    outliers = int((~torch.isclose(c, e, rtol=BF16_RTOL, atol=BF16_RTOL)).sum())
+    assert outliers <= BF16_OUTLIERS * e.numel(), f"{what}: {outliers} of {e.numel()} elements apart"
+    gap = float((c - e).norm() / e.norm())
+    assert gap <= BF16_RTOL, f"{what}: parameters at relative distance {gap:.3g}"
 
 
 def _run(tp, cases, cache_dir, world_size=2, sequence_parallel=False):

@@ -19,14 +19,13 @@ each when interleaved, over the p v - 1 boundaries of the virtual pipeline), eac
 
 Gradients: the ZeRO engine (stages 0-2) is told each backward with ``engine.backward``; it counts
 them (``gradient_accumulation_steps`` must be m v, the backwards of this stage per step) and reduces
-over DP once per step as it already does for gradient accumulation: stages 0 and 1 in the
-step's last backward, stage 2 in every backward (it keeps no full gradient), and with interleaving
-each of those reduces every bucket, also those of the chunks the backward did not touch (their
-gradients reduce as zeros: v times stage 2's volume; an engine per chunk would avoid it). The last virtual stage's
-backward starts from its loss (multiplied by the loss scale), every other from the received
-gradient (already scaled). The tied embedding's gradient goes from the last stage to the first
-before the first stage's last backward (:mod:`hybrid.pipeline.tied`), sent from a hook as soon as
-the last stage's final backward has produced it, so it travels during the rest of that backward.
+over DP once per step, in the step's last backward, as it does for gradient accumulation (stage 2
+runs as stage 1 under pipeline parallelism: :func:`hybrid.zero.config.stage_with_pipeline`). The
+last virtual stage's backward starts from its loss (multiplied by the loss scale), every other from
+the received gradient (already scaled). The tied embedding's gradient goes from the last stage to
+the first before the first stage's last backward (:mod:`hybrid.pipeline.tied`), sent from a hook as
+soon as the last stage's final backward has produced it, so it travels during the rest of that
+backward.
 
 Per-step costs kept off the critical path: receive buffers come from a free list (an activation's
 is reused after the backward that consumed it, a gradient's after its backward), the last stage's

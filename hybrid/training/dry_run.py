@@ -15,7 +15,8 @@ With pipeline parallelism the rank holds its stage's model chunks only (their pa
 from the meta-built chunks), the activations of the micro-batches its schedule keeps in flight
 (1F1B: p - stage, GPipe: m, interleaved: the schedule's chunk count / v; hybrid.pipeline.schedules)
 through its L / p layers, and the logits on the last stage only; its point-to-point bytes are the
-activations and gradients it sends per step.
+activations and gradients it sends per step. ZeRO stage 2 with PP is counted as stage 1, which the
+engine runs instead (:func:`hybrid.zero.config.stage_with_pipeline`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hybrid.perf.model_states import dp_communication_elements, model_state_byte
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig, TrainConfigError
+from hybrid.zero.config import stage_with_pipeline
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -62,19 +64,20 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     param_bytes = _BYTES[o.precision]
     mixed = o.precision != "fp32"
     shard, intra, inter = _host_split(cfg, state)
-    states = model_state_bytes(float(psi_rank), p.zero_stage, shard.size, param_bytes=param_bytes,
+    zero_stage = stage_with_pipeline(p.zero_stage, state.pp_size)   # the engine's stage
+    states = model_state_bytes(float(psi_rank), zero_stage, shard.size, param_bytes=param_bytes,
                                grad_bytes=param_bytes, optimizer_bytes_per_param=12 if mixed else 8,
                                master_bytes_per_param=4 if mixed else 0).as_dict()
     if p.zero_hpz:
         states["params_16bit_secondary"] = param_bytes * psi_rank / intra.size
         states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
-    if p.zero_stage and (p.zero_hybrid_shard or p.zero_hpz):
+    if zero_stage and (p.zero_hybrid_shard or p.zero_hpz):
         comm_bytes, dp_cross = zero_dp_bytes_per_step(
-            float(psi_rank) * param_bytes, p.zero_stage, state.dp.ranks, topology.gpus_per_node,
+            float(psi_rank) * param_bytes, zero_stage, state.dp.ranks, topology.gpus_per_node,
             intra=intra.ranks, inter=inter.ranks, hybrid_shard=p.zero_hybrid_shard, hpz=p.zero_hpz)
     else:
-        comm_bytes = (dp_communication_elements(float(psi_rank), p.zero_stage) * (dp - 1) / dp
+        comm_bytes = (dp_communication_elements(float(psi_rank), zero_stage) * (dp - 1) / dp
                       * param_bytes)
         dp_cross = comm_bytes * _ring_cross(state.dp.ranks, topology)
     global_batch = cfg.global_batch(world)
@@ -87,12 +90,12 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     estimate = device_memory(layers=stage_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                              seq=m.seq_length, vocab=gcfg.vocab_size,
                              micro_batch=cfg.data.micro_batch_size,
-                             tp=state.tp_size, dp=dp, stage=p.zero_stage,
+                             tp=state.tp_size, dp=dp, stage=zero_stage,
                              recompute="full" if mode.startswith("full") else mode,
                              sequence_parallel=p.sequence_parallel,
                              partition_activations=mode.startswith("full-pa"),
                              cpu_offload=mode == "full-pa-cpu",
-                             bucket_elements=p.zero_bucket_size if p.zero_stage else None,
+                             bucket_elements=p.zero_bucket_size if zero_stage else None,
                              arch=arch["arch"])
     flight = _micro_batches_held(pcfg, state.pp_rank)
     full = mode.startswith("full")

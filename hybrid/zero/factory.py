@@ -15,11 +15,14 @@ stage  engine                        partitioned across DP
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from torch import nn
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
-from hybrid.zero.config import ZeroConfig
+from hybrid.zero.config import ZeroConfig, stage_with_pipeline
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.optimizer import DataParallel, GradientPartitioning, OptimizerStatePartitioning
 from hybrid.zero.stage3 import ParameterPartitioning
@@ -27,13 +30,24 @@ from hybrid.zero.stage3 import ParameterPartitioning
 ENGINES: dict[int, type[ZeroEngine]] = {0: DataParallel, 1: OptimizerStatePartitioning,
                                         2: GradientPartitioning, 3: ParameterPartitioning}
 
+log = logging.getLogger(__name__)
+
 
 def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                          adamw_config: AdamWConfig, offload=None, **stage3_options) -> ZeroEngine:
-    """The engine for ``zero_config.stage``. ``stage3_options`` (``init_fn``/``seed`` for a
+    """The engine for ``zero_config.stage`` (stage 2 under pipeline parallelism: stage 1, see
+    :func:`hybrid.zero.config.stage_with_pipeline`). ``stage3_options`` (``init_fn``/``seed`` for a
     meta-built model) apply to stage 3 only; ``offload``: a :class:`hybrid.offload.OffloadConfig`
     (optimizer state on host or NVMe)."""
-    engine = ENGINES[zero_config.stage]
+    stage = stage_with_pipeline(zero_config.stage, state.pp_size)
+    if stage != zero_config.stage:
+        if state.rank == 0:
+            log.warning("ZeRO stage 2 with pipeline parallelism runs as stage 1: the gradients of "
+                        "the step's micro-batches accumulate in a full-size buffer and are "
+                        "reduce-scattered once, after the last backward (stage 2 would reduce in "
+                        "each of the m backwards, m times the DP traffic)")
+        zero_config = dataclasses.replace(zero_config, stage=stage)
+    engine = ENGINES[stage]
     if engine is ParameterPartitioning and state.pp_size > 1:
         raise ValueError(
             "ZeRO stage 3 with pipeline parallelism is not supported: stage 3 all-gathers every "

@@ -150,7 +150,8 @@ class GradReducer:
     def _staging_for(self, bucket: Bucket) -> _Staging:
         if bucket.index not in self._staged:
             entry = self._acquire(bucket)
-            entry.full.zero_()      # padding and parameters without a gradient reduce as zeros
+            entry.full[:bucket.numel].zero_()   # padding and parameters without a gradient reduce
+                                                # as zeros (the entry is sized for the largest bucket)
             self._staged[bucket.index] = entry
         return self._staged[bucket.index]
 

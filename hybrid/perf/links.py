@@ -81,14 +81,21 @@ def describe_group(kind: str, ranks: list[int], ranks_per_node: int | None) -> s
             f"ring, {direct:.0%} sent directly (gloo all-gather / reduce-scatter)")
 
 
+def describe_collectives(collectives: list[tuple[str, str, float, float]]) -> list[str]:
+    """One line per (group, op, bytes, cross-host bytes) per rank per step: the bytes that stay
+    inside a host and those that cross (start-up report, trainer's first logged step)."""
+    return [f"{group} {op}: {total:,.0f} B per step, {total - cross:,.0f} B inside hosts, "
+            f"{cross:,.0f} B across hosts" for group, op, total, cross in collectives]
+
+
 def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
                         *, intra: list[int] | None = None, inter: list[int] | None = None,
                         hybrid_shard: bool = False, hpz: bool = False, weight_ratio: float = 1.0,
                         gradient_ratio: float | None = None) -> list[tuple[str, str, float, float]]:
-    """(group, op, bytes, cross-host bytes) per rank per step of each of ZeRO's DP collectives over
-    NCCL rings, for ``psi_bytes`` 16-bit parameter bytes (ZeRO §7: 2Ψ stages 0-2, 3Ψ stage 3),
-    plainly over the DP group ``dp`` (group "dp"), or with the host split of
-    hybrid.zero.host_groups (``intra``: this rank's DP ranks on its host, "dp_intra_host";
+    """(group, op, bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL
+    rings, summed per group and op as the ledger sums them, for ``psi_bytes`` 16-bit parameter
+    bytes (ZeRO §7: 2Ψ stages 0-2, 3Ψ stage 3), plainly over the DP group ``dp`` (group "dp"), or
+    with the host split of hybrid.zero.host_groups (``intra``: this rank's DP ranks on its host, "dp_intra_host";
     ``inter``: the same position on every host, "dp_inter_host"):
 
     - hpZ (stage 3): forward all-gather and reduce-scatter over DP, the backward's all-gather over
@@ -126,7 +133,11 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
         out.append(run(shards, "reduce_scatter", psi_bytes))
     if hybrid_shard:
         out.append(run("dp_inter_host", "all_reduce", psi_bytes / len(intra)))
-    return [c for c in out if c[2] > 0]
+    merged: dict[tuple[str, str], tuple[float, float]] = {}   # per (group, op), as the ledger sums
+    for group, op, volume, cross in out:
+        before = merged.get((group, op), (0.0, 0.0))
+        merged[(group, op)] = (before[0] + volume, before[1] + cross)
+    return [(group, op, volume, cross) for (group, op), (volume, cross) in merged.items() if volume > 0]
 
 
 def zero_dp_bytes_per_step(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,

@@ -12,8 +12,8 @@ the DP ranks of a host and the DP traffic is split by host; with ``--zero-hpz`` 
 partition (2Ψ/h in bf16) is a model-state row of its own (:mod:`hybrid.zero.host_groups`). With
 ``--zero-quantized-weights`` (qwZ) the all-gathers from the primary partition and with
 ``--zero-quantized-gradients`` (qgZ) the reduce-scatter's two all-to-alls (inside the host, then
-across hosts) carry int8 blocks with an fp32 scale each (:func:`hybrid.perf.links.zero_dp_collectives`,
-hybrid.perf.zeropp's q_w and q_g).
+across hosts) carry int8 blocks with an fp32 scale each. The DP bytes are listed per group and op
+(:mod:`hybrid.training.traffic`: the start-up report's formulas too).
 
 With pipeline parallelism the rank holds its stage's model chunks only (their parameters are counted
 from the meta-built chunks), the activations of the micro-batches its schedule keeps in flight
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
-from hybrid.perf.links import cross_host_fraction, nodes_of, zero_dp_collectives
+from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import model_state_bytes
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
-from hybrid.perf.zeropp import ZeroOptions
 from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig, TrainConfigError
+from hybrid.training.traffic import expected_dp_collectives
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -74,14 +74,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
         states["params_16bit_secondary"] = param_bytes * psi_rank / intra.size
         states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
-    quantized = ZeroOptions()   # int8 blocks with an fp32 scale each (hybrid.zero.quantize)
-    dp_ops = zero_dp_collectives(
-        float(psi_rank) * param_bytes, p.zero_stage, state.dp.ranks, topology.gpus_per_node,
-        intra=intra and intra.ranks, inter=inter and inter.ranks,
-        hybrid_shard=p.zero_hybrid_shard, hpz=p.zero_hpz,
-        weight_ratio=quantized.weight_bytes / param_bytes if p.zero_quantized_weights else 1.0,
-        gradient_ratio=(quantized.gradient_bytes / param_bytes if p.zero_quantized_gradients
-                        else None))
+    dp_ops = expected_dp_collectives(p, state, float(psi_rank), param_bytes, topology.gpus_per_node)
     comm_bytes, dp_cross = sum(c[2] for c in dp_ops), sum(c[3] for c in dp_ops)
     global_batch = cfg.global_batch(world)
     arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...
@@ -121,7 +114,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
-            "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops,
+            "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops, "dp_collectives": dp_ops,
             "dp_quantized": _quantized_names(p),
             "tp_bytes_per_step": tp_bytes,
             "tp_cross_host_bytes_per_step": tp_bytes * _ring_cross(state.tp.ranks, topology),
@@ -206,6 +199,7 @@ def format_report(r: dict) -> str:
              + "".join(f"; {q}" for q in r["dp_quantized"]) + "); TP traffic "
              f"{_bytes(r['tp_bytes_per_step'])} ({_bytes(r['tp_cross_host_bytes_per_step'])} "
              f"across nodes)",
+             *(f"  {line}" for line in describe_collectives(r["dp_collectives"])),
              *(_pipeline_lines(r) if r["pipeline"] is not None else []),
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "

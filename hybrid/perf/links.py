@@ -95,8 +95,8 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
     """(group, op, bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL
     rings, summed per group and op as the ledger sums them, for ``psi_bytes`` 16-bit parameter
     bytes (ZeRO §7: 2Ψ stages 0-2, 3Ψ stage 3), plainly over the DP group ``dp`` (group "dp"), or
-    with the host split of hybrid.zero.host_groups (``intra``: this rank's DP ranks on its host, "dp_intra_host";
-    ``inter``: the same position on every host, "dp_inter_host"):
+    with the host split of hybrid.zero.host_groups (``intra``: this rank's h DP ranks on its host,
+    "dp_intra_host"; ``inter``: the same position on each of the k hosts, "dp_inter_host"):
 
     - hpZ (stage 3): forward all-gather and reduce-scatter over DP, the backward's all-gather over
       ``intra`` (never crossing);
@@ -106,8 +106,8 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
       hybrid.perf.zeropp): the all-gathers from the primary partition carry that share of their
       bytes (hpZ's secondary gather stays 16-bit);
     - qgZ (``gradient_ratio`` = q_g / b, None = off): the reduce-scatter as two direct all-to-alls
-      (hybrid.zero.quantized_collectives), Ψ q_g (m-1)/m among the m ``intra`` ranks, then the
-      host's partial sum of this rank's chunks, Ψ q_g (h-1)/(h m), among the h ``inter`` ranks.
+      (hybrid.zero.quantized_collectives), Ψ q_g (h-1)/h among the ``intra`` ranks, then the
+      host's partial sum of this rank's chunks, Ψ q_g (k-1)/(k h), among the ``inter`` ranks.
     """
     groups = {"dp": dp, "dp_intra_host": intra, "dp_inter_host": inter}
 
@@ -139,9 +139,3 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
         merged[(group, op)] = (before[0] + volume, before[1] + cross)
     return [(group, op, volume, cross) for (group, op), (volume, cross) in merged.items() if volume > 0]
 
-
-def zero_dp_bytes_per_step(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
-                           **options) -> tuple[float, float]:
-    """(bytes, cross-host bytes) per rank per step of :func:`zero_dp_collectives` (same arguments)."""
-    collectives = zero_dp_collectives(psi_bytes, stage, dp, ranks_per_node, **options)
-    return sum(c[2] for c in collectives), sum(c[3] for c in collectives)

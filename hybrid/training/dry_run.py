@@ -114,7 +114,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
-            "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops, "dp_collectives": dp_ops,
+            "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops,
             "dp_quantized": _quantized_names(p),
             "tp_bytes_per_step": tp_bytes,
             "tp_cross_host_bytes_per_step": tp_bytes * _ring_cross(state.tp.ranks, topology),

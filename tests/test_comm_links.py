@@ -2,7 +2,8 @@
 into intra-host and cross-host bytes from the ranks' hosts and the algorithm. The formulas are
 checked against counts of (sender, receiver) pairs written out by hand; then four real gloo ranks
 on two "nodes" of two (gpus_per_node=2) check the ledger of each collective against hand-computed
-byte counts, with the per-group/op logical volume unchanged (ZeRO §7)."""
+byte counts, with the per-group/op logical volume unchanged (ZeRO §7). The start-up report lists
+the bytes per group and op that the dry run's formulas expect, inside hosts and across them."""
 
 from __future__ import annotations
 
@@ -146,3 +147,35 @@ def test_dry_runs_split_the_400_gpu_traffic_by_link():
     assert megatron["tp_cross_host_bytes_per_step"] == pytest.approx(
         megatron["tp_bytes_per_step"] * 8 / 128)
     assert "(3.13 GB across nodes)" in format_report(megatron)
+
+
+@pytest.mark.parametrize("options", [[], ["--zero-hybrid-shard"]])
+def test_start_up_report_gives_each_dp_group_and_op_its_bytes(options):
+    """4 ranks as 2 hosts of 2, ZeRO stage 2 in bf16, ψ parameters, Ψ_b = 2ψ bytes: the start-up
+    report lists per group and op the bytes the formulas expect per step, inside hosts and across
+    (NCCL rings over hosts 0,0,1,1 cross at 2 of 4 hops). Plain: reduce-scatter and all-gather
+    Ψ_b 3/4 each over DP; hybrid sharding: both inside the host, Ψ_b 1/2, then the all-reduce of
+    the host's half Ψ_b/2, 2 (1/2) of it, all across hosts. The dry run lists the same lines."""
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.dry_run import dry_run_report, format_report
+    from hybrid.training.setup import expected_dp_report
+    from tests.training_helpers import tiny_args
+    cfg = parse_args(tiny_args(zero=2, precision="bf16",
+                               extra=["--gpus-per-node", "2", "--world-size", "4", *options]))[0]
+    state = ParallelState.dry_run(Topology(4, 1, gpus_per_node=2), rank=1)
+    psi = 1000
+    psi_b = 2 * psi
+    if options:
+        rows = [("dp_intra_host", "all_gather", psi_b / 2, 0),
+                ("dp_intra_host", "reduce_scatter", psi_b / 2, 0),
+                ("dp_inter_host", "all_reduce", psi_b / 2, psi_b / 2)]
+    else:
+        rows = [("dp", op, 0.75 * psi_b, 0.375 * psi_b) for op in ("all_gather", "reduce_scatter")]
+    lines = [f"{g} {op}: {total:,.0f} B per step, {total - cross:,.0f} B inside hosts, "
+             f"{cross:,.0f} B across hosts" for g, op, total, cross in rows]
+    text = expected_dp_report(cfg, state, psi)
+    assert text.splitlines() == ["DP bytes per rank per step, expected (ZeRO's formulas over NCCL "
+                                 "rings):", *lines]
+    report = dry_run_report(cfg, rank=1)
+    assert expected_dp_report(cfg, state, report["params_per_rank"]).splitlines()[1:] == [
+        line.strip() for line in format_report(report).splitlines() if line.startswith("  dp")]

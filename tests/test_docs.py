@@ -191,6 +191,12 @@ def test_guides_run(tmp_path):
     logged = set(next(out for b, out in outputs.items() if "EventAccumulator" in b.text).splitlines())
     assert "lm loss" in logged
     doc = documented_scalars()
+    per_op = {n for n in doc if "<group>" in n}   # comm/<group>-<op>-...: one tag per op that ran
+    matches = {p: {n for n in logged if re.fullmatch(
+        re.escape(p).replace("<group>", "[a-z_]+").replace("<op>", "[a-z_]+"), n)} for p in per_op}
+    assert all(matches.values()), f"no tag of these logged: {[p for p, m in matches.items() if not m]}"
+    logged -= set().union(*matches.values())
+    doc -= per_op
     assert logged <= doc, f"logged but not in docs/tensorboard.md: {sorted(logged - doc)}"
     unlogged = doc - logged - GPU_ONLY_SCALARS - PIPELINE_ONLY_SCALARS - COMPILE_ONLY_SCALARS
     assert not unlogged, f"documented but not logged: {sorted(unlogged)}"

@@ -2,6 +2,8 @@
 per rank equals the exact formula (and Megatron's up to vocab padding, replicated norms/biases and the
 final LayerNorm), and every ZeRO row fits a 32 GB V100."""
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("models.gpt.model")
@@ -44,3 +46,10 @@ def test_layouts_report_tp_groups_crossing_nodes():
     assert summary[(384, 32)]["nodes_per_tp_group"] == 2
     assert summary[(384, 128)]["tp_groups_inside_a_node"] == 0
     assert summary[(256, 256)]["nodes_per_tp_group"] == 16
+
+
+def test_the_dry_run_file_is_current(rows):
+    """docs/paper/dry_run.txt is the tool's output now (regenerate: python -m tools.dry_run >
+    docs/paper/dry_run.txt); a change to the presets, the estimates or the link split shows here."""
+    committed = Path(__file__).resolve().parents[1] / "docs" / "paper" / "dry_run.txt"
+    assert committed.read_text() == dry_run.render(list(rows.values()), dry_run.layouts())

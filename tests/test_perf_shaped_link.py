@@ -58,3 +58,20 @@ def test_a_token_bucket_hides_at_most_one_burst_per_crossing_call():
     inside = estimate_iteration(**DIMS, tp=2, dp=1, stage=0, assumptions=FP32,
                                 cluster=SHAPED.with_changes(link_burst_s=0.01))
     assert inside.link_overlap_s == 0.0                                 # nothing crosses
+
+
+def test_figure2_mini_predictions_split_into_their_parts_and_the_page_is_current():
+    """docs/paper/figure2_mini.md splits each prediction into the measured step overhead, the
+    modelled compute and the modelled communication: they add up to the prediction of
+    docs/paper/figure2_mini.json, and the page is the benchmark's rendering of that file."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import figure2_mini as fig
+    paper = Path(__file__).resolve().parents[1] / "docs" / "paper"
+    result = json.loads((paper / "figure2_mini.json").read_text())
+    for run in result["runs"]:
+        split = fig.parts(result, run)
+        assert sum(split.values()) == pytest.approx(run["predicted_s"], rel=1e-9)
+        assert split["measured step overhead"] == run["step_overhead_s"] > 0
+    assert (paper / "figure2_mini.md").read_text() == fig.markdown(result)

@@ -5,6 +5,7 @@ timed on their own and left out of the iteration time and of the per-step TP/DP 
 RSS never reads below the current RSS, the model-state bytes are logged at every log step, each run
 gets its own run directory, and the resolved config is in the HParams and text tabs."""
 
+import re
 import time
 from pathlib import Path
 
@@ -76,6 +77,65 @@ def test_tensorboard_scalars_and_dp_traffic(tmp_path):
     ppl = acc.Scalars("lm loss validation ppl")[0].value
     loss = acc.Scalars("lm loss validation")[0].value
     assert abs(ppl - 2.718281828 ** loss) < 1e-3 * ppl
+
+
+# --- bytes per group and op on two hosts (4 gloo ranks, 2 a "host") ----------------------------------
+def _train_two_hosts(rank, world_size, tb_dir):
+    """ZeRO stage 3 with qgZ, DP 4 over hosts {0, 1} and {2, 3}: DP all-gathers over both hosts,
+    the reduce-scatter as an all-to-all inside each host and one across them."""
+    import logging
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    for name in ("hybrid.training.trainer", "hybrid.training.setup"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
+    args = tiny_args(zero=3, precision="bf16", iters=2,
+                     extra=["--gpus-per-node", "2", "--dp-transport", "gloo",
+                            "--zero-quantized-gradients", "--global-batch-size", "8",
+                            "--log-interval", "1", "--tensorboard-dir", tb_dir])
+    trainer = make_trainer(args)
+    trainer.train()
+    trainer.metrics.close()
+    return {"measured": [m for m in seen if m.startswith("bytes per rank per step, measured")],
+            "expected": [m for m in seen if m.startswith("DP bytes per rank per step, expected")]}
+
+
+def test_bytes_per_group_and_op_split_by_host(tmp_path):
+    """Per (group, op): the scalars add up to the group's, and each op's cross-host share is what
+    the hosts of its group make it (hybrid.perf.links): gloo's direct all-gather over hosts 0,0,1,1
+    sends 2 of its 3 peer messages away, qgZ's hop inside a host none, its hop across hosts all;
+    the first logged step's split is in the log, and the volumes are those the start-up report
+    expects from the formulas."""
+    tb_dir = tmp_path / "tb"
+    results = run_on_ranks(_train_two_hosts, 4, args=(str(tb_dir),), timeout=600)
+    acc = _events(_only_run_dir(tb_dir))
+    last = {t: acc.Scalars(t)[-1].value for t in acc.Tags()["scalars"] if t.startswith("comm/")}
+    ops = {("dp", "all_gather"), ("dp_intra_host", "all_to_all"), ("dp_inter_host", "all_to_all")}
+    per_op = {(g, op): (last[f"comm/{g}-{op}-bytes-per-step"],
+                        last[f"comm/{g}-{op}-cross-host-bytes-per-step"]) for g, op in ops}
+    assert not [t for t in last if t.startswith("comm/dp-reduce_scatter")]   # qgZ replaced it
+    for part in ("", "cross-host-"):
+        op_tag = re.compile(rf"comm/dp[a-z_]*-[a-z_]+-{part}bytes-per-step")
+        dp_ops = [v for t, v in last.items() if op_tag.fullmatch(t)]
+        assert len(dp_ops) == 3
+        assert sum(dp_ops) == pytest.approx(last[f"comm/dp-{part}bytes-per-step"], rel=1e-6)
+    gather, intra, inter = (per_op[k] for k in (("dp", "all_gather"), ("dp_intra_host", "all_to_all"),
+                                                ("dp_inter_host", "all_to_all")))
+    assert gather[0] > 0 and gather[1] == pytest.approx(gather[0] * 2 / 3)
+    assert intra[0] > 0 and intra[1] == 0
+    assert inter[0] > 0 and inter[1] == inter[0]
+    # the volumes the start-up report expects (the dry run's formulas; unpadded, hence 1%)
+    [report] = results[0]["expected"]
+    expected = {tuple(line.split(":")[0].split()): float(line.split(": ")[1].split(" B")[0]
+                                                         .replace(",", ""))
+                for line in report.splitlines()[1:]}
+    assert set(expected) == ops
+    for key, (volume, _) in per_op.items():
+        assert volume == pytest.approx(expected[key], rel=0.01), key
+    [text] = results[0]["measured"]
+    assert f"dp_inter_host all_to_all: {inter[0]:,.0f} B per step, 0 B inside hosts, " \
+           f"{inter[1]:,.0f} B across hosts" in text
 
 
 # --- evaluation and checkpoints off the clock, memory, config (one 4-rank run: TP 2 x DP 2) -------

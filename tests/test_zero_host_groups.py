@@ -206,6 +206,50 @@ def test_dry_run_of_the_options():
     assert "hpZ secondary params" in format_report(hpz)
 
 
+@pytest.mark.parametrize("stage, extra", [
+    (3, ["--zero-quantized-weights"]), (3, ["--zero-quantized-gradients"]),
+    (3, ["--zero-quantized-weights", "--zero-quantized-gradients", "--zero-hpz"]),
+    (2, ["--zero-quantized-gradients"])])
+def test_dry_run_of_the_quantized_options(stage, extra):
+    """The layout above with qwZ / qgZ: q = 1 + 4/256 bytes per element (int8 and an fp32 scale a
+    block of 256). qwZ: the all-gathers from the primary partition carry ψq instead of Ψ_b = 2ψ
+    (hpZ's secondary one stays bf16); qgZ: the reduce-scatter becomes an all-to-all inside the host,
+    ψq(h-1)/h, and one across hosts on the host's partial sum, ψq(k-1)/(k h), all of it crossing.
+    Stage 3 also equals hybrid.perf.zeropp's model of the same options."""
+    from hybrid.perf.zeropp import ZeroOptions, dp_traffic
+    from hybrid.training.arguments import parse_args
+    from hybrid.training.dry_run import dry_run_report, format_report
+    base = ["--config", "tiny-cpu", "--world-size", "8", "--gpus-per-node", "4", "--zero-stage",
+            str(stage), "--bf16", "--dry-run"]
+    plain, quant = (dry_run_report(parse_args(base + e)[0]) for e in ([], extra))
+    psi = plain["params_per_rank"]
+    psi_b, q, n, h, k = 2 * psi, 1 + 4 / 256, 4, 2, 2
+    qwz, qgz, hpz = ("--zero-quantized-weights" in extra, "--zero-quantized-gradients" in extra,
+                     "--zero-hpz" in extra)
+    ring = (n - 1) / n                      # a ring's volume per rank; k of its n hops cross
+    gather = psi * q if qwz else psi_b
+    gathers = [(gather * ring, gather * ring * k / n)]
+    if stage == 3:
+        gathers.append((psi_b * (h - 1) / h, 0.0) if hpz else gathers[0])
+    reduce = ([(psi * q * (h - 1) / h, 0.0), (psi * q * (k - 1) / (k * h),) * 2] if qgz
+              else [(psi_b * ring, psi_b * ring * k / n)])
+    total, cross = (sum(c[i] for c in gathers + reduce) for i in (0, 1))
+    assert quant["dp_bytes_per_step"] == pytest.approx(total)
+    assert quant["dp_cross_host_bytes_per_step"] == pytest.approx(cross)
+    if stage == 3:
+        model = dp_traffic(psi, n, h, ZeroOptions(hpz=hpz, quantized_weights=qwz,
+                                                  quantized_gradients=qgz))
+        assert quant["dp_bytes_per_step"] == pytest.approx(model.intra_node + model.cross_node)
+        assert quant["dp_cross_host_bytes_per_step"] == pytest.approx(model.cross_node)
+    # int8 gathers cross with q/2 of bf16's bytes; qgZ's reduce-scatter with q/(2 h (n-1)/n) of
+    # them (only the host's partial sum leaves it): every option takes bytes off the links
+    assert quant["dp_cross_host_bytes_per_step"] < plain["dp_cross_host_bytes_per_step"]
+    if qwz:
+        assert quant["dp_cross_host_bytes_per_step"] < 0.7 * plain["dp_cross_host_bytes_per_step"]
+    text = format_report(quant)
+    assert all(name in text for name, on in (("qwZ", qwz), ("qgZ", qgz)) if on)
+
+
 # ---- option errors ------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, message", [
     (dict(stage=0, hybrid_shard=True), "stage 0 partitions nothing"),

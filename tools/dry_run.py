@@ -7,7 +7,7 @@ formulas, shows which TP groups of the 400-GPU (and 384/256-GPU baseline) layout
 DGX-2 node, and splits each run's DP and TP traffic per GPU per step into the bytes that stay inside
 a node and those on InfiniBand (hybrid.perf.links).
 
-    python -m tools.dry_run            # table + topology summary
+    python -m tools.dry_run > docs/paper/dry_run.txt   # table + traffic + topology summary
     python -m tools.dry_run --json
 """
 
@@ -74,26 +74,29 @@ def layouts() -> list[dict]:
     return [topology_summary(g, t) for g, t in seen]
 
 
-def _print(table: list[dict], topo: list[dict]) -> None:
-    print(f"{'run':24s} {'GPUs':>4s} {'TP':>3s} {'DP':>3s} st cfg  {'params/rank':>14s} "
-          f"{'exact formula':>14s} {'vs Megatron':>11s} {'states GB':>9s} {'formula':>7s} "
-          f"{'total GB':>8s} fits")
+def render(table: list[dict], topo: list[dict]) -> str:
+    """The table, the traffic per GPU and the layouts as text (docs/paper/dry_run.txt)."""
+    lines = [f"{'run':24s} {'GPUs':>4s} {'TP':>3s} {'DP':>3s} st cfg  {'params/rank':>14s} "
+             f"{'exact formula':>14s} {'vs Megatron':>11s} {'states GB':>9s} {'formula':>7s} "
+             f"{'total GB':>8s} fits"]
     for r in table:
-        print(f"{r['name']:24s} {r['gpus']:4d} {r['tp']:3d} {r['dp']:3d} {r['stage']:2d} "
-              f"{r['config'][:4]:4s} {r['params_per_rank']:14,d} {r['formula_exact']:14,d} "
-              f"{r['megatron_rel_diff']:+11.2e} {r['model_states_gb']:9.2f} "
-              f"{r['formula_model_states_gb']:7.2f} {r['total_gb']:8.1f} "
-              f"{'yes' if r['fits_32gb'] else 'NO'}")
-    print(f"\nTraffic per GPU per step, GB (across nodes in brackets):\n{'run':24s} "
-          f"{'DP':>18s} {'TP':>20s}")
+        lines.append(f"{r['name']:24s} {r['gpus']:4d} {r['tp']:3d} {r['dp']:3d} {r['stage']:2d} "
+                     f"{r['config'][:4]:4s} {r['params_per_rank']:14,d} {r['formula_exact']:14,d} "
+                     f"{r['megatron_rel_diff']:+11.2e} {r['model_states_gb']:9.2f} "
+                     f"{r['formula_model_states_gb']:7.2f} {r['total_gb']:8.1f} "
+                     f"{'yes' if r['fits_32gb'] else 'NO'}")
+    lines.append(f"\nTraffic per GPU per step, GB (across nodes in brackets):\n{'run':24s} "
+                 f"{'DP':>18s} {'TP':>20s}")
     for r in table:
-        print(f"{r['name']:24s} {r['dp_traffic_gb']:8.2f} ({r['dp_cross_node_gb']:7.2f}) "
-              f"{r['tp_traffic_gb']:9.2f} ({r['tp_cross_node_gb']:8.2f})")
-    print("\nLayouts (DGX-2: 16 GPUs per node, TP fastest):")
+        lines.append(f"{r['name']:24s} {r['dp_traffic_gb']:8.2f} ({r['dp_cross_node_gb']:7.2f}) "
+                     f"{r['tp_traffic_gb']:9.2f} ({r['tp_cross_node_gb']:8.2f})")
+    lines.append("\nLayouts (DGX-2: 16 GPUs per node, TP fastest):")
     for t in topo:
-        print(f"  {t['describe']}\n    TP groups inside one node: {t['tp_groups_inside_a_node']}"
-              f"/{t['tp_groups']} (each spans {t['nodes_per_tp_group']} node(s)); DP groups span "
-              f"{t['nodes_per_dp_group']} node(s)")
+        lines.append(f"  {t['describe']}\n    TP groups inside one node: "
+                     f"{t['tp_groups_inside_a_node']}/{t['tp_groups']} (each spans "
+                     f"{t['nodes_per_tp_group']} node(s)); DP groups span "
+                     f"{t['nodes_per_dp_group']} node(s)")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"runs": table, "layouts": topo}, sys.stdout, indent=1)
         print()
     else:
-        _print(table, topo)
+        sys.stdout.write(render(table, topo))
     return 0
 
 

@@ -81,32 +81,61 @@ def describe_group(kind: str, ranks: list[int], ranks_per_node: int | None) -> s
             f"ring, {direct:.0%} sent directly (gloo all-gather / reduce-scatter)")
 
 
-def zero_dp_bytes_per_step(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
-                           *, intra: list[int] | None = None, inter: list[int] | None = None,
-                           hybrid_shard: bool = False, hpz: bool = False) -> tuple[float, float]:
-    """(bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL rings, for
-    ``psi_bytes`` 16-bit parameter bytes (ZeRO §7: 2Ψ stages 1-2, 3Ψ stage 3), plainly over the DP
-    group ``dp``, or with the host split of hybrid.zero.host_groups (``intra``: this rank's DP ranks
-    on its host, ``inter``: the same position on every host):
+def describe_collectives(collectives: list[tuple[str, str, float, float]]) -> list[str]:
+    """One line per (group, op, bytes, cross-host bytes) per rank per step: the bytes that stay
+    inside a host and those that cross (start-up report, trainer's first logged step)."""
+    return [f"{group} {op}: {total:,.0f} B per step, {total - cross:,.0f} B inside hosts, "
+            f"{cross:,.0f} B across hosts" for group, op, total, cross in collectives]
+
+
+def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
+                        *, intra: list[int] | None = None, inter: list[int] | None = None,
+                        hybrid_shard: bool = False, hpz: bool = False, weight_ratio: float = 1.0,
+                        gradient_ratio: float | None = None) -> list[tuple[str, str, float, float]]:
+    """(group, op, bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL
+    rings, summed per group and op as the ledger sums them, for ``psi_bytes`` 16-bit parameter
+    bytes (ZeRO §7: 2Ψ stages 0-2, 3Ψ stage 3), plainly over the DP group ``dp`` (group "dp"), or
+    with the host split of hybrid.zero.host_groups (``intra``: this rank's h DP ranks on its host,
+    "dp_intra_host"; ``inter``: the same position on each of the k hosts, "dp_inter_host"):
 
     - hpZ (stage 3): forward all-gather and reduce-scatter over DP, the backward's all-gather over
       ``intra`` (never crossing);
     - hybrid sharding: every all-gather and reduce-scatter over ``intra``, then the all-reduce of
-      this rank's Ψ/h slice of the gradients over ``inter``.
+      this rank's Ψ/h slice of the gradients over ``inter``;
+    - qwZ (stage 3; ``weight_ratio`` = q_w / b, int8 bytes with their scales per 16-bit byte,
+      hybrid.perf.zeropp): the all-gathers from the primary partition carry that share of their
+      bytes (hpZ's secondary gather stays 16-bit);
+    - qgZ (``gradient_ratio`` = q_g / b, None = off): the reduce-scatter as two direct all-to-alls
+      (hybrid.zero.quantized_collectives), Ψ q_g (h-1)/h among the ``intra`` ranks, then the
+      host's partial sum of this rank's chunks, Ψ q_g (k-1)/(k h), among the ``inter`` ranks.
     """
-    def ring(elements: float, ranks: list[int], op: str = "all_gather") -> tuple[float, float]:
-        n = len(ranks)
-        if n < 2:
-            return 0.0, 0.0
-        volume = elements * (n - 1) / n * (2 if op == "all_reduce" else 1)
-        return volume, volume * cross_host_fraction(op, "ring", nodes_of(ranks, ranks_per_node))
+    groups = {"dp": dp, "dp_intra_host": intra, "dp_inter_host": inter}
 
-    passes = 3 if stage == 3 else 2                      # all-gathers + the reduce-scatter
-    if hybrid_shard:
-        parts = [ring(passes * psi_bytes, intra),
-                 ring(psi_bytes / len(intra), inter, "all_reduce")]
-    elif hpz:
-        parts = [ring(2 * psi_bytes, dp), ring(psi_bytes, intra)]
+    def run(group: str, op: str, tensor_bytes: float) -> tuple[str, str, float, float]:
+        nodes = nodes_of(groups[group], ranks_per_node)
+        n = len(nodes)
+        volume = tensor_bytes * (n - 1) / n * (2 if op == "all_reduce" else 1)
+        algorithm = "direct" if op == "all_to_all" else "ring"
+        return group, op, volume, volume * cross_host_fraction(op, algorithm, nodes)
+
+    if stage == 0:
+        return [run("dp", "all_reduce", psi_bytes)] if len(dp) > 1 else []
+    shards = "dp_intra_host" if hybrid_shard else "dp"
+    gather = psi_bytes * (weight_ratio if stage == 3 else 1.0)
+    out = [run(shards, "all_gather", gather)]              # stage 3's forward, stages 1-2's update
+    if stage == 3:                                         # the backward's
+        out.append(run("dp_intra_host", "all_gather", psi_bytes) if hpz
+                   else run(shards, "all_gather", gather))
+    if gradient_ratio is not None:
+        out += [run("dp_intra_host", "all_to_all", psi_bytes * gradient_ratio),
+                run("dp_inter_host", "all_to_all", psi_bytes * gradient_ratio / len(intra))]
     else:
-        parts = [ring(passes * psi_bytes, dp)]
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        out.append(run(shards, "reduce_scatter", psi_bytes))
+    if hybrid_shard:
+        out.append(run("dp_inter_host", "all_reduce", psi_bytes / len(intra)))
+    merged: dict[tuple[str, str], tuple[float, float]] = {}   # per (group, op), as the ledger sums
+    for group, op, volume, cross in out:
+        before = merged.get((group, op), (0.0, 0.0))
+        merged[(group, op)] = (before[0] + volume, before[1] + cross)
+    return [(group, op, volume, cross) for (group, op), (volume, cross) in merged.items() if volume > 0]
+

@@ -9,7 +9,11 @@ FLOPs per iteration (Megatron's formula, docs/design.md §Paper), plus the activ
 bytes that stay inside a node and those that cross nodes (:mod:`hybrid.perf.links`, NCCL rings
 in rank order over the rank's groups). With ``--zero-hybrid-shard`` model states are partitioned over
 the DP ranks of a host and the DP traffic is split by host; with ``--zero-hpz`` the secondary
-partition (2Ψ/h in bf16) is a model-state row of its own (:mod:`hybrid.zero.host_groups`).
+partition (2Ψ/h in bf16) is a model-state row of its own (:mod:`hybrid.zero.host_groups`). With
+``--zero-quantized-weights`` (qwZ) the all-gathers from the primary partition and with
+``--zero-quantized-gradients`` (qgZ) the reduce-scatter's two all-to-alls (inside the host, then
+across hosts) carry int8 blocks with an fp32 scale each. The DP bytes are listed per group and op
+(:mod:`hybrid.training.traffic`: the start-up report's formulas too).
 
 With pipeline parallelism the rank holds its stage's model chunks only (their parameters are counted
 from the meta-built chunks), the activations of the micro-batches its schedule keeps in flight
@@ -23,12 +27,13 @@ from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
-from hybrid.perf.links import cross_host_fraction, nodes_of, zero_dp_bytes_per_step
+from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
-from hybrid.perf.model_states import dp_communication_elements, model_state_bytes
+from hybrid.perf.model_states import model_state_bytes
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig, TrainConfigError
+from hybrid.training.traffic import expected_dp_collectives
 from hybrid.zero.config import stage_with_pipeline
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -72,14 +77,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
         states["params_16bit_secondary"] = param_bytes * psi_rank / intra.size
         states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
-    if zero_stage and (p.zero_hybrid_shard or p.zero_hpz):
-        comm_bytes, dp_cross = zero_dp_bytes_per_step(
-            float(psi_rank) * param_bytes, zero_stage, state.dp.ranks, topology.gpus_per_node,
-            intra=intra.ranks, inter=inter.ranks, hybrid_shard=p.zero_hybrid_shard, hpz=p.zero_hpz)
-    else:
-        comm_bytes = (dp_communication_elements(float(psi_rank), zero_stage) * (dp - 1) / dp
-                      * param_bytes)
-        dp_cross = comm_bytes * _ring_cross(state.dp.ranks, topology)
+    dp_ops = expected_dp_collectives(p, state, float(psi_rank), param_bytes, topology.gpus_per_node)
+    comm_bytes, dp_cross = sum(c[2] for c in dp_ops), sum(c[3] for c in dp_ops)
     global_batch = cfg.global_batch(world)
     arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...
     flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
@@ -118,7 +117,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
-            "dp_cross_host_bytes_per_step": dp_cross,
+            "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops,
+            "dp_quantized": _quantized_names(p),
             "tp_bytes_per_step": tp_bytes,
             "tp_cross_host_bytes_per_step": tp_bytes * _ring_cross(state.tp.ranks, topology),
             "offload_optimizer": p.offload_optimizer,
@@ -198,9 +198,11 @@ def format_report(r: dict) -> str:
                 f"{_bytes(r['offloaded_per_rank'])} per rank off the device"]
                if r["offloaded_per_rank"] else []),
              f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])} "
-             f"({_bytes(r['dp_cross_host_bytes_per_step'])} across nodes); TP traffic "
+             f"({_bytes(r['dp_cross_host_bytes_per_step'])} across nodes"
+             + "".join(f"; {q}" for q in r["dp_quantized"]) + "); TP traffic "
              f"{_bytes(r['tp_bytes_per_step'])} ({_bytes(r['tp_cross_host_bytes_per_step'])} "
              f"across nodes)",
+             *(f"  {line}" for line in describe_collectives(r["dp_collectives"])),
              *(_pipeline_lines(r) if r["pipeline"] is not None else []),
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
@@ -223,18 +225,31 @@ def _host_split(cfg: TrainConfig, state: ParallelState):
     the options' errors (one host, unequal hosts, ...) as TrainConfigError."""
     from hybrid.zero.config import ZeroConfig
     from hybrid.zero.host_groups import partition_groups, secondary_group
+    from hybrid.zero.quantized_collectives import gradient_reduce_scatter
     p = cfg.parallel
-    if not p.zero_stage or not (p.zero_hybrid_shard or p.zero_hpz):
+    if not p.zero_stage or not (p.zero_hybrid_shard or p.zero_hpz or p.zero_quantized_gradients):
         return state.dp, state.dp_intra_host_group, state.dp_inter_host_group
     try:
         zcfg = ZeroConfig(stage=p.zero_stage, **p.zero_config_options())
         shard, _ = partition_groups(state, zcfg)
         secondary_group(state, zcfg)   # checks hpZ's layout
+        gradient_reduce_scatter(state, p.zero_quantized_gradients)   # checks qgZ's
         intra, inter = state.require_host_groups("--zero-hybrid-shard" if p.zero_hybrid_shard
-                                                 else "--zero-hpz")
+                                                 else "--zero-hpz" if p.zero_hpz
+                                                 else "--zero-quantized-gradients")
     except ValueError as err:
         raise TrainConfigError(str(err)) from None
     return shard, intra, inter
+
+
+def _quantized_names(p) -> list[str]:
+    """What the ZeRO++ quantization options do to the DP traffic, for the report."""
+    names = []
+    if p.zero_quantized_weights:
+        names.append("qwZ: int8 parameter all-gathers")
+    if p.zero_quantized_gradients:
+        names.append("qgZ: int8 gradient reduce-scatter, inside the host then across hosts")
+    return names
 
 
 def _ring_cross(ranks: list[int], topology: Topology) -> float:

@@ -6,7 +6,8 @@ per rank, as in Megatron), ``mem-*``, and for evaluation ``lm loss validation`` 
 ``lm loss validation ppl``. Beyond Megatron we log the measured model-state bytes per category
 (``model-state/<category>-bytes``, ZeRO §5), the bytes each rank moved per step per group
 (``comm/dp-bytes-per-step``, ``comm/tp-bytes-per-step``, ZeRO §7) and the part of them that crossed
-hosts (``comm/dp-cross-host-bytes-per-step``, ...), with pipeline parallelism the measured bubble
+hosts (``comm/dp-cross-host-bytes-per-step``, ..., and per group and op,
+``comm/dp-reduce_scatter-cross-host-bytes-per-step``, ...), with pipeline parallelism the measured bubble
 (``pipeline/bubble-fraction``) and the bytes sent to the neighbouring stages
 (``comm/pp-bytes-per-step``), the step as a fraction of its GEMM-bound time
 (``perf/gemm-bound-fraction``, hybrid.perf.roofline: the roofline beside MFU), and the seconds spent

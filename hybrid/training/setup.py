@@ -24,7 +24,7 @@ from hybrid import comm
 from hybrid.launch_env import LaunchEnv
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
-from hybrid.perf.links import describe_group, nodes_of
+from hybrid.perf.links import describe_collectives, describe_group, nodes_of
 from hybrid.processes import keep_freed_memory
 from hybrid.training.config import TrainConfig
 from hybrid.training.exit import SetupSignals
@@ -33,6 +33,7 @@ from hybrid.training.lr_schedule import build_lr_schedule
 from hybrid.training.metrics import MetricsWriter, ThroughputModel
 from hybrid.training.resume import TrainState, fresh_run_id
 from hybrid.training.resume import load as load_checkpoint
+from hybrid.training.traffic import expected_dp_collectives
 from hybrid.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -269,11 +270,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
         from hybrid.offload.budget import return_freed_buffers_to_os
         return_freed_buffers_to_os()
     model, rng, stage = build_stage_model(cfg, state, data.vocab_size)
+    psi = sum(p.numel() for chunk in (stage.chunks if stage is not None else [model])
+              for p in chunk.parameters())   # this rank's (stage 3: before it partitions them)
     compile_clock = build_compiled_layers(cfg, stage.chunks if stage is not None else [model])
     resume = resume_wanted(cfg)
     if resume and cfg.checkpoint.init_from_hf:
         log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
     optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
+    if state.rank == 0 and state.dp_size > 1:   # the layout is checked: the engine is built
+        log.info("%s", expected_dp_report(cfg, state, psi))
     if stage is not None:
         from hybrid.training.pipeline_stage import attach_runner
         attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,
@@ -434,6 +439,18 @@ def link_report(state: ParallelState, cfg: TrainConfig | None = None) -> str:
                   f"boundaries cross hosts (point-to-point activations and gradients)",
                   pipeline_report(pcfg, state.pp_rank)]
     return "\n".join(lines)
+
+
+def expected_dp_report(cfg: TrainConfig, state: ParallelState, psi: int) -> str:
+    """Start-up report: the DP bytes per rank per step ZeRO's formulas expect for this rank's
+    ``psi`` parameters, per group and op, inside hosts and across them (hybrid.training.traffic,
+    the dry run's formulas, as NCCL rings); the trainer logs the measured bytes of every group
+    after the first logged step."""
+    param_bytes = 4 if cfg.optimizer.precision == "fp32" else 2
+    ops = expected_dp_collectives(cfg.parallel, state, float(psi), param_bytes,
+                                  state.ledger.ranks_per_node)
+    return "\n".join(["DP bytes per rank per step, expected (ZeRO's formulas over NCCL rings):",
+                      *describe_collectives(ops)])
 
 
 def pipeline_report(pcfg, stage: int) -> str:

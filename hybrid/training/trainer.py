@@ -35,6 +35,7 @@ import torch
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
+from hybrid.perf.links import describe_collectives
 from hybrid.training import resume
 from hybrid.training.resume import TrainState
 from hybrid.training.exit import ExitCondition
@@ -70,6 +71,7 @@ class Trainer:
         self.schedule, self.make_loader, self.metrics = schedule, make_loader, metrics
         self.throughput, self.rng, self.pipeline = throughput, rng, pipeline
         self._step_bubble = 0.0
+        self._links_logged = False   # the first interval's bytes per group and op, logged once
         self.ts = train_state or TrainState()
         self.accum = cfg.grad_accumulation_steps(state.world_size)
         self.global_batch = cfg.global_batch(state.world_size)
@@ -299,10 +301,14 @@ class Trainer:
         """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger),
         and the part of them that crossed hosts (group average, hybrid.perf.links); with PP also
         the bytes it sent to its neighbouring stages (activations forward, gradients back). DP
-        counts the host-split DP groups of hybrid sharding and hpZ too."""
+        counts the host-split DP groups of hybrid sharding, hpZ and qgZ too. The same two numbers
+        per ledger group and op (``comm/dp-reduce_scatter-bytes-per-step``,
+        ``comm/dp_inter_host-all_to_all-cross-host-bytes-per-step``, ...) for the ops that ran; the
+        first interval's are logged once, split into the bytes inside hosts and across them."""
         groups = ("dp", "tp", "pp") if self.pipeline is not None else ("dp", "tp")
         out = {f"comm/{g}-{part}bytes-per-step": 0.0 for g in groups
                for part in ("", "cross-host-")}
+        per_op: dict[tuple[str, str], list[float]] = {}   # (group, op) -> [bytes, cross-host bytes]
         for r in self.state.ledger.since(stats.ledger_mark):
             if r.group == "pp" and r.op != "send":   # each message once, at its sender
                 continue
@@ -311,6 +317,16 @@ class Trainer:
                 out[f"comm/{group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations
                 out[f"comm/{group}-cross-host-bytes-per-step"] += (r.cross_host_bytes
                                                                    / stats.iterations)
+                sums = per_op.setdefault((r.group, r.op), [0.0, 0.0])
+                sums[0] += r.bytes_per_rank / stats.iterations
+                sums[1] += r.cross_host_bytes / stats.iterations
+        for (group, op), (total, cross) in per_op.items():
+            out[f"comm/{group}-{op}-bytes-per-step"] = total
+            out[f"comm/{group}-{op}-cross-host-bytes-per-step"] = cross
+        if not self._links_logged and per_op:
+            self._links_logged = True
+            log.info("bytes per rank per step, measured (ledger, hybrid.perf.links):\n%s", "\n".join(
+                describe_collectives([(g, op, t, c) for (g, op), (t, c) in per_op.items()])))
         self.state.ledger.discard()   # read: a long run's ledger must not grow (soak test)
         return out
 

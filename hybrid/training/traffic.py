@@ -1,0 +1,34 @@
+"""The DP traffic a run's config expects per rank per step, split by link: ZeRO's collectives (ZeRO
+§7: 2Ψ stages 0-2, 3Ψ stage 3; docs/design.md §Paper) with the topology-aware options of
+hybrid.zero (hybrid sharding, hpZ, and ZeRO++'s qwZ and qgZ, whose int8 blocks carry one fp32 scale
+per 256 elements: hybrid.perf.zeropp's q_w and q_g), per group and op, as NCCL rings over the
+groups of a :class:`ParallelState` (:func:`hybrid.perf.links.zero_dp_collectives`). One function for
+the dry run and for the start-up report of a launched run, so both show the same formulas.
+"""
+
+from __future__ import annotations
+
+from hybrid.parallel_state import ParallelState
+from hybrid.perf.links import zero_dp_collectives
+from hybrid.perf.zeropp import ZeroOptions
+from hybrid.zero.config import stage_with_pipeline
+
+
+def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_bytes: int,
+                            ranks_per_node: int | None) -> list[tuple[str, str, float, float]]:
+    """(group, op, bytes, cross-host bytes) per rank per step of the DP collectives of a run with
+    ``parallel`` (the config's ParallelSection) on ``state``'s groups, for ``psi`` parameters of
+    ``param_bytes`` bytes on this rank. The host-split options need the state's host groups (their
+    layout is checked where the engine or the dry run builds them). Stage 2 with pipeline
+    parallelism counts as the stage 1 it runs as (:func:`hybrid.zero.config.stage_with_pipeline`)."""
+    quantized = ZeroOptions()   # int8 blocks (hybrid.zero.quantize)
+    intra, inter = state.dp_intra_host_group, state.dp_inter_host_group
+    stage = stage_with_pipeline(parallel.zero_stage, state.pp_size)
+    return zero_dp_collectives(
+        psi * param_bytes, stage, state.dp.ranks, ranks_per_node,
+        intra=intra.ranks if intra is not None else None,
+        inter=inter.ranks if inter is not None else None,
+        hybrid_shard=parallel.zero_hybrid_shard, hpz=parallel.zero_hpz,
+        weight_ratio=quantized.weight_bytes / param_bytes if parallel.zero_quantized_weights else 1.0,
+        gradient_ratio=(quantized.gradient_bytes / param_bytes if parallel.zero_quantized_gradients
+                        else None))

@@ -179,3 +179,33 @@ def test_start_up_report_gives_each_dp_group_and_op_its_bytes(options):
     report = dry_run_report(cfg, rank=1)
     assert expected_dp_report(cfg, state, report["params_per_rank"]).splitlines()[1:] == [
         line.strip() for line in format_report(report).splitlines() if line.startswith("  dp")]
+
+
+def _engine_bytes_with_accumulation(rank, world_size, accum):
+    from hybrid.zero import ZeroConfig, build_zero_optimizer
+    from tests.test_zero_stages import GPTTask, train
+    task = GPTTask()
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    rows = {}
+    for stage in (0, 1, 2, 3):
+        model = task.model(state)
+        engine = build_zero_optimizer(model, state, ZeroConfig(
+            stage=stage, bucket_size=2048, gradient_accumulation_steps=accum), task.adamw,
+            **({"seed": 11} if stage == 3 else {}))
+        train(task, state, engine, model, task.data(steps=1), accum)
+        report = engine.comm_report()
+        rows[stage] = (report.by_group_op, engine.num_local_params, engine.param_bytes)
+    return rows
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_expected_dp_bytes_count_the_micro_batches_of_stages_2_and_3(accum):
+    """The expected per-step DP bytes (dry run, start-up report) against the ledger of real engines
+    with gradient accumulation: stage 2 reduce-scatters in every backward, stage 3 also gathers in
+    every forward and backward, stages 0-1 communicate once."""
+    from hybrid.perf.links import zero_dp_collectives
+    rows = run_on_ranks(_engine_bytes_with_accumulation, 2, args=(accum,))[0]
+    for stage, (measured, psi, param_bytes) in rows.items():
+        expected = zero_dp_collectives(psi * param_bytes, stage, [0, 1], 2, micro_batches=accum)
+        assert {(g, op): pytest.approx(v, rel=0.02) for g, op, v, _ in expected} == {
+            k: v for k, v in measured.items() if k[0].startswith("dp")}, (stage, accum)

@@ -91,7 +91,8 @@ def describe_collectives(collectives: list[tuple[str, str, float, float]]) -> li
 def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
                         *, intra: list[int] | None = None, inter: list[int] | None = None,
                         hybrid_shard: bool = False, hpz: bool = False, weight_ratio: float = 1.0,
-                        gradient_ratio: float | None = None) -> list[tuple[str, str, float, float]]:
+                        gradient_ratio: float | None = None,
+                        micro_batches: int = 1) -> list[tuple[str, str, float, float]]:
     """(group, op, bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL
     rings, summed per group and op as the ledger sums them, for ``psi_bytes`` 16-bit parameter
     bytes (ZeRO §7: 2Ψ stages 0-2, 3Ψ stage 3), plainly over the DP group ``dp`` (group "dp"), or
@@ -108,13 +109,21 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
     - qgZ (``gradient_ratio`` = q_g / b, None = off): the reduce-scatter as two direct all-to-alls
       (hybrid.zero.quantized_collectives), Ψ q_g (h-1)/h among the ``intra`` ranks, then the
       host's partial sum of this rank's chunks, Ψ q_g (k-1)/(k h), among the ``inter`` ranks.
+
+    With ``micro_batches`` k > 1 (gradient accumulation), stage 2 reduces in each of the k backwards
+    (it keeps no full gradient) and stage 3 also gathers in each forward and backward; stages 0-1
+    communicate once, after the last.
     """
     groups = {"dp": dp, "dp_intra_host": intra, "dp_inter_host": inter}
+
+    gathers = micro_batches if stage == 3 else 1        # per step
+    reductions = micro_batches if stage >= 2 else 1
 
     def run(group: str, op: str, tensor_bytes: float) -> tuple[str, str, float, float]:
         nodes = nodes_of(groups[group], ranks_per_node)
         n = len(nodes)
-        volume = tensor_bytes * (n - 1) / n * (2 if op == "all_reduce" else 1)
+        times = gathers if op == "all_gather" else reductions
+        volume = tensor_bytes * times * (n - 1) / n * (2 if op == "all_reduce" else 1)
         algorithm = "direct" if op == "all_to_all" else "ring"
         return group, op, volume, volume * cross_host_fraction(op, algorithm, nodes)
 

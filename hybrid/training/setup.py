@@ -448,7 +448,8 @@ def expected_dp_report(cfg: TrainConfig, state: ParallelState, psi: int) -> str:
     after the first logged step."""
     param_bytes = 4 if cfg.optimizer.precision == "fp32" else 2
     ops = expected_dp_collectives(cfg.parallel, state, float(psi), param_bytes,
-                                  state.ledger.ranks_per_node)
+                                  state.ledger.ranks_per_node,
+                                  micro_batches=cfg.grad_accumulation_steps(state.world_size))
     return "\n".join(["DP bytes per rank per step, expected (ZeRO's formulas over NCCL rings):",
                       *describe_collectives(ops)])
 

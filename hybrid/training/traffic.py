@@ -15,10 +15,11 @@ from hybrid.zero.config import stage_with_pipeline
 
 
 def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_bytes: int,
-                            ranks_per_node: int | None) -> list[tuple[str, str, float, float]]:
+                            ranks_per_node: int | None,
+                            micro_batches: int = 1) -> list[tuple[str, str, float, float]]:
     """(group, op, bytes, cross-host bytes) per rank per step of the DP collectives of a run with
     ``parallel`` (the config's ParallelSection) on ``state``'s groups, for ``psi`` parameters of
-    ``param_bytes`` bytes on this rank. The host-split options need the state's host groups (their
+    ``param_bytes`` bytes on this rank, with ``micro_batches`` backwards per step. The host-split options need the state's host groups (their
     layout is checked where the engine or the dry run builds them). Stage 2 with pipeline
     parallelism counts as the stage 1 it runs as (:func:`hybrid.zero.config.stage_with_pipeline`)."""
     quantized = ZeroOptions()   # int8 blocks (hybrid.zero.quantize)
@@ -31,4 +32,5 @@ def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_by
         hybrid_shard=parallel.zero_hybrid_shard, hpz=parallel.zero_hpz,
         weight_ratio=quantized.weight_bytes / param_bytes if parallel.zero_quantized_weights else 1.0,
         gradient_ratio=(quantized.gradient_bytes / param_bytes if parallel.zero_quantized_gradients
-                        else None))
+                        else None),
+        micro_batches=micro_batches)

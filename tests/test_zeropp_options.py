@@ -11,8 +11,9 @@ hpZ, qwZ, qgZ; FSDP2 HSDP / MiCS).
   Skips where network namespaces cannot be made.
 
 The time check runs below figure2_mini's lowest bandwidth (25 Mbit/s) on purpose: there qgZ's 25%
-fewer crossing bytes are about 0.2 s of a step whose compute varies by as much on the shared 2 cores;
-at 10 Mbit/s the link is 70-90% of plain's step and the smallest cut is about 0.5 s.
+fewer crossing bytes are about 0.24 s of a 1.07 s step whose compute varies by as much on the shared 2
+cores; at 10 Mbit/s the link is about three quarters of plain's 2.9 s step and the smallest cut (qgZ's)
+0.75 s (2 minutes, load average 2-3).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ TP and sequence parallelism too. The ledger's cross-host bytes per step match th
 hybrid.zero.host_groups (n DP ranks, h per host, k hosts, Ψ_b the padded 16-bit unit bytes):
 plain stage 3 3Ψ_b(n-h)/n, hpZ 2Ψ_b(n-h)/n, hybrid sharding 2Ψ_b(k-1)/n; stages 1-2 2Ψ_b(n-h)/n
 plainly and 2Ψ_b(k-1)/n hybrid. A checkpoint saved with an option loads without it and the other
-way round, and the next step's loss is the one the saving run computes.
+way round, with TP 1 and TP 2, and the next step's loss is the one the saving run computes.
 """
 
 from __future__ import annotations
@@ -128,7 +128,12 @@ def _rank_more(rank: int, world: int, tmp: str) -> dict:
         "hpz->plain": checkpoint_case(hosts, f"{tmp}/c", {"hpz": True}, {}),
         "plain->hpz": checkpoint_case(hosts, f"{tmp}/d", {}, {"hpz": True}),
         "stage2 hsdp->plain": checkpoint_case(hosts, f"{tmp}/e", {"hybrid_shard": True}, {}, 2),
-        "stage1 plain->hsdp": checkpoint_case(hosts, f"{tmp}/f", {}, {"hybrid_shard": True}, 1)}
+        "stage1 plain->hsdp": checkpoint_case(hosts, f"{tmp}/f", {}, {"hybrid_shard": True}, 1),
+        # TP 2 inside each host, DP 2 across: every rank's TP shard through each option and back
+        "tp2 hpz->plain": checkpoint_case(tp2, f"{tmp}/g", {"hpz": True}, {}),
+        "tp2 plain->hpz": checkpoint_case(tp2, f"{tmp}/h", {}, {"hpz": True}),
+        "tp2 hsdp->plain": checkpoint_case(tp2, f"{tmp}/i", {"hybrid_shard": True}, {}),
+        "tp2 plain->hsdp": checkpoint_case(tp2, f"{tmp}/j", {}, {"hybrid_shard": True})}
     return out
 
 

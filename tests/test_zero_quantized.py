@@ -340,6 +340,29 @@ def test_quantized_runs_keep_exact_masters():
         assert 0 < max(diffs) < 1e-2
 
 
+# qwZ and qgZ quantize a unit's DP chunk (or gradient rows) in 256-element blocks that mix TP-sharded
+# and TP-replicated parameters (layer norms, row-parallel biases, position embeddings). A block's
+# scale is its largest magnitude, which differs between TP ranks where the block holds sharded
+# values, so the replicated values come back rounded differently on each TP rank and the replicas
+# drift apart (about 1e-5 after 4 steps; the exact run keeps them bit-equal). A checkpoint keeps TP
+# rank 0's copy, so TP rank 1 changes on resume (tests/test_zero_quantized_training.py, TP 2).
+TP_REPLICAS_DRIFT = ("qwZ / qgZ quantization blocks mix TP-sharded and TP-replicated parameters, "
+                     "so the replicated ones drift apart across TP ranks (known bug)")
+
+
+@pytest.mark.parametrize("case", [
+    "tp2_s3", pytest.param("tp2_s3_both", marks=pytest.mark.xfail(strict=True, reason=TP_REPLICAS_DRIFT))])
+def test_tp_replicated_parameters_stay_equal_on_every_tp_rank(case):
+    from models.gpt.sharding import partition_dim
+    results = engine_results()
+    for dp_rank in range(WORLD // 2):          # TP 2: ranks 2 d and 2 d + 1 hold the same DP rank
+        first, second = (results[2 * dp_rank + t][case]["masters"] for t in range(2))
+        replicated = [k for k in first if partition_dim(k) == -1]
+        assert replicated
+        for name in replicated:
+            assert (first[name] == second[name]).all(), (case, dp_rank, name)
+
+
 # ---- invalid use ----------------------------------------------------------------------------
 def test_options_refuse_the_stages_they_do_not_apply_to():
     with pytest.raises(ValueError, match="--zero-quantized-weights .*stage 3"):

@@ -1,7 +1,8 @@
 """The ZeRO++ flags in the trainer (--zero-quantized-weights, --zero-quantized-gradients) on 4 gloo
 ranks laid out as 2 hosts x 2 (--gpus-per-node 2): resume with the options is bit-identical, a
 checkpoint written with them holds exact masters (loaded without the options and saved again, every
-tensor is unchanged) and a run without the options continues from it; bad flags are one error line.
+tensor is unchanged) and a run without the options continues from it, at TP 1 and TP 2; bad flags
+are one error line.
 The 200-step convergence comparison is the slow test at the end (benchmarks/zeropp_convergence.py).
 """
 
@@ -35,8 +36,8 @@ def _losses(args: list[str]) -> list[float]:
     return trainer.losses
 
 
-def _round_trips(rank: int, world: int, root: str) -> dict:
-    base = tiny_args(zero=3, extra=TWO_HOSTS)
+def _round_trips(rank: int, world: int, root: str, tp: int) -> dict:
+    base = tiny_args(tp=tp, zero=3, extra=TWO_HOSTS)
     quantized, plain = f"{root}/quantized", f"{root}/plain"
     return {
         "full": _losses(base + OPTIONS + ["--train-iters", "4"]),
@@ -48,10 +49,19 @@ def _round_trips(rank: int, world: int, root: str) -> dict:
     }
 
 
-def test_checkpoints_with_quantized_communication_hold_exact_state(tmp_path):
-    results = run_on_ranks(_round_trips, 4, args=(str(tmp_path),), timeout=900)
+@pytest.mark.parametrize("tp", [1, 2])   # TP 2: inside each host, DP 2 across (one rank a host)
+def test_checkpoints_with_quantized_communication_hold_exact_state(tmp_path, tp):
+    results = run_on_ranks(_round_trips, 4, args=(str(tmp_path), tp), timeout=900)
     r = results[0]
-    assert r["first"] + r["second"] == r["full"]        # resume with the options: bit-identical
+    if tp == 1:
+        assert r["first"] + r["second"] == r["full"]    # resume with the options: bit-identical
+    else:
+        # not bit-identical at TP 2: qwZ's blocks let TP rank 1's replicated parameters drift from
+        # rank 0's, whose copy the checkpoint keeps (the strict xfail
+        # tests/test_zero_quantized.py::test_tp_replicated_parameters_stay_equal_on_every_tp_rank);
+        # the resumed losses stay within that drift (measured 2.4e-6 relative by the second step;
+        # a lost optimizer state or a misplaced shard moves them by 1e-3 or more)
+        assert r["first"] + r["second"] == pytest.approx(r["full"], rel=1e-5, abs=0)
     assert r["resaved"] == []                           # nothing trained, only loaded and saved
     saved, resaved = CheckpointReader(tmp_path / "quantized"), CheckpointReader(tmp_path / "plain")
     for kind in ("master", "exp_avg", "exp_avg_sq", "model"):

@@ -16,7 +16,14 @@ by the scales' bytes, so a collective moves it in one message:
 which is 1 + 4/256 bytes per element: 1.97x fewer than bf16/fp16, 3.94x fewer than fp32.
 
 A block holding an Inf or NaN dequantizes to NaN everywhere, so an overflow is still seen after the
-collective (the engine's non-finite check and fp16's loss scaler rely on it). Pure tensor code,
+collective (the engine's non-finite check and fp16's loss scaler rely on it).
+
+Tensor parallelism: a rank's flat chunk interleaves TP-sharded parameters with TP-replicated ones
+(LayerNorm, row-parallel biases, position embeddings), at the same offsets on every TP rank. A block
+mixing both would get a different scale on each TP rank and round the replicated values
+differently, so the TP copies would drift apart step after step. ``agree`` (the engines pass the
+maximum over the TP group, :func:`tp_agreed_scales`) makes every TP rank use the same scale per
+block: a replicated value, equal on all of them, then quantizes to the same int8 everywhere. Pure tensor code,
 vectorised over rows and blocks: the same on CPU and CUDA.
 """
 
@@ -38,14 +45,17 @@ def packed_numel(numel: int) -> int:
     return numel + SCALE_BYTES * num_blocks(numel)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``x`` [P, S] (any float dtype) -> (q [P, S] int8, scales [P, ceil(S/BLOCK)] fp32)."""
+def quantize(x: torch.Tensor, agree=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` [P, S] (any float dtype) -> (q [P, S] int8, scales [P, ceil(S/BLOCK)] fp32).
+    ``agree(scales)``, if given, replaces the scales in place by ones every TP rank shares."""
     rows, numel = x.shape
     nb = num_blocks(numel)
     padded = torch.zeros(rows, nb * BLOCK, dtype=torch.float32, device=x.device)
     padded[:, :numel] = x
     blocks = padded.view(rows, nb, BLOCK)                               # [P, nb, BLOCK]
     scales = blocks.abs().amax(dim=2) / QMAX                            # [P, nb]; NaN/Inf stay
+    if agree is not None:   # a NaN scale becomes Inf first, which a maximum cannot lose
+        agree(torch.nan_to_num_(scales, nan=float("inf")))
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block: q = 0
     q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-QMAX, QMAX)
     q = torch.nan_to_num_(q, nan=0.0)                                   # the scale carries the NaN
@@ -61,10 +71,10 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(per_element), values, torch.full_like(values, float("nan")))
 
 
-def pack(x: torch.Tensor) -> torch.Tensor:
+def pack(x: torch.Tensor, agree=None) -> torch.Tensor:
     """Rows ``x`` [P, S] -> packed int8 rows [P, packed_numel(S)] (payload | scale bytes)."""
     rows, numel = x.shape
-    q, scales = quantize(x)
+    q, scales = quantize(x, agree)
     out = torch.empty(rows, packed_numel(numel), dtype=torch.int8, device=x.device)
     out[:, :numel] = q
     out[:, numel:] = scales.contiguous().view(torch.int8)               # [P, 4 nb] raw bytes

@@ -28,7 +28,10 @@ rank sends nothing and is not quantized; with one DP rank nothing is quantized a
 Both return a handle whose ``wait()`` finishes the work (the continuation runs there: the
 dequantization, and for qgZ the second hop, which starts at once only when a host holds one DP
 rank), like every :mod:`hybrid.comm` collective; on NCCL the waits inside only order the streams.
-Temporary int8 and fp32 buffers are allocated per call.
+Temporary int8 and fp32 buffers are allocated per call. With tensor parallelism every
+quantization takes the block scales' maximum over the TP group (:func:`tp_agreed_scales`, recorded
+in the ledger as a TP all-reduce of 4 bytes per 256 elements), so TP-replicated parameters stay
+equal on every TP rank (:mod:`.quantize`).
 """
 
 from __future__ import annotations
@@ -65,17 +68,26 @@ def _finish(handle: _Continuation, async_op: bool):
     return None
 
 
+def tp_agreed_scales(tp: Group):
+    """The ``agree`` of :func:`hybrid.zero.quantize.quantize` for TP group ``tp``: each block's
+    scale becomes its maximum over the TP ranks (None with one TP rank: nothing to agree)."""
+    if tp.size == 1:
+        return None
+    return lambda scales: comm.all_reduce(scales, tp, op="max")
+
+
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group,
-                         async_op: bool = False):
+                         async_op: bool = False, agree=None):
     """qwZ: every rank's ``shard`` [c] into ``output`` [n c] (any float dtype), sent as int8 rows
-    [c + 4 ceil(c/256)] and dequantized on arrival (module docstring)."""
+    [c + 4 ceil(c/256)] and dequantized on arrival (module docstring); ``agree``: the block scales
+    shared over TP (:func:`tp_agreed_scales`)."""
     n, c = group.size, shard.numel()
     if output.numel() != n * c:
         raise ValueError(f"all-gather output has {output.numel()} elements, expected {c} x {n}")
     if n == 1:
         output.copy_(shard.view_as(output))
         return _Continuation(lambda: None) if async_op else None
-    sent = pack(shard.reshape(1, c))                                      # [1, row]
+    sent = pack(shard.reshape(1, c), agree)                               # [1, row]
     received = torch.empty(n, packed_numel(c), dtype=torch.int8, device=shard.device)
     work = comm.all_gather_into(received, sent, group, async_op=True)    # [n, row]
 
@@ -85,20 +97,21 @@ def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group
     return _finish(_Continuation(dequantize), async_op)
 
 
-def _all_to_all_sum(rows: torch.Tensor, group: Group) -> tuple[object, Callable[[], torch.Tensor]]:
+def _all_to_all_sum(rows: torch.Tensor, group: Group,
+                    agree=None) -> tuple[object, Callable[[], torch.Tensor]]:
     """Row j of ``rows`` [size, k] to member j, quantized; returns (work, result) where result()
     after ``work.wait()`` is the fp32 sum [k] of the rows received. A group of one: no message."""
     size, k = rows.shape
     if size == 1:
         return None, lambda: rows[0].to(torch.float32)
-    sent = pack(rows)                                                     # [size, row]
+    sent = pack(rows, agree)                                              # [size, row]
     received = torch.empty_like(sent)
     work = comm.all_to_all(received, sent, group, async_op=True)
     return work, lambda: unpack(received, k).sum(dim=0)
 
 
 def hierarchical_reduce_scatter(output: torch.Tensor, full: torch.Tensor, intra: Group,
-                                inter: Group, async_op: bool = False):
+                                inter: Group, async_op: bool = False, agree=None):
     """qgZ: ``output`` [c] = chunk (DP rank) of the sum over DP of ``full`` [n c], n = hosts x
     per-host, in two quantized hops (module docstring). ``output`` may be a slice of ``full``
     (written last); ``full`` must stay untouched until ``wait()``, as for any reduce-scatter."""
@@ -107,12 +120,12 @@ def hierarchical_reduce_scatter(output: torch.Tensor, full: torch.Tensor, intra:
         raise ValueError(f"reduce-scatter input has {full.numel()} elements, expected {c} x "
                          f"{m * h} ({h} hosts x {m} DP ranks each)")
     rows = full.reshape(h, m, c).transpose(0, 1).reshape(m, h * c)      # [m, h c], row j -> member j
-    first, host_sum = _all_to_all_sum(rows, intra)
+    first, host_sum = _all_to_all_sum(rows, intra, agree)
 
     def across_hosts():
         if first is not None:
             first.wait()
-        return _all_to_all_sum(host_sum().view(h, c), inter)            # [h, c], row k -> host k
+        return _all_to_all_sum(host_sum().view(h, c), inter, agree)     # [h, c], row k -> host k
     started = across_hosts() if first is None else None   # one rank a host: hop 2 starts now
 
     def finish() -> None:
@@ -137,8 +150,9 @@ def gradient_reduce_scatter(state, quantized: bool):
                          "so it needs the same number of DP ranks on every host; this layout's DP "
                          "group is spread unevenly (set --gpus-per-node to the machines' GPU count, "
                          "or drop the flag)")
+    agree = tp_agreed_scales(state.tp)
 
     def reduce(output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
                scratch: torch.Tensor | None = None):
-        return hierarchical_reduce_scatter(output, full, intra, inter, async_op)
+        return hierarchical_reduce_scatter(output, full, intra, inter, async_op, agree)
     return reduce

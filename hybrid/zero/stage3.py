@@ -55,7 +55,7 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
 from hybrid.zero.host_groups import partition_groups, secondary_group
 from hybrid.zero.loss_scaler import build_loss_scaler
-from hybrid.zero.quantized_collectives import gradient_reduce_scatter
+from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 from hybrid.zero.stage3_hooks import Stage3Scheduler
@@ -107,6 +107,7 @@ class ParameterPartitioning(ZeroEngine):
             if reduce_scatter is not None:
                 unit.reduce_scatter = reduce_scatter
             unit.quantized_gather = zero_config.quantized_weights and unit is not self.persistent
+            unit.agree_scales = tp_agreed_scales(state.tp) if unit.quantized_gather else None
         self.offload = offload if offload is not None and offload.enabled else None
         if self.offload is None:
             self.masters = self._materialize(init)

@@ -109,6 +109,7 @@ class ShardedUnit:
         self.gathered = False
         self.store, self.store_index = None, -1   # hybrid.offload.param_store: shard on NVMe
         self.quantized_gather = False             # qwZ: gather int8 blocks (set by the engine)
+        self.agree_scales = None                  # qwZ with TP: the block scales' TP maximum
         self.reduce_scatter = functools.partial(comm.reduce_scatter_replicated, group=group,
                                                 replicas=replicas)   # qgZ's replaces it
 
@@ -180,7 +181,8 @@ class ShardedUnit:
         shard = self.shard if self.store is None else self.store.fetch(self.store_index)
         if self.quantized_gather:      # packed from the shard at once (a host buffer: moved first)
             self._gather_handle = quantized_all_gather(self.full, shard.to(self.full.device),
-                                                       self.group, async_op=True)
+                                                       self.group, async_op=True,
+                                                       agree=self.agree_scales)
         else:
             if shard.device != self.full.device:   # the NVMe store's host buffer: into our slot
                 own = self.full.narrow(0, self.group.rank * shard.numel(), shard.numel())

@@ -379,3 +379,17 @@ def test_qgz_refuses_a_dp_group_spread_unevenly_over_hosts():
     with pytest.raises(ValueError, match="same number of DP ranks on every host"):
         gradient_reduce_scatter(state, quantized=True)
     assert gradient_reduce_scatter(state, quantized=False) is None   # the engines keep their own
+
+
+def test_a_nan_block_stays_non_finite_when_the_scales_are_agreed_over_tp():
+    """The TP maximum of the scales (tp_agreed_scales) may drop a NaN, as fmax does; a NaN scale is
+    made Inf first, so the block still dequantizes to NaN and an overflow is seen."""
+    from hybrid.zero.quantize import pack, unpack
+    x = torch.randn(1, 600)
+    x[0, 300] = float("nan")
+    other_rank = torch.full((1, 3), 0.01)
+
+    def fmax_over_tp(scales):
+        scales.copy_(torch.fmax(scales, other_rank))
+    out = unpack(pack(x, fmax_over_tp), 600)
+    assert out[0, 256:512].isnan().all() and out[0, :256].isfinite().all()

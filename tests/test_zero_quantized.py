@@ -384,7 +384,6 @@ def test_qgz_refuses_a_dp_group_spread_unevenly_over_hosts():
 def test_a_nan_block_stays_non_finite_when_the_scales_are_agreed_over_tp():
     """The TP maximum of the scales (tp_agreed_scales) may drop a NaN, as fmax does; a NaN scale is
     made Inf first, so the block still dequantizes to NaN and an overflow is seen."""
-    from hybrid.zero.quantize import pack, unpack
     x = torch.randn(1, 600)
     x[0, 300] = float("nan")
     other_rank = torch.full((1, 3), 0.01)

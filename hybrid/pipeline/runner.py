@@ -8,10 +8,16 @@ waited for until the end of the step. How receives are posted (``prefetch``):
 
 * gloo (default there): the next action's receive is posted before this action computes, so it
   lands during the compute (tagged isend/irecv match by tag, in any order);
-* NCCL (default there): this action's send and the next action's receive go in one
-  ``batch_isend_irecv`` after the compute, Megatron's ``send_forward_recv_backward`` pattern. NCCL
-  serialises the sends and receives between two ranks on one stream, so a receive posted ahead of
-  a send the peer is waiting for could deadlock; grouped, they progress together.
+* NCCL (default there): the actions form exchange groups (:func:`exchange_groups`); after a
+  group computes, its sends and the next group's receives go in one ``batch_isend_irecv``
+  (Megatron's ``send_forward_recv_backward`` pattern per action, and in the steady state its
+  ``send_forward_backward_recv_forward_backward`` for a forward and the backward after it). NCCL
+  serialises the sends and receives between two ranks on one stream and a batch completes only
+  when every message in it is matched, so a receive posted ahead of a send the peer is waiting for
+  could deadlock; the groups make neighbouring stages' batches match. One group per action
+  deadlocks the interleaved schedule's steady state (m > p): two neighbours each wait on a batch
+  whose send the other receives only in its next batch. ``tests/test_pipeline.py`` checks every
+  schedule's groups under rendezvous semantics.
 
 Per step and stage boundary the schedule moves m activations forward and m gradients back (m v of
 each when interleaved, over the p v - 1 boundaries of the virtual pipeline), each b s h elements
@@ -61,6 +67,21 @@ class StepOutput:
         return 1.0 - self.busy_time / pipeline_step_time if pipeline_step_time else 0.0
 
 
+def exchange_groups(actions: list[Action]) -> list[list[int]]:
+    """Indices of a stage's actions grouped for NCCL's batched posting: after the stage's first
+    backward, a forward and the backward right after it are one group (the steady state's
+    one-forward-one-backward step); every other action is a group of its own."""
+    groups, i, steady = [], 0, False
+    while i < len(actions):
+        steady = steady or actions[i].kind == "B"
+        if steady and i + 1 < len(actions) and (actions[i].kind, actions[i + 1].kind) == ("F", "B"):
+            groups.append([i, i + 1])
+        else:
+            groups.append([i])
+        i += len(groups[-1])
+    return groups
+
+
 class PipelineRunner:
     """Runs a step of the schedule on this rank's model chunks (``chunks[c]``: virtual stage
     ``c * p + stage``). A chunk is called ``chunk(tokens, labels, hidden_states=x)``: the first
@@ -89,6 +110,9 @@ class PipelineRunner:
             pg = state.pp.pg
             prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"
         self.prefetch = prefetch
+        groups = exchange_groups(self.actions)   # NCCL: after group g, its sends + g+1's receives
+        self._exchange_after = {g[-1]: (groups[k + 1] if k + 1 < len(groups) else [])
+                                for k, g in enumerate(groups)}
         self._last_backward = {c: max(i for i, a in enumerate(self.actions)
                                       if a.kind == "B" and a.chunk == c) for c in range(self.v)}
         # receive buffers, reused across micro-batches and steps: an activation's once the
@@ -158,7 +182,8 @@ class PipelineRunner:
             self._post_receive(action)
             if self.prefetch and i + 1 < len(self.actions):   # arrives during this action
                 self._post_receive(self.actions[i + 1])
-            self._flush()
+            if self.prefetch or i == 0:   # NCCL: later receives came with the last exchange
+                self._flush()
             inputs = self._take(action) if self._needs_input(action) else None
             final = action.kind == "B" and i == self._last_backward[action.chunk]
             tied = self.tied if final else None
@@ -174,9 +199,12 @@ class PipelineRunner:
             else:
                 self._backward(action, inputs, extra)
             busy += time.perf_counter() - began
-            if not self.prefetch and i + 1 < len(self.actions):   # batched with this send
-                self._post_receive(self.actions[i + 1])
-            self._flush()
+            if self.prefetch:
+                self._flush()
+            elif i in self._exchange_after:   # the group's sends with the next group's receives
+                for j in self._exchange_after[i]:
+                    self._post_receive(self.actions[j])
+                self._flush()
         if self.tied is not None:
             self.tied.end_step()
         for _, handle in self._sends:

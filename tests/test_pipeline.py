@@ -4,6 +4,9 @@ on CPU ranks against the single-device oracle.
 Parity: GPTModel split into stages (x TP, +SP, x DP) with each schedule, gradient accumulation
 (m micro-batches), ZeRO stages 0-2, a recompute mode and clipping, 5 fp32 steps vs ReferenceGPT with
 torch.optim.AdamW on the whole batch: losses, gradient norms and final parameters within rtol 1e-5.
+Interleaved cases run m = 2p micro-batches, so besides the warm-up and cool-down every stage also
+runs the steady state of alternating forwards and backwards of different chunks (m = p would be
+all warm-up); 1F1B runs m = 2p at PP 4 in the default suite.
 
 Volume: per step and PP column, every boundary of the (virtual) pipeline carries one activation
 forward and one gradient back per micro-batch: 2 m (p v - 1) messages of b s h elements (b s h / t
@@ -149,9 +152,12 @@ def _tied(state, chunks):
 
 
 def _pipeline_parity(rank, world_size, tp, pp, cases, sequence_parallel=False, clip=0.0, layers=4,
-                     prefetch=None):
+                     prefetch=None, batch=8):
+    """``cases``: (schedule, v, m, ZeRO stage, recompute) each; ``batch``: the global batch (the
+    oracle's too), so that m = 2p micro-batches per DP rank exist at DP 2."""
     task = PipeTask()
     task.config = dataclasses.replace(task.config, num_layers=layers)
+    task.batch = batch
     data = task.data()
     ref_losses, ref_norms, ref_params = reference_run(task, data, clip)
     state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size,
@@ -229,8 +235,8 @@ def _expected_total(pp, v, m, dp, tp, b_local, s, sequence_parallel):
 
 def test_pipeline_two_stages_each_schedule_matches_reference():
     """PP 2 x TP 1 x DP 1: GPipe, 1F1B with accumulation over 4 micro-batches (ZeRO 1), interleaved
-    (v 2, ZeRO 2)."""
-    cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 1, None), ("interleaved", 2, 2, 2, None)]
+    (v 2, ZeRO 2, 4 micro-batches)."""
+    cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 1, None), ("interleaved", 2, 4, 2, None)]
     results = run_on_ranks(_pipeline_parity, 2, args=(1, 2, cases), timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
         assert _total_pp_bytes(results, i) == _expected_total(2, v, m, 1, 1, 8, 8, False)
@@ -238,7 +244,7 @@ def test_pipeline_two_stages_each_schedule_matches_reference():
 
 def test_pipeline_with_tensor_parallel_sequence_parallel_and_recompute():
     """PP 2 x TP 2 (+SP): the p2p tensor is the sequence shard (/t); full recompute per stage."""
-    cases = [("1f1b", 1, 2, 1, "full"), ("interleaved", 2, 2, 0, None), ("gpipe", 1, 2, 2, None)]
+    cases = [("1f1b", 1, 2, 1, "full"), ("interleaved", 2, 4, 0, None), ("gpipe", 1, 2, 2, None)]
     results = run_on_ranks(_pipeline_parity, 4, args=(2, 2, cases),
                            kwargs={"sequence_parallel": True}, timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
@@ -246,8 +252,9 @@ def test_pipeline_with_tensor_parallel_sequence_parallel_and_recompute():
 
 
 def test_pipeline_with_data_parallel_zero_and_clipping():
-    """PP 2 x DP 2, ZeRO 0-2, clipped by the global norm across PP and DP."""
-    cases = [("gpipe", 1, 2, 2, None), ("1f1b", 1, 4, 1, None), ("interleaved", 2, 2, 0, None)]
+    """PP 2 x DP 2, ZeRO 0-2, clipped by the global norm across PP and DP; 1F1B with selective
+    recompute."""
+    cases = [("gpipe", 1, 2, 2, None), ("1f1b", 1, 4, 1, "selective"), ("interleaved", 2, 4, 0, None)]
     results = run_on_ranks(_pipeline_parity, 4, args=(1, 2, cases), kwargs={"clip": 0.5},
                            timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
@@ -256,36 +263,126 @@ def test_pipeline_with_data_parallel_zero_and_clipping():
 
 def test_batched_posting_runs_every_schedule():
     """The NCCL posting pattern (each action's send batched with the next action's receive),
-    exercised on gloo: every schedule completes with the same numbers."""
+    exercised on gloo: every schedule completes with the same numbers. Interleaved only at m = p:
+    at m > p this pattern deadlocks (test_posting_patterns_complete_under_rendezvous)."""
     cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 0, None), ("interleaved", 2, 2, 1, None)]
     run_on_ranks(_pipeline_parity, 2, args=(1, 2, cases), kwargs={"prefetch": False}, timeout=600)
 
 
+def _posting_deadlocks(config, prefetch):
+    """PipelineRunner's posting order run under rendezvous semantics (a send completes only once
+    its receive is posted, as gloo's and NCCL's large messages do): before an action the rank waits
+    for every op of the batch that carries the action's input, sends included. Returns the actions
+    the stages are stuck at, or None when the step completes."""
+    p, v = config.num_stages, config.num_model_chunks
+    schedule = build_schedule(config)
+
+    def messages(stage, a):   # (received, sent) message keys of an action, None at the ends
+        k = a.chunk * p + stage
+        step = 1 if a.kind == "F" else -1
+        received = (a.kind, a.micro_batch, k) if 0 <= k - step < p * v else None
+        sent = (a.kind, a.micro_batch, k + step) if 0 <= k + step < p * v else None
+        return received, sent
+
+    posted, batch_of = set(), [{} for _ in range(p)]
+    position, pending = [0] * p, [[] for _ in range(p)]
+
+    def post_receive(stage, i):
+        if i < len(schedule[stage]):
+            received = messages(stage, schedule[stage][i])[0]
+            if received and received not in batch_of[stage]:
+                pending[stage].append(("recv", received))
+
+    def flush(stage):
+        batch = pending[stage]
+        posted.update(batch)
+        for kind, key in batch:
+            if kind == "recv":
+                batch_of[stage][key] = batch
+        pending[stage] = []
+
+    def ready(stage, received):
+        mirror = {"send": "recv", "recv": "send"}
+        return all((mirror[kind], key) in posted for kind, key in batch_of[stage][received])
+
+    moved = True
+    while moved:
+        moved = False
+        for stage in range(p):
+            while position[stage] < len(schedule[stage]):
+                i = position[stage]
+                post_receive(stage, i)
+                if prefetch:
+                    post_receive(stage, i + 1)
+                flush(stage)
+                received, sent = messages(stage, schedule[stage][i])
+                if received and not ready(stage, received):
+                    break
+                pending[stage] += [("send", sent)] if sent else []
+                if not prefetch:
+                    post_receive(stage, i + 1)
+                flush(stage)
+                position[stage] += 1
+                moved = True
+    stuck = {s: schedule[s][position[s]] for s in range(p) if position[s] < len(schedule[s])}
+    return stuck or None
+
+
+@pytest.mark.parametrize("schedule,p,v", [("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
+                                          ("interleaved", 2, 2), ("interleaved", 4, 2),
+                                          ("interleaved", 2, 3)])
+@pytest.mark.parametrize("m_over_p", [1, 2, 4])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["gloo-prefetch", "nccl-batched"])
+def test_posting_patterns_complete_under_rendezvous(schedule, p, v, m_over_p, prefetch):
+    """Both posting patterns of the runner, under rendezvous: the gloo one completes every
+    schedule; the NCCL one (send batched with the next receive, the wait covering both) deadlocks
+    in the interleaved steady state, which m = p never reaches: with m > p two neighbouring stages
+    each wait on a batch whose send the other receives only in its next batch. Known bug of the
+    batched pattern (the real 2-rank run hangs the same way): checked to deadlock here, then
+    reported as xfail until it is fixed."""
+    config = PipelineConfig(p, p * m_over_p, p * v * 2, schedule, v)
+    stuck = _posting_deadlocks(config, prefetch)
+    if not prefetch and schedule == "interleaved" and m_over_p > 1:
+        assert stuck is not None and all(a.kind == "B" for a in stuck.values()), stuck
+        pytest.xfail(f"the batched (NCCL) posting deadlocks in the interleaved steady state: {stuck}")
+    assert stuck is None
+
+
 @pytest.mark.slow
 def test_pipeline_eight_ranks_pp2_tp2_dp2():
-    cases = [("1f1b", 1, 2, 2, None), ("interleaved", 2, 2, 1, "selective"),
+    cases = [("1f1b", 1, 2, 2, None), ("interleaved", 2, 4, 1, "selective"),
              ("gpipe", 1, 2, 0, None)]
     run_on_ranks(_pipeline_parity, 8, args=(2, 2, cases), kwargs={"sequence_parallel": True},
                  timeout=900)
 
 
+def test_pipeline_four_stages_1f1b_steady_state():
+    """PP 4 x TP 1 x DP 1, 1F1B over 8 micro-batches (ZeRO 1): stages 0-2 run warm-up, steady
+    state and cool-down."""
+    cases = [("1f1b", 1, 8, 1, None)]
+    results = run_on_ranks(_pipeline_parity, 4, args=(1, 4, cases), timeout=600)
+    assert _total_pp_bytes(results, 0) == _expected_total(4, 1, 8, 1, 1, 8, 8, False)
+
+
 @pytest.mark.slow
 def test_pipeline_four_stages():
-    """PP 4 x TP 1 x DP 1 (world 4, slow: many steps of small messages) and PP 4 x DP 2 (world 8),
-    each schedule (interleaved: 8 layers, v 2)."""
-    cases = [("1f1b", 1, 4, 1, None), ("gpipe", 1, 4, 0, None), ("1f1b", 1, 4, 2, "full")]
+    """PP 4 x TP 1 x DP 1 (world 4, slow: many steps of small messages) and PP 4 x DP 2 (world 8,
+    global batch 16 so that DP 2 has 8 micro-batches), each schedule (interleaved: 8 layers, v 2,
+    m 8)."""
+    cases = [("gpipe", 1, 4, 0, None), ("1f1b", 1, 4, 2, "full")]
     run_on_ranks(_pipeline_parity, 4, args=(1, 4, cases), timeout=900)
-    interleaved = [("interleaved", 2, 4, 1, None)]
+    interleaved = [("interleaved", 2, 8, 1, None)]
     run_on_ranks(_pipeline_parity, 4, args=(1, 4, interleaved), kwargs={"layers": 8}, timeout=900)
     run_on_ranks(_pipeline_parity, 8, args=(1, 4, [("1f1b", 1, 4, 1, None), ("gpipe", 1, 4, 2, None)]),
                  timeout=900)
-    run_on_ranks(_pipeline_parity, 8, args=(1, 4, interleaved), kwargs={"layers": 8}, timeout=900)
+    run_on_ranks(_pipeline_parity, 8, args=(1, 4, interleaved), kwargs={"layers": 8, "batch": 16},
+                 timeout=900)
 
 
 @pytest.mark.slow
 def test_pipeline_four_stages_with_tensor_parallel_and_interleaving():
-    """PP 4 x TP 2 (+SP), 8 layers: interleaved with v 2 over 4 micro-batches, GPipe and 1F1B."""
-    cases = [("interleaved", 2, 4, 1, None), ("gpipe", 1, 4, 2, "full"), ("1f1b", 1, 4, 0, None)]
+    """PP 4 x TP 2 (+SP), 8 layers: interleaved with v 2 over 8 micro-batches, GPipe and 1F1B."""
+    cases = [("interleaved", 2, 8, 1, None), ("gpipe", 1, 4, 2, "full"), ("1f1b", 1, 4, 0, None)]
     run_on_ranks(_pipeline_parity, 8, args=(2, 4, cases),
                  kwargs={"sequence_parallel": True, "layers": 8}, timeout=1200)
 

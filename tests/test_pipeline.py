@@ -15,11 +15,13 @@ checked against that count per rank and in total.
 
 Bubble: stages whose forward and backward sleep a fixed time (100 ms and 200 ms per micro-batch, so
 CPU contention does not blur the compute) measure idle time over the pipeline's step time; the mean
-over stages (best of 3 steps) is checked against (p - 1) / (v m + p - 1) within 0.08 absolute. The
-error is one-sided: gloo's p2p latency and the wake-up delay of a loaded machine add to the
-critical path (idle time on the other stages) more than to any stage's busy time. On an idle
-machine the measured values were within 0.02 (1F1B p 4: 0.431 vs 0.429 at m 4, 0.280 vs 0.273 at
-m 8; interleaved p 2 v 2: 0.214 vs 0.200 at m 2, 0.129 vs 0.111 at m 4).
+over stages (best of 3 steps) is checked against (p - 1) / (v m + p - 1) at two m each (1F1B and
+GPipe p 4: m 4 and 8, and 4 and 16 in the slow suite; interleaved p 2 v 2: m 2 and 4): within
+-0.02 / +0.08 absolute, and the fall from the first m to the second within 20% (relative) of the
+formula's ratio. The absolute error is one-sided and about constant: gloo's p2p latency and the
+wake-up delay of a loaded machine add a fixed time per message to the critical path (idle time on
+the other stages), so it does not scale with the bubble; the ratio cancels most of it. Measured
+values are printed (``-s``); docs/choosing-parallelism.md records a run.
 """
 
 from __future__ import annotations
@@ -417,13 +419,14 @@ def _measure_bubble(rank, world_size, schedule, v, ms, forward_s):
     state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size,
                                               pipeline_parallel_size=world_size))
     shape, out = (4, 1, 8), []
-    for m in ms:
+    for n, m in enumerate(ms):
         config = PipelineConfig(world_size, m, world_size * v, schedule, v)
         chunks = [_SleepChunk(shape, forward_s / v, 2 * forward_s / v,
                               config.is_last(state.pp_rank, c)) for c in range(v)]
         runner = PipelineRunner(state, config, chunks, activation_shape=shape)
         batch = [(torch.zeros(1, 4, dtype=torch.long),) * 2] * m
-        runner.step(batch)   # warm up the connections
+        if n == 0:
+            runner.step(batch)   # warm up the connections
         bubbles = []
         for _ in range(3):
             comm.barrier(state.world)   # stages start together, as after an optimizer step
@@ -433,16 +436,33 @@ def _measure_bubble(rank, world_size, schedule, v, ms, forward_s):
     return out
 
 
-@pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("interleaved", 2, 2)])
-def test_measured_bubble_matches_the_formula(schedule, p, v):
-    ms = [p, 2 * p]
+# formula - 0.02 <= measured <= formula + 0.08: the overhead is per message, not per unit of bubble
+BUBBLE_BELOW, BUBBLE_ABOVE = 0.02, 0.08
+# the bubble's fall from one m to the next: measured ratio within 20% of the formula's
+BUBBLE_RATIO_RTOL = 0.2
+
+
+@pytest.mark.parametrize("schedule,p,v,m_over_p", [
+    ("1f1b", 4, 1, (1, 2)), ("interleaved", 2, 2, (1, 2)),
+    pytest.param("1f1b", 4, 1, (1, 4), marks=pytest.mark.slow),
+    pytest.param("gpipe", 4, 1, (1, 2), marks=pytest.mark.slow)])
+def test_measured_bubble_matches_the_formula(schedule, p, v, m_over_p):
+    ms = [p * k for k in m_over_p]
     results = run_on_ranks(_measure_bubble, p, args=(schedule, v, ms, 0.1), timeout=300)
+    measured, expected = [], []
     for i, m in enumerate(ms):
-        measured = sum(r[i][1] for r in results) / p
-        expected = bubble_formula(PipelineConfig(p, m, p * v, schedule, v))
-        assert abs(measured - expected) < 0.08, (schedule, m, measured, expected)
+        measured.append(sum(r[i][1] for r in results) / p)
+        expected.append(bubble_formula(PipelineConfig(p, m, p * v, schedule, v)))
+        print(f"bubble {schedule} p {p} v {v} m {m}: measured {measured[-1]:.3f}, "
+              f"formula {expected[-1]:.3f}")
+        assert expected[-1] - BUBBLE_BELOW <= measured[-1] <= expected[-1] + BUBBLE_ABOVE, \
+            (schedule, m, measured[-1], expected[-1])
         if schedule == "1f1b":   # activations held by stage s: at most p - s micro-batches
             assert [r[i][2] for r in results] == [min(p - s, m) for s in range(p)]
+        if schedule == "gpipe":
+            assert [r[i][2] for r in results] == [m] * p
+    ratio, formula_ratio = measured[1] / measured[0], expected[1] / expected[0]
+    assert ratio == pytest.approx(formula_ratio, rel=BUBBLE_RATIO_RTOL), (schedule, ms, measured)
 
 
 # ---- overflow agreed across stages ---------------------------------------------------------------

@@ -21,7 +21,9 @@ GPipe p 4: m 4 and 8, and 4 and 16 in the slow suite; interleaved p 2 v 2: m 2 a
 formula's ratio. The absolute error is one-sided and about constant: gloo's p2p latency and the
 wake-up delay of a loaded machine add a fixed time per message to the critical path (idle time on
 the other stages), so it does not scale with the bubble; the ratio cancels most of it. Measured
-values are printed (``-s``); docs/choosing-parallelism.md records a run.
+values are printed (``-s``); docs/choosing-parallelism.md records a run. The same runs count the
+activations the runner holds: 1F1B stage s at most p - s micro-batches, GPipe all m, interleaved
+its warm-up count of chunk activations plus the one in flight of the steady state.
 """
 
 from __future__ import annotations
@@ -461,6 +463,13 @@ def test_measured_bubble_matches_the_formula(schedule, p, v, m_over_p):
             assert [r[i][2] for r in results] == [min(p - s, m) for s in range(p)]
         if schedule == "gpipe":
             assert [r[i][2] for r in results] == [m] * p
+        if schedule == "interleaved":   # chunk activations held: the warm-up forwards, plus the
+            # steady state's one in flight (Megatron §2.2.2); m = p is all warm-up (m v)
+            warmup = [m * v if m == p else min((p - s - 1) * 2 + (v - 1) * p, m * v)
+                      for s in range(p)]
+            assert [r[i][2] for r in results] == [w + (m > p) for w in warmup]
+            assert [r[i][2] for r in results] == simulate(
+                PipelineConfig(p, m, p * v, schedule, v)).peak_in_flight
     ratio, formula_ratio = measured[1] / measured[0], expected[1] / expected[0]
     assert ratio == pytest.approx(formula_ratio, rel=BUBBLE_RATIO_RTOL), (schedule, ms, measured)
 

@@ -332,6 +332,15 @@ def _posting_deadlocks(config, prefetch):
     return stuck or None
 
 
+def test_batched_posting_refuses_the_interleaved_steady_state_instead_of_hanging():
+    state = ParallelState.dry_run(Topology(2, 1, gpus_per_node=2, pipeline_parallel_size=2), 0)
+    config = PipelineConfig(2, 4, 4, "interleaved", 2)
+    with pytest.raises(ValueError, match="deadlocks with the batched posting NCCL uses.*use 2 "
+                                         "micro-batches per step.*or the 1F1B schedule"):
+        PipelineRunner(state, config, [nn.Identity(), nn.Identity()], activation_shape=(8, 1, 4),
+                       prefetch=False)
+
+
 @pytest.mark.parametrize("schedule,p,v", [("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
                                           ("interleaved", 2, 2), ("interleaved", 4, 2),
                                           ("interleaved", 2, 3)])

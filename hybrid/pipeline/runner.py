@@ -89,6 +89,13 @@ class PipelineRunner:
         if prefetch is None:   # module docstring: gloo posts receives ahead, NCCL batches them
             pg = state.pp.pg
             prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"
+        if not prefetch and config.schedule == "interleaved" and config.num_micro_batches > self.p:
+            # each action's send is waited for with the next receive: in the interleaved steady
+            # state two neighbours each wait on a send the other receives only in its next batch
+            raise ValueError(f"the interleaved schedule with {config.num_micro_batches} micro-batches "
+                             f"on {self.p} stages deadlocks with the batched posting NCCL uses (a "
+                             f"known limitation of this runner); use {self.p} micro-batches per step "
+                             f"(global batch = micro-batch x DP x {self.p}) or the 1F1B schedule")
         self.prefetch = prefetch
         self._last_backward = {c: max(i for i, a in enumerate(self.actions)
                                       if a.kind == "B" and a.chunk == c) for c in range(self.v)}

@@ -10,17 +10,26 @@ pipeline schedule (forward + backward of every micro-batch) + torch.optim.AdamW 
     torch Schedule1F1B          torch.distributed.pipelining.PipelineStage + Schedule1F1B
     torch Interleaved1F1B (v=2) PipelineStage x 2 per rank + ScheduleInterleaved1F1B
 
+Both sides compute the loss the same way: the last stage's GPTModel returns its per-token loss
+(the model's own vocab-parallel cross-entropy on its logits [s, b, V]), averaged over the
+micro-batch; torch's last PipelineStage gets each micro-batch's labels from the step, in the
+order its schedule runs the forwards, and its ``loss_fn`` only takes that mean. So the comparison
+is of the pipeline machinery, not of two loss implementations.
+
 Ours also keeps the tied word embedding of the first and last stage in step (its gradient sent to
 the first stage during the last stage's final backward, the updated weight sent back after the
 optimizer step without waiting for it, landed when the next step starts: 2 x V h per step);
 torch's variants leave the last stage's copy untrained (it has no tied-weight mechanism), which
 spares them that traffic.
 
-Run:  python benchmarks/pp_vs_torch.py [--steps 10]
-Prints the median step time (the slower rank's) of every variant, the median CPU time of a step
-(both ranks' processes, gloo's threads included: compute plus every overhead, without the idle
-time, so less disturbed by other jobs on a shared machine) and the first step's loss of each
-(equal up to rounding: the same model and data), writes benchmarks/results/pp_vs_torch.json.
+Run:  python benchmarks/pp_vs_torch.py [--steps 10] [--repeats 5]
+Each of the ``--repeats`` rounds starts two fresh ranks, builds every variant and steps them
+round-robin; a round's figure per variant is its median step time (the slower rank's) and median
+CPU time of a step (both ranks' processes, gloo's threads included: compute plus every overhead,
+without the idle time, so less disturbed by other jobs on a shared machine). Prints and writes to
+benchmarks/results/pp_vs_torch.json the median over rounds of those medians with their spread
+(min-max over rounds), and the first step's loss of each variant (equal up to rounding: the same
+model, data and loss).
 """
 
 from __future__ import annotations
@@ -82,37 +91,52 @@ def _ours(state, schedule, v):
 
 class TorchStage(nn.Module):
     """A GPTModel stage with the one-tensor interface torch's PipelineStage calls: tokens [b, s] in
-    on the first stage, hidden states [s, b, h] between stages, logits [b, s, V] out of the last."""
+    on the first stage, hidden states [s, b, h] between stages, the per-token loss [b, s] out of the
+    last (the model's own loss path, as ours). The last stage takes each micro-batch's labels from
+    ``labels``, an iterator the step sets in micro-batch order: the order torch's schedules run the
+    forwards of a stage."""
 
     def __init__(self, chunk):
         super().__init__()
         self.gpt = chunk
+        self.labels = None
 
     def forward(self, x):
+        labels = next(self.labels) if self.gpt.post_process else None
         if self.gpt.pre_process:
-            return self.gpt(x)
+            return self.gpt(x, labels)
         tokens = torch.zeros(x.size(1), x.size(0), dtype=torch.long)   # its shape only
-        return self.gpt(tokens, hidden_states=x)
+        return self.gpt(tokens, labels, hidden_states=x)
 
 
 def _torch(state, schedule, v):
-    import torch.nn.functional as F
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
                                               ScheduleInterleaved1F1B)
     from hybrid.pipeline import PipelineConfig, StageChunks
     pipeline = PipelineConfig(2, MICRO_BATCHES, LAYERS, schedule, v)
     chunks = _chunks(state, pipeline)
-    stages = [PipelineStage(TorchStage(chunk), c * 2 + state.pp_rank, 2 * v, torch.device("cpu"))
-              for c, chunk in enumerate(chunks)]
+    modules = [TorchStage(chunk) for chunk in chunks]
+    hidden = torch.empty(SEQ, MICRO, HIDDEN, requires_grad=True)   # static: no shape inference
 
-    def loss_fn(logits, target):     # logits [b, s, V] of the last stage
-        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    def example(chunk, first):
+        if first:
+            return torch.zeros(MICRO, SEQ, dtype=torch.long) if chunk.pre_process else hidden
+        return torch.empty(MICRO, SEQ) if chunk.post_process else hidden
+    stages = [PipelineStage(module, c * 2 + state.pp_rank, 2 * v, torch.device("cpu"),
+                            input_args=example(module.gpt, True),
+                            output_args=example(module.gpt, False))
+              for c, module in enumerate(modules)]
+
+    def loss_fn(per_token, target):  # the last stage's per-token loss [b, s]: its mean, as ours
+        return per_token.mean()
     sched = (Schedule1F1B(stages[0], MICRO_BATCHES, loss_fn=loss_fn) if v == 1
              else ScheduleInterleaved1F1B(stages, MICRO_BATCHES, loss_fn=loss_fn))
     optimizer = torch.optim.AdamW(StageChunks(chunks).parameters(), lr=1e-4)
 
     def step(tokens, labels):
         losses = []
+        for module in modules:
+            module.labels = iter(labels.chunk(MICRO_BATCHES))
         if state.is_first_stage:
             sched.step(tokens)
         else:
@@ -152,41 +176,60 @@ def _worker(rank, world, names, steps):
     return {name: (times[name][WARMUP:], cpu[name][WARMUP:], first_loss[name]) for name in names}
 
 
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": values}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help=f"timed steps per variant (+{WARMUP} warm-up)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help=f"timed steps per variant and round (+{WARMUP} warm-up)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds, each on two fresh ranks; figures are medians over rounds")
     parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="run a subset")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     from tests.multirank import run_on_ranks
     names = args.only or list(VARIANTS)
-    per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + WARMUP), timeout=3600)
-    rows = {}
-    for name in names:
-        step_times = [max(ts) for ts in zip(*(r[name][0] for r in per_rank))]
-        cpu_times = [sum(ts) for ts in zip(*(r[name][1] for r in per_rank))]
-        rows[name] = {"median_step_ms": 1e3 * statistics.median(step_times),
-                      "median_cpu_ms_both_ranks": 1e3 * statistics.median(cpu_times),
-                      "first_step_loss": per_rank[-1][name][2]}
-        print(f"{name:>28}: {rows[name]['median_step_ms']:8.1f} ms/step  "
-              f"{rows[name]['median_cpu_ms_both_ranks']:8.1f} CPU ms/step   first-step loss "
-              f"{rows[name]['first_step_loss']:.6f}", flush=True)
+    step_ms, cpu_ms = {n: [] for n in names}, {n: [] for n in names}
+    first_loss = {}
+    for round_ in range(args.repeats):
+        per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + WARMUP), timeout=3600)
+        for name in names:
+            step_times = [max(ts) for ts in zip(*(r[name][0] for r in per_rank))]
+            cpu_times = [sum(ts) for ts in zip(*(r[name][1] for r in per_rank))]
+            step_ms[name].append(1e3 * statistics.median(step_times))
+            cpu_ms[name].append(1e3 * statistics.median(cpu_times))
+            first_loss.setdefault(name, per_rank[-1][name][2])
+        print(f"round {round_ + 1}/{args.repeats}: " + ", ".join(
+            f"{name} {step_ms[name][-1]:.1f} ms" for name in names), flush=True)
+    rows = {name: {"step_ms": _spread(step_ms[name]), "cpu_ms_both_ranks": _spread(cpu_ms[name]),
+                   "first_step_loss": first_loss[name]} for name in names}
+    for name, row in rows.items():
+        t, c = row["step_ms"], row["cpu_ms_both_ranks"]
+        print(f"{name:>28}: {t['median']:8.1f} ms/step ({t['min']:.1f}-{t['max']:.1f})  "
+              f"{c['median']:8.1f} CPU ms/step ({c['min']:.1f}-{c['max']:.1f})   first-step loss "
+              f"{row['first_step_loss']:.6f}", flush=True)
     for ours, peer in (("ours 1F1B", "torch Schedule1F1B"),
                        ("ours interleaved (v=2)", "torch Interleaved1F1B (v=2)")):
         if ours in rows and peer in rows:
-            print(f"{peer} / {ours} step time: "
-                  f"{rows[peer]['median_step_ms'] / rows[ours]['median_step_ms']:.2f}x, CPU time: "
-                  f"{rows[peer]['median_cpu_ms_both_ranks'] / rows[ours]['median_cpu_ms_both_ranks']:.2f}x")
+            time_ratio = rows[peer]["step_ms"]["median"] / rows[ours]["step_ms"]["median"]
+            cpu_ratio = (rows[peer]["cpu_ms_both_ranks"]["median"]
+                         / rows[ours]["cpu_ms_both_ranks"]["median"])
+            print(f"{peer} / {ours} step time: {time_ratio:.2f}x, CPU time: {cpu_ratio:.2f}x")
     out = ROOT / "benchmarks" / "results" / "pp_vs_torch.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
                                               vocab=VOCAB, micro_batch=MICRO,
                                               micro_batches=MICRO_BATCHES, pp=2, dtype="fp32",
-                                              threads_per_rank=1),
-                               "steps": args.steps, "load_average": os.getloadavg(),
-                               "results": rows}, indent=2))
+                                              threads_per_rank=1, loss="GPTModel per-token loss"),
+                               "steps": args.steps, "repeats": args.repeats,
+                               "load_average": os.getloadavg(), "results": rows}, indent=2))
     print(f"wrote {out.relative_to(ROOT)}")
 
 

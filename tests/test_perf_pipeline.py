@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybrid.perf.memory import device_memory
@@ -46,9 +48,52 @@ def test_p2p_volume_and_activations_in_flight():
     assert micro_batches_in_flight(4, 2) == pytest.approx(4 * (1 + 3 / 8))
 
 
-def test_rank_layouts_tool_ranks_the_papers_layouts(capsys):
-    assert rank_layouts.main(["--preset", "zero-100b", "--top", "3"]) == 0
+@pytest.mark.parametrize("name", sorted(rank_layouts.PRESETS))
+def test_rank_layouts_tool_ranks_the_papers_layouts(name, capsys):
+    preset = rank_layouts.PRESETS[name]
+    assert rank_layouts.main(["--preset", name, "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "layouts fit" in out and "published layout TP 16+SP x PP 1 x DP 25" in out
+    assert f"published layout {preset.published.describe()}" in out
+    found = rank_layouts.rank(layers=preset.layers, hidden=preset.hidden, heads=preset.heads,
+                              seq=preset.seq, vocab=preset.vocab, gpus=preset.gpus,
+                              global_batch=preset.global_batch, cluster=preset.cluster)
+    assert f"{len(found)} layouts fit" in out
+    assert all(e.memory_bytes <= preset.cluster.memory_bytes for e in found)
+    assert [e.time_s for e in found] == sorted(e.time_s for e in found)
+    assert found[0].layout.describe() in out.splitlines()[2]
+    est = estimate_layout(preset.published, layers=preset.layers, hidden=preset.hidden,
+                          heads=preset.heads, seq=preset.seq, vocab=preset.vocab,
+                          global_batch=preset.global_batch, cluster=preset.cluster)
+    over = est.memory_bytes - preset.cluster.memory_bytes
+    if over > 0:   # the verdict says so and by how much, and ranks nothing
+        assert f"does NOT fit {preset.cluster.memory_bytes / 1e9:.0f} GB" in out
+        assert f"{over / 1e9:.1f} GB over" in out and "would rank" not in out
+    else:
+        faster = sum(e.time_s < est.time_s for e in found)
+        assert f"would rank #{faster + 1} of {len(found) + 1}" in out
+
+
+def test_rank_layouts_verdicts_of_the_three_runs(capsys):
+    """ZeRO's 100B run is the model's first choice; its 170B run (Pa+cpu: checkpoints in host
+    memory, which layouts do not model) misses 32 GB by the checkpoints; GPT-3's fits 80 GB."""
+    text = rank_layouts.render_presets()
+    assert "it fits 32 GB and would rank #1 of" in text.split("== zero-170b")[0]
+    zero170 = text.split("== zero-170b")[1].split("== gpt3-175b")[0]
+    assert "it does NOT fit 32 GB under this memory model: 0.5 GB over" in zero170
+    assert "it fits 80 GB" in text.split("== gpt3-175b")[1]
+
+
+def test_the_rank_layouts_file_is_current():
+    committed = Path(__file__).resolve().parents[1] / "docs" / "paper" / "rank_layouts.txt"
+    assert committed.read_text() == rank_layouts.render_presets()
+
+
+def test_rank_layouts_tool_refuses_bad_input(capsys, tmp_path):
     assert rank_layouts.main(["--layers", "48"]) == 2
     assert capsys.readouterr().err.startswith("error: give --preset or all of --hidden")
+    assert rank_layouts.main(["--preset", "zero-100b", "--out", str(tmp_path / "r.txt")]) == 2
+    assert capsys.readouterr().err.startswith("error: --out writes the --all-presets reports")
+    existing = tmp_path / "r.txt"
+    existing.write_text("keep")
+    assert rank_layouts.main(["--all-presets", "--out", str(existing)]) == 2
+    assert "already exists" in capsys.readouterr().err and existing.read_text() == "keep"

@@ -4,6 +4,9 @@ on CPU ranks against the single-device oracle.
 Parity: GPTModel split into stages (x TP, +SP, x DP) with each schedule, gradient accumulation
 (m micro-batches), ZeRO stages 0-2, a recompute mode and clipping, 5 fp32 steps vs ReferenceGPT with
 torch.optim.AdamW on the whole batch: losses, gradient norms and final parameters within rtol 1e-5.
+Interleaved cases run m = 2p micro-batches, so besides the warm-up and cool-down every stage also
+runs the steady state of alternating forwards and backwards of different chunks (m = p would be
+all warm-up); 1F1B runs m = 2p at PP 4 in the default suite.
 
 Volume: per step and PP column, every boundary of the (virtual) pipeline carries one activation
 forward and one gradient back per micro-batch: 2 m (p v - 1) messages of b s h elements (b s h / t
@@ -12,11 +15,15 @@ checked against that count per rank and in total.
 
 Bubble: stages whose forward and backward sleep a fixed time (100 ms and 200 ms per micro-batch, so
 CPU contention does not blur the compute) measure idle time over the pipeline's step time; the mean
-over stages (best of 3 steps) is checked against (p - 1) / (v m + p - 1) within 0.08 absolute. The
-error is one-sided: gloo's p2p latency and the wake-up delay of a loaded machine add to the
-critical path (idle time on the other stages) more than to any stage's busy time. On an idle
-machine the measured values were within 0.02 (1F1B p 4: 0.431 vs 0.429 at m 4, 0.280 vs 0.273 at
-m 8; interleaved p 2 v 2: 0.214 vs 0.200 at m 2, 0.129 vs 0.111 at m 4).
+over stages (best of 3 steps) is checked against (p - 1) / (v m + p - 1) at two m each (1F1B and
+GPipe p 4: m 4 and 8, and 4 and 16 in the slow suite; interleaved p 2 v 2: m 2 and 4): within
+-0.02 / +0.08 absolute, and the fall from the first m to the second within 20% (relative) of the
+formula's ratio. The absolute error is one-sided and about constant: gloo's p2p latency and the
+wake-up delay of a loaded machine add a fixed time per message to the critical path (idle time on
+the other stages), so it does not scale with the bubble; the ratio cancels most of it. Measured
+values are printed (``-s``); docs/choosing-parallelism.md records a run. The same runs count the
+activations the runner holds: 1F1B stage s at most p - s micro-batches, GPipe all m, interleaved
+its warm-up count of chunk activations plus the one in flight of the steady state.
 """
 
 from __future__ import annotations
@@ -149,9 +156,12 @@ def _tied(state, chunks):
 
 
 def _pipeline_parity(rank, world_size, tp, pp, cases, sequence_parallel=False, clip=0.0, layers=4,
-                     prefetch=None):
+                     prefetch=None, batch=8):
+    """``cases``: (schedule, v, m, ZeRO stage, recompute) each; ``batch``: the global batch (the
+    oracle's too), so that m = 2p micro-batches per DP rank exist at DP 2."""
     task = PipeTask()
     task.config = dataclasses.replace(task.config, num_layers=layers)
+    task.batch = batch
     data = task.data()
     ref_losses, ref_norms, ref_params = reference_run(task, data, clip)
     state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size,
@@ -229,8 +239,8 @@ def _expected_total(pp, v, m, dp, tp, b_local, s, sequence_parallel):
 
 def test_pipeline_two_stages_each_schedule_matches_reference():
     """PP 2 x TP 1 x DP 1: GPipe, 1F1B with accumulation over 4 micro-batches (ZeRO 1), interleaved
-    (v 2, ZeRO 2)."""
-    cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 1, None), ("interleaved", 2, 2, 2, None)]
+    (v 2, ZeRO 2, 4 micro-batches)."""
+    cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 1, None), ("interleaved", 2, 4, 2, None)]
     results = run_on_ranks(_pipeline_parity, 2, args=(1, 2, cases), timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
         assert _total_pp_bytes(results, i) == _expected_total(2, v, m, 1, 1, 8, 8, False)
@@ -238,7 +248,7 @@ def test_pipeline_two_stages_each_schedule_matches_reference():
 
 def test_pipeline_with_tensor_parallel_sequence_parallel_and_recompute():
     """PP 2 x TP 2 (+SP): the p2p tensor is the sequence shard (/t); full recompute per stage."""
-    cases = [("1f1b", 1, 2, 1, "full"), ("interleaved", 2, 2, 0, None), ("gpipe", 1, 2, 2, None)]
+    cases = [("1f1b", 1, 2, 1, "full"), ("interleaved", 2, 4, 0, None), ("gpipe", 1, 2, 2, None)]
     results = run_on_ranks(_pipeline_parity, 4, args=(2, 2, cases),
                            kwargs={"sequence_parallel": True}, timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
@@ -246,8 +256,9 @@ def test_pipeline_with_tensor_parallel_sequence_parallel_and_recompute():
 
 
 def test_pipeline_with_data_parallel_zero_and_clipping():
-    """PP 2 x DP 2, ZeRO 0-2, clipped by the global norm across PP and DP."""
-    cases = [("gpipe", 1, 2, 2, None), ("1f1b", 1, 4, 1, None), ("interleaved", 2, 2, 0, None)]
+    """PP 2 x DP 2, ZeRO 0-2, clipped by the global norm across PP and DP; 1F1B with selective
+    recompute."""
+    cases = [("gpipe", 1, 2, 2, None), ("1f1b", 1, 4, 1, "selective"), ("interleaved", 2, 4, 0, None)]
     results = run_on_ranks(_pipeline_parity, 4, args=(1, 2, cases), kwargs={"clip": 0.5},
                            timeout=600)
     for i, (_, v, m, _, _) in enumerate(cases):
@@ -255,37 +266,50 @@ def test_pipeline_with_data_parallel_zero_and_clipping():
 
 
 def test_batched_posting_runs_every_schedule():
-    """The NCCL posting pattern (each action's send batched with the next action's receive),
-    exercised on gloo: every schedule completes with the same numbers."""
-    cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 0, None), ("interleaved", 2, 2, 1, None)]
+    """The NCCL posting pattern (the runner's exchange groups: a group's sends batched with the next
+    group's receives), exercised on gloo: every schedule completes with the same numbers, the
+    interleaved one also in its steady state (m = 2p; one batch per action hung there,
+    tests/test_pipeline_posting.py)."""
+    cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 0, None), ("interleaved", 2, 2, 1, None),
+             ("interleaved", 2, 4, 2, None)]
     run_on_ranks(_pipeline_parity, 2, args=(1, 2, cases), kwargs={"prefetch": False}, timeout=600)
 
 
 @pytest.mark.slow
 def test_pipeline_eight_ranks_pp2_tp2_dp2():
-    cases = [("1f1b", 1, 2, 2, None), ("interleaved", 2, 2, 1, "selective"),
+    cases = [("1f1b", 1, 2, 2, None), ("interleaved", 2, 4, 1, "selective"),
              ("gpipe", 1, 2, 0, None)]
     run_on_ranks(_pipeline_parity, 8, args=(2, 2, cases), kwargs={"sequence_parallel": True},
                  timeout=900)
 
 
+def test_pipeline_four_stages_1f1b_steady_state():
+    """PP 4 x TP 1 x DP 1, 1F1B over 8 micro-batches (ZeRO 1): stages 0-2 run warm-up, steady
+    state and cool-down."""
+    cases = [("1f1b", 1, 8, 1, None)]
+    results = run_on_ranks(_pipeline_parity, 4, args=(1, 4, cases), timeout=600)
+    assert _total_pp_bytes(results, 0) == _expected_total(4, 1, 8, 1, 1, 8, 8, False)
+
+
 @pytest.mark.slow
 def test_pipeline_four_stages():
-    """PP 4 x TP 1 x DP 1 (world 4, slow: many steps of small messages) and PP 4 x DP 2 (world 8),
-    each schedule (interleaved: 8 layers, v 2)."""
-    cases = [("1f1b", 1, 4, 1, None), ("gpipe", 1, 4, 0, None), ("1f1b", 1, 4, 2, "full")]
+    """PP 4 x TP 1 x DP 1 (world 4, slow: many steps of small messages) and PP 4 x DP 2 (world 8,
+    global batch 16 so that DP 2 has 8 micro-batches), each schedule (interleaved: 8 layers, v 2,
+    m 8)."""
+    cases = [("gpipe", 1, 4, 0, None), ("1f1b", 1, 4, 2, "full")]
     run_on_ranks(_pipeline_parity, 4, args=(1, 4, cases), timeout=900)
-    interleaved = [("interleaved", 2, 4, 1, None)]
+    interleaved = [("interleaved", 2, 8, 1, None)]
     run_on_ranks(_pipeline_parity, 4, args=(1, 4, interleaved), kwargs={"layers": 8}, timeout=900)
     run_on_ranks(_pipeline_parity, 8, args=(1, 4, [("1f1b", 1, 4, 1, None), ("gpipe", 1, 4, 2, None)]),
                  timeout=900)
-    run_on_ranks(_pipeline_parity, 8, args=(1, 4, interleaved), kwargs={"layers": 8}, timeout=900)
+    run_on_ranks(_pipeline_parity, 8, args=(1, 4, interleaved), kwargs={"layers": 8, "batch": 16},
+                 timeout=900)
 
 
 @pytest.mark.slow
 def test_pipeline_four_stages_with_tensor_parallel_and_interleaving():
-    """PP 4 x TP 2 (+SP), 8 layers: interleaved with v 2 over 4 micro-batches, GPipe and 1F1B."""
-    cases = [("interleaved", 2, 4, 1, None), ("gpipe", 1, 4, 2, "full"), ("1f1b", 1, 4, 0, None)]
+    """PP 4 x TP 2 (+SP), 8 layers: interleaved with v 2 over 8 micro-batches, GPipe and 1F1B."""
+    cases = [("interleaved", 2, 8, 1, None), ("gpipe", 1, 4, 2, "full"), ("1f1b", 1, 4, 0, None)]
     run_on_ranks(_pipeline_parity, 8, args=(2, 4, cases),
                  kwargs={"sequence_parallel": True, "layers": 8}, timeout=1200)
 
@@ -320,13 +344,14 @@ def _measure_bubble(rank, world_size, schedule, v, ms, forward_s):
     state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size,
                                               pipeline_parallel_size=world_size))
     shape, out = (4, 1, 8), []
-    for m in ms:
+    for n, m in enumerate(ms):
         config = PipelineConfig(world_size, m, world_size * v, schedule, v)
         chunks = [_SleepChunk(shape, forward_s / v, 2 * forward_s / v,
                               config.is_last(state.pp_rank, c)) for c in range(v)]
         runner = PipelineRunner(state, config, chunks, activation_shape=shape)
         batch = [(torch.zeros(1, 4, dtype=torch.long),) * 2] * m
-        runner.step(batch)   # warm up the connections
+        if n == 0:
+            runner.step(batch)   # warm up the connections
         bubbles = []
         for _ in range(3):
             comm.barrier(state.world)   # stages start together, as after an optimizer step
@@ -336,16 +361,40 @@ def _measure_bubble(rank, world_size, schedule, v, ms, forward_s):
     return out
 
 
-@pytest.mark.parametrize("schedule,p,v", [("1f1b", 4, 1), ("interleaved", 2, 2)])
-def test_measured_bubble_matches_the_formula(schedule, p, v):
-    ms = [p, 2 * p]
+# formula - 0.02 <= measured <= formula + 0.08: the overhead is per message, not per unit of bubble
+BUBBLE_BELOW, BUBBLE_ABOVE = 0.02, 0.08
+# the bubble's fall from one m to the next: measured ratio within 20% of the formula's
+BUBBLE_RATIO_RTOL = 0.2
+
+
+@pytest.mark.parametrize("schedule,p,v,m_over_p", [
+    ("1f1b", 4, 1, (1, 2)), ("interleaved", 2, 2, (1, 2)),
+    pytest.param("1f1b", 4, 1, (1, 4), marks=pytest.mark.slow),
+    pytest.param("gpipe", 4, 1, (1, 2), marks=pytest.mark.slow)])
+def test_measured_bubble_matches_the_formula(schedule, p, v, m_over_p):
+    ms = [p * k for k in m_over_p]
     results = run_on_ranks(_measure_bubble, p, args=(schedule, v, ms, 0.1), timeout=300)
+    measured, expected = [], []
     for i, m in enumerate(ms):
-        measured = sum(r[i][1] for r in results) / p
-        expected = bubble_formula(PipelineConfig(p, m, p * v, schedule, v))
-        assert abs(measured - expected) < 0.08, (schedule, m, measured, expected)
+        measured.append(sum(r[i][1] for r in results) / p)
+        expected.append(bubble_formula(PipelineConfig(p, m, p * v, schedule, v)))
+        print(f"bubble {schedule} p {p} v {v} m {m}: measured {measured[-1]:.3f}, "
+              f"formula {expected[-1]:.3f}")
+        assert expected[-1] - BUBBLE_BELOW <= measured[-1] <= expected[-1] + BUBBLE_ABOVE, \
+            (schedule, m, measured[-1], expected[-1])
         if schedule == "1f1b":   # activations held by stage s: at most p - s micro-batches
             assert [r[i][2] for r in results] == [min(p - s, m) for s in range(p)]
+        if schedule == "gpipe":
+            assert [r[i][2] for r in results] == [m] * p
+        if schedule == "interleaved":   # chunk activations held: the warm-up forwards, plus the
+            # steady state's one in flight (Megatron §2.2.2); m = p is all warm-up (m v)
+            warmup = [m * v if m == p else min((p - s - 1) * 2 + (v - 1) * p, m * v)
+                      for s in range(p)]
+            assert [r[i][2] for r in results] == [w + (m > p) for w in warmup]
+            assert [r[i][2] for r in results] == simulate(
+                PipelineConfig(p, m, p * v, schedule, v)).peak_in_flight
+    ratio, formula_ratio = measured[1] / measured[0], expected[1] / expected[0]
+    assert ratio == pytest.approx(formula_ratio, rel=BUBBLE_RATIO_RTOL), (schedule, ms, measured)
 
 
 # ---- overflow agreed across stages ---------------------------------------------------------------

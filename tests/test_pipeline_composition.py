@@ -155,7 +155,7 @@ def test_clipping_norm_counts_tp_replicas_and_the_tied_embedding_once():
     clip = 0.3
     task = PipeTask()
     assert min(reference_run(task, task.data(), clip)[1]) > clip   # every step is clipped
-    cases = [("1f1b", 1, 2, 1, None), ("interleaved", 2, 2, 0, None), ("gpipe", 1, 2, 2, None)]
+    cases = [("1f1b", 1, 2, 1, None), ("interleaved", 2, 4, 0, None), ("gpipe", 1, 2, 2, None)]
     run_on_ranks(_pipeline_parity, 4, args=(2, 2, cases), kwargs={"clip": clip}, timeout=600)
 
 
@@ -195,7 +195,7 @@ def test_recompute_per_stage_with_pa_and_pa_cpu_changes_nothing(tmp_path):
     variants = [("pa / pa+cpu 1f1b", {"recompute": ("full-pa", "full-pa-cpu")}),
                 ("pa+cpu / selective 1f1b", {"recompute": ("full-pa-cpu", "selective")}),
                 ("none / full interleaved", {"recompute": (None, "full"), "schedule": "interleaved",
-                                             "v": 2, "zero": 2})]
+                                             "v": 2, "m": 4, "zero": 2})]
     assert run_on_ranks(_same_numbers, 4, args=(2, variants, str(tmp_path)),
                         timeout=600) == [3] * 4
 
@@ -215,8 +215,8 @@ def test_optimizer_offload_and_zero2_interleaved_accumulation_over_dp(tmp_path):
 # ---- the 3-D layout at 16 ranks ------------------------------------------------------------------
 @pytest.mark.slow
 def test_pipeline_sixteen_ranks_pp4_tp2_dp2():
-    """PP 4 x TP 2 (+SP) x DP 2, 8 layers: 1F1B with ZeRO 1, interleaved (v 2) with ZeRO 2 and
-    full recompute, GPipe with ZeRO 0, 4 micro-batches each."""
-    cases = [("1f1b", 1, 4, 1, None), ("interleaved", 2, 4, 2, "full"), ("gpipe", 1, 4, 0, None)]
+    """PP 4 x TP 2 (+SP) x DP 2, 8 layers, global batch 16: 1F1B with ZeRO 1 and GPipe with ZeRO
+    0 over 4 micro-batches, interleaved (v 2) with ZeRO 2 and full recompute over 8."""
+    cases = [("1f1b", 1, 4, 1, None), ("interleaved", 2, 8, 2, "full"), ("gpipe", 1, 4, 0, None)]
     run_on_ranks(_pipeline_parity, 16, args=(2, 4, cases),
-                 kwargs={"sequence_parallel": True, "layers": 8}, timeout=1800)
+                 kwargs={"sequence_parallel": True, "layers": 8, "batch": 16}, timeout=1800)

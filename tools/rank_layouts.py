@@ -5,10 +5,12 @@ cluster by predicted throughput under the device memory limit (hybrid/perf/pipel
     python tools/rank_layouts.py --preset zero-170b
     python tools/rank_layouts.py --preset gpt3-175b        # GPT-3 175B on 1024 A100 80GB (DGX A100)
     python tools/rank_layouts.py --layers 48 --hidden 1600 --heads 16 --gpus 64 --global-batch 512
+    python tools/rank_layouts.py --all-presets --out docs/paper/rank_layouts.txt --overwrite
 
-Prints the top candidates with their memory and time breakdown, then where the layout the
-published run used ranks among them (ZeRO: MP 16 x DP 25 without PP; Megatron-LM 2021, GPT-3
-175B: TP 8 x PP 8 x DP 16).
+Prints the top candidates with their memory and time breakdown, then the layout the published run
+used: its predicted throughput and memory, whether it fits the memory limit under this memory model
+(and by how much it misses when it does not), the rank it would take among the fitting layouts,
+and the first rank of a fitting layout with its TP / PP / DP / v.
 
 The throughput assumptions are calibrated on the V100 (ZeRO's Figure 2); the A100 cluster is its
 data sheet only, so its absolute TFLOP/s are not a prediction, the ranking is the output.
@@ -18,24 +20,50 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybrid.perf.flops import model_flops_per_iteration  # noqa: E402
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster  # noqa: E402
-from hybrid.perf.pipeline import Layout, estimate_layout  # noqa: E402
+from hybrid.perf.pipeline import Layout, LayoutEstimate, estimate_layout  # noqa: E402
+from tools._cli import check_output_files  # noqa: E402
 
 A100_80GB = Cluster(name="DGX A100 80GB", gpus_per_node=8, peak_flops=312e12, memory_bytes=80e9,
                     hbm_bandwidth=2039e9, intra_node_bandwidth=600e9, ib_link_bandwidth=25e9,
                     ib_links_per_node=8)
 
-PRESETS = {   # layers, hidden, heads, seq, vocab, GPUs, global batch, cluster, published layout
-    "zero-100b": (125, 8192, 64, 1024, 50257, 400, 800, dgx2_v100_cluster(),
-                  dict(tp=16, pp=1, dp=25, virtual=1, stage=2, recompute="full", micro_batch=32)),
-    "zero-170b": (212, 8192, 64, 1024, 50257, 400, 300, dgx2_v100_cluster(),
-                  dict(tp=16, pp=1, dp=25, virtual=1, stage=2, recompute="full", micro_batch=12)),
-    "gpt3-175b": (96, 12288, 96, 2048, 51200, 1024, 1536, A100_80GB,
-                  dict(tp=8, pp=8, dp=16, virtual=1, stage=0, recompute="full", micro_batch=1)),
+
+@dataclass(frozen=True)
+class Preset:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    gpus: int
+    global_batch: int
+    cluster: Cluster
+    published: Layout
+    source: str      # where the published layout and its measured throughput come from
+
+
+# ZeRO's Pa partitions each checkpoint over the MP ranks as SP's shards do: modelled as SP.
+PRESETS = {
+    "zero-100b": Preset(125, 8192, 64, 1024, 50257, 400, 800, dgx2_v100_cluster(),
+                        Layout(16, 1, 25, 1, 2, "full", 32, sequence_parallel=True),
+                        "ZeRO Table 5: MP 16 x DP 25, batch 32 per replica, C4 (Pos+g, Pa); "
+                        "measured over 38 TFLOP/s per GPU"),
+    "zero-170b": Preset(212, 8192, 64, 1024, 50257, 400, 300, dgx2_v100_cluster(),
+                        Layout(16, 1, 25, 1, 2, "full", 12, sequence_parallel=True),
+                        "ZeRO Table 5: MP 16 x DP 25, batch 12 per replica, C5 (Pos+g, Pa+cpu: "
+                        "checkpoints in host memory, not modelled here); no throughput stated"),
+    "gpt3-175b": Preset(96, 12288, 96, 2048, 51200, 1024, 1536, A100_80GB,
+                        Layout(8, 16, 8, 1, 0, "full", 1),
+                        "Megatron-LM's GPT-3 175B script on 1024 A100: TP 8 x PP 16 x DP 8, b 1, "
+                        "fp16, full recompute, 138 TFLOP/s per GPU; Narayanan et al. 2021 §5.1: "
+                        "140 TFLOP/s per GPU at 1024 GPUs, batch 1536"),
 }
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -54,24 +82,137 @@ def candidates(layers, hidden, heads, gpus, global_batch, gpus_per_node):
                     m = global_batch // (b * dp)
                     if virtual > 1 and (m < pp or m % pp):
                         continue
-                    for stage in ((0, 1, 2) if pp > 1 else (0, 1, 2, 3)):
+                    # with PP, stage 2 runs as stage 1 (hybrid.zero.config.stage_with_pipeline)
+                    # and stage 3 is refused
+                    for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for recompute in RECOMPUTE:
                             yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1)
+
+
+def rank(*, layers, hidden, heads, seq, vocab, gpus, global_batch, cluster) -> list[LayoutEstimate]:
+    """Every candidate layout that fits ``cluster``'s memory, fastest first."""
+    model = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
+                 global_batch=global_batch, cluster=cluster)
+    found = []
+    for layout in candidates(layers, hidden, heads, gpus, global_batch, cluster.gpus_per_node):
+        try:
+            est = estimate_layout(layout, **model)
+        except ValueError:
+            continue   # e.g. a recompute mode the memory model does not combine with the layout
+        if est.memory_bytes <= cluster.memory_bytes:
+            found.append(est)
+    return sorted(found, key=lambda e: e.time_s)
+
+
+def table(found: list[LayoutEstimate], top: int) -> list[str]:
+    lines = [f"{'#':>3} {'layout':<62} {'TFLOP/s':>7} {'step s':>7} {'work':>6} {'bubble':>6} "
+             f"{'p2p':>5} {'DP':>5} {'opt':>5} {'mem GB':>6} {'act GB':>6} {'states':>6}"]
+    for i, e in enumerate(found[:top], 1):
+        lines.append(f"{i:>3} {e.layout.describe():<62} {e.tflops_per_gpu:7.1f} {e.time_s:7.2f} "
+                     f"{e.compute_s:6.2f} {e.bubble_s:6.2f} {e.p2p_s:5.2f} {e.dp_s:5.2f} "
+                     f"{e.optimizer_s:5.2f} {e.memory_bytes / 1e9:6.1f} "
+                     f"{e.activation_bytes / 1e9:6.1f} {e.model_state_bytes / 1e9:6.1f}")
+    return lines
+
+
+def published_verdict(preset: Preset, found: list[LayoutEstimate]) -> list[str]:
+    """Where the published layout stands: predicted throughput and memory, fit, rank."""
+    target, limit = preset.published, preset.cluster.memory_bytes
+    est = estimate_layout(target, layers=preset.layers, hidden=preset.hidden, heads=preset.heads,
+                          seq=preset.seq, vocab=preset.vocab, global_batch=preset.global_batch,
+                          cluster=preset.cluster)
+    other = est.memory_bytes - est.model_state_bytes - est.activation_bytes
+    counted = ""
+    if target.recompute == "full":   # Megatron-LM's published figures count it as work done
+        hardware = model_flops_per_iteration(preset.global_batch, preset.seq, preset.layers,
+                                             preset.hidden, preset.vocab, full_recompute=True)
+        counted = (f" ({hardware / preset.gpus / est.time_s / 1e12:.1f} hardware TFLOP/s, the "
+                   f"recompute forward counted)")
+    lines = [f"published layout {target.describe()} ({preset.source})",
+             f"  predicted {est.tflops_per_gpu:.1f} TFLOP/s per GPU{counted}, {est.time_s:.2f} s per step, "
+             f"{est.memory_bytes / 1e9:.1f} GB per GPU (model states "
+             f"{est.model_state_bytes / 1e9:.1f}, activations {est.activation_bytes / 1e9:.1f}, "
+             f"buffers and reserve {other / 1e9:.1f})"]
+    if est.memory_bytes > limit:
+        lines.append(f"  it does NOT fit {limit / 1e9:.0f} GB under this memory model: "
+                     f"{(est.memory_bytes - limit) / 1e9:.1f} GB over, so it is not ranked")
+    else:
+        faster = sum(e.time_s < est.time_s for e in found)
+        lines.append(f"  it fits {limit / 1e9:.0f} GB and would rank #{faster + 1} of "
+                     f"{len(found) + 1} by predicted step time")
+    shape = (target.tp, target.pp, target.dp, target.virtual)
+    match = [i for i, e in enumerate(found, 1)
+             if (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.virtual) == shape]
+    lines.append(f"  a fitting layout with its TP / PP / DP / v first ranks #{match[0]}: "
+                 f"{found[match[0] - 1].layout.describe()}" if match
+                 else "  no layout with its TP / PP / DP / v fits the memory model")
+    return lines
+
+
+def report(preset: Preset, top: int) -> list[str] | None:
+    """The ranking of one model and cluster, with the published layout's verdict; None if nothing
+    fits."""
+    dims = dict(layers=preset.layers, hidden=preset.hidden, heads=preset.heads, seq=preset.seq,
+                vocab=preset.vocab, gpus=preset.gpus, global_batch=preset.global_batch,
+                cluster=preset.cluster)
+    found = rank(**dims)
+    if not found:
+        return None
+    lines = [f"{preset.layers} layers, hidden {preset.hidden}, {preset.heads} heads, seq {preset.seq}, "
+             f"global batch {preset.global_batch} on {preset.gpus} GPUs ({preset.cluster.name}, "
+             f"{preset.cluster.memory_bytes / 1e9:.0f} GB): {len(found)} layouts fit"]
+    lines += table(found, top)
+    if preset.published is not None:
+        lines += published_verdict(preset, found)
+    return lines
+
+
+def render_presets(top: int = 10) -> str:
+    """Every preset's report: the text of docs/paper/rank_layouts.txt."""
+    out = ["Layouts ranked by tools/rank_layouts.py (hybrid/perf/pipeline.py) for the papers' runs;",
+           "regenerate with: python tools/rank_layouts.py --all-presets --out "
+           "docs/paper/rank_layouts.txt --overwrite",
+           "TFLOP/s: model FLOPs (72 B s l h^2 (1 + s/6h + V/12lh), recompute not counted) per GPU and "
+           "second; GB = 1e9 bytes per GPU;",
+           "work: the slowest stage's compute, TP comm, memory-bound ops and overhead, bubble included; "
+           "A100 rates are its data sheet, not calibrated.", ""]
+    for name, preset in PRESETS.items():
+        out += [f"== {name}"] + report(preset, top) + [""]
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS))
+    parser.add_argument("--all-presets", action="store_true",
+                        help="every preset, one report after the other")
     for name in ("layers", "hidden", "heads", "gpus", "global-batch"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--vocab-size", type=int, default=50257)
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
-    published = None
+    if args.all_presets:
+        text = render_presets(args.top)
+        if args.out is None:
+            print(text, end="")
+            return 0
+        try:
+            check_output_files([args.out], flag="--out", inputs=[], overwrite=args.overwrite)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+        return 0
+    if args.out is not None:
+        print("error: --out writes the --all-presets reports; add --all-presets", file=sys.stderr)
+        return 2
     if args.preset:
-        layers, hidden, heads, seq, vocab, gpus, batch, cluster, published = PRESETS[args.preset]
+        preset = PRESETS[args.preset]
     else:
         missing = [n for n in ("layers", "hidden", "heads", "gpus", "global_batch")
                    if getattr(args, n) is None]
@@ -79,45 +220,14 @@ def main(argv=None) -> int:
             print(f"error: give --preset or all of --{', --'.join(m.replace('_', '-') for m in missing)}",
                   file=sys.stderr)
             return 2
-        layers, hidden, heads, gpus, batch = (args.layers, args.hidden, args.heads, args.gpus,
-                                              args.global_batch)
-        seq, vocab, cluster = args.seq_length, args.vocab_size, dgx2_v100_cluster()
-    model = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, global_batch=batch,
-                 cluster=cluster)
-    found = []
-    for layout in candidates(layers, hidden, heads, gpus, batch, cluster.gpus_per_node):
-        try:
-            est = estimate_layout(layout, **model)
-        except ValueError:
-            continue   # e.g. a recompute mode the memory model does not combine with the layout
-        if est.memory_bytes <= cluster.memory_bytes:
-            found.append(est)
-    if not found:
-        print(f"error: no layout of this model fits {cluster.memory_bytes / 1e9:.0f} GB per GPU on "
-              f"{gpus} GPUs; add GPUs or lower the global batch", file=sys.stderr)
+        preset = Preset(args.layers, args.hidden, args.heads, args.seq_length, args.vocab_size,
+                        args.gpus, args.global_batch, dgx2_v100_cluster(), None, "")
+    lines = report(preset, args.top)
+    if lines is None:
+        print(f"error: no layout of this model fits {preset.cluster.memory_bytes / 1e9:.0f} GB per GPU "
+              f"on {preset.gpus} GPUs; add GPUs or lower the global batch", file=sys.stderr)
         return 1
-    found.sort(key=lambda e: e.time_s)
-    print(f"{layers} layers, hidden {hidden}, {heads} heads, seq {seq}, global batch {batch} on {gpus} "
-          f"GPUs ({cluster.name}, {cluster.memory_bytes / 1e9:.0f} GB): {len(found)} layouts fit")
-    print(f"{'#':>3} {'layout':<58} {'TFLOP/s':>7} {'step s':>7} {'work':>6} {'bubble':>6} "
-          f"{'p2p':>5} {'DP':>5} {'opt':>5} {'mem GB':>6} {'act GB':>6} {'states':>6}")
-    for i, e in enumerate(found[:args.top], 1):
-        print(f"{i:>3} {e.layout.describe():<58} {e.tflops_per_gpu:7.1f} {e.time_s:7.2f} "
-              f"{e.compute_s:6.2f} {e.bubble_s:6.2f} {e.p2p_s:5.2f} {e.dp_s:5.2f} {e.optimizer_s:5.2f} "
-              f"{e.memory_bytes / 1e9:6.1f} {e.activation_bytes / 1e9:6.1f} "
-              f"{e.model_state_bytes / 1e9:6.1f}")
-    if published is not None:
-        # ZeRO's Pa partitions the checkpoints over MP as SP's shards do: modelled as SP
-        target = Layout(**published, sequence_parallel=args.preset.startswith("zero"))
-        ranked = [e.layout.describe() for e in found]
-        match = [i for i, e in enumerate(found, 1)
-                 if (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.virtual) ==
-                 (target.tp, target.pp, target.dp, target.virtual)]
-        est = estimate_layout(target, **model)
-        where = (f"its TP/PP/DP/v first ranks #{match[0]} of {len(ranked)}" if match
-                 else "no layout with its TP/PP/DP/v fits the memory model")
-        print(f"published layout {target.describe()}: predicted {est.tflops_per_gpu:.1f} TFLOP/s, "
-              f"{est.memory_bytes / 1e9:.1f} GB; {where}")
+    print("\n".join(lines))
     return 0
 
 

@@ -22,7 +22,13 @@ optimizer step without waiting for it, landed when the next step starts: 2 x V h
 torch's variants leave the last stage's copy untrained (it has no tied-weight mechanism), which
 spares them that traffic.
 
-Run:  python benchmarks/pp_vs_torch.py [--steps 10] [--repeats 5]
+With ``--link-mbit R`` (root: network namespaces, tools/netns_cluster.py) the two ranks run on two
+"hosts" joined by a link shaped to R Mbit/s, PP across a slow link as on real clusters, each round
+started with torchrun across the hosts. The output layer is then untied on every variant
+(``untie_embeddings_and_output_weights``), so ours sends no tied-embedding traffic that torch's
+variants skip and every variant moves the same activation bytes over the link.
+
+Run:  python benchmarks/pp_vs_torch.py [--steps 10] [--repeats N] [--link-mbit R] [--repeats 5]
 Each of the ``--repeats`` rounds starts two fresh ranks, builds every variant and steps them
 round-robin; a round's figure per variant is its median step time (the slower rank's) and median
 CPU time of a step (both ranks' processes, gloo's threads included: compute plus every overhead,
@@ -50,12 +56,14 @@ sys.path.insert(0, str(ROOT))
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, MICRO, MICRO_BATCHES = 8, 256, 4, 128, 8192, 2, 4
 WARMUP = 2
+UNTIED = False    # --link-mbit: every variant with its own output layer (no tied-weight traffic)
+WORKER_ENV = "PP_VS_TORCH_WORKER"   # set: this file runs as one rank under torchrun (--link-mbit)
 
 
 def _config():
     from models.gpt.config import GPTConfig
     return GPTConfig(LAYERS, HIDDEN, HEADS, vocab_size=VOCAB, seq_length=SEQ, hidden_dropout=0.0,
-                     attention_dropout=0.0)
+                     attention_dropout=0.0, untie_embeddings_and_output_weights=UNTIED)
 
 
 def _chunks(state, pipeline):
@@ -74,7 +82,8 @@ def _ours(state, schedule, v):
     from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks, TiedEmbedding
     pipeline = PipelineConfig(2, MICRO_BATCHES, LAYERS, schedule, v)
     chunks = _chunks(state, pipeline)
-    tied = (TiedEmbedding(state, lambda: chunks[0].embedding.word.weight) if state.is_first_stage
+    tied = (None if UNTIED else
+            TiedEmbedding(state, lambda: chunks[0].embedding.word.weight) if state.is_first_stage
             else TiedEmbedding(state, lambda: chunks[-1].output_weight))
     runner = PipelineRunner(state, pipeline, chunks, activation_shape=(SEQ, MICRO, HIDDEN), tied=tied)
     optimizer = torch.optim.AdamW(StageChunks(chunks).parameters(), lr=1e-4)
@@ -84,7 +93,8 @@ def _ours(state, schedule, v):
         loss = runner.step(mbs).loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        tied.sync_weight(wait=False)   # lands at the start of the next step
+        if tied is not None:
+            tied.sync_weight(wait=False)   # lands at the start of the next step
         return loss
     return step
 
@@ -176,6 +186,34 @@ def _worker(rank, world, names, steps):
     return {name: (times[name][WARMUP:], cpu[name][WARMUP:], first_loss[name]) for name in names}
 
 
+def _round_on_shaped_hosts(names, steps, mbit, round_):
+    """One round with each rank on its own network-namespace host, the link shaped to ``mbit``."""
+    import tempfile
+    from tools.netns_cluster import NetnsCluster
+    env = dict(os.environ, **{WORKER_ENV: json.dumps({"names": names, "steps": steps}),
+                              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    with NetnsCluster(2, 1, rate_mbit=mbit) as cluster, tempfile.TemporaryDirectory() as logs:
+        outputs = cluster.torchrun(str(Path(__file__).resolve()), Path(logs), f"pp{round_}",
+                                   timeout=3600, env=env)
+    per_rank = {}
+    for out in outputs:
+        for line in out.splitlines():
+            if line.startswith("PP_VS_TORCH_RANK "):
+                rank, result = json.loads(line.split(" ", 1)[1])
+                per_rank[rank] = result
+    return [per_rank[r] for r in sorted(per_rank)]
+
+
+def _torchrun_worker() -> None:
+    """One rank of a --link-mbit round: the variants stepped as in _worker, the result printed."""
+    global UNTIED
+    UNTIED = True
+    job = json.loads(os.environ[WORKER_ENV])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result = _worker(rank, world, job["names"], job["steps"])
+    print("PP_VS_TORCH_RANK " + json.dumps([rank, result]), flush=True)
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
             "rounds": values}
@@ -189,17 +227,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds, each on two fresh ranks; figures are medians over rounds")
     parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="run a subset")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="each rank on its own netns host, the link shaped to this rate (root)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.link_mbit is not None and args.link_mbit <= 0:
+        parser.error("--link-mbit must be positive")
     from tests.multirank import run_on_ranks
     names = args.only or list(VARIANTS)
     step_ms, cpu_ms = {n: [] for n in names}, {n: [] for n in names}
     first_loss = {}
     for round_ in range(args.repeats):
-        per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + WARMUP), timeout=3600)
+        if args.link_mbit is None:
+            per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + WARMUP), timeout=3600)
+        else:
+            per_rank = _round_on_shaped_hosts(names, args.steps + WARMUP, args.link_mbit, round_)
         for name in names:
             step_times = [max(ts) for ts in zip(*(r[name][0] for r in per_rank))]
             cpu_times = [sum(ts) for ts in zip(*(r[name][1] for r in per_rank))]
@@ -222,12 +267,15 @@ def main() -> None:
             cpu_ratio = (rows[peer]["cpu_ms_both_ranks"]["median"]
                          / rows[ours]["cpu_ms_both_ranks"]["median"])
             print(f"{peer} / {ours} step time: {time_ratio:.2f}x, CPU time: {cpu_ratio:.2f}x")
-    out = ROOT / "benchmarks" / "results" / "pp_vs_torch.json"
+    suffix = "" if args.link_mbit is None else f"-link{args.link_mbit:g}mbit"
+    out = ROOT / "benchmarks" / "results" / f"pp_vs_torch{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"config": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, seq=SEQ,
                                               vocab=VOCAB, micro_batch=MICRO,
                                               micro_batches=MICRO_BATCHES, pp=2, dtype="fp32",
-                                              threads_per_rank=1, loss="GPTModel per-token loss"),
+                                              threads_per_rank=1, loss="GPTModel per-token loss",
+                                              untied_output_layer=args.link_mbit is not None,
+                                              link_mbit=args.link_mbit),
                                "steps": args.steps, "repeats": args.repeats,
                                "load_average": os.getloadavg(), "results": rows}, indent=2))
     print(f"wrote {out.relative_to(ROOT)}")
@@ -235,4 +283,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    if WORKER_ENV in os.environ:
+        _torchrun_worker()
+    else:
+        main()

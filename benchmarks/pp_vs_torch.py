@@ -28,12 +28,12 @@ started with torchrun across the hosts. The output layer is then untied on every
 (``untie_embeddings_and_output_weights``), so ours sends no tied-embedding traffic that torch's
 variants skip and every variant moves the same activation bytes over the link.
 
-Run:  python benchmarks/pp_vs_torch.py [--steps 10] [--repeats N] [--link-mbit R] [--repeats 5]
+Run:  python benchmarks/pp_vs_torch.py [--steps 10] [--repeats 5] [--link-mbit R]
 Each of the ``--repeats`` rounds starts two fresh ranks, builds every variant and steps them
 round-robin; a round's figure per variant is its median step time (the slower rank's) and median
 CPU time of a step (both ranks' processes, gloo's threads included: compute plus every overhead,
 without the idle time, so less disturbed by other jobs on a shared machine). Prints and writes to
-benchmarks/results/pp_vs_torch.json the median over rounds of those medians with their spread
+benchmarks/results/pp_vs_torch.json (pp_vs_torch-link<R>mbit.json with --link-mbit) the median over rounds of those medians with their spread
 (min-max over rounds), and the first step's loss of each variant (equal up to rounding: the same
 model, data and loss).
 """

@@ -30,12 +30,12 @@ variants skip and every variant moves the same activation bytes over the link.
 
 Run:  python benchmarks/pp_vs_torch.py [--steps 10] [--repeats 5] [--link-mbit R]
 Each of the ``--repeats`` rounds starts two fresh ranks, builds every variant and steps them
-round-robin; a round's figure per variant is its median step time (the slower rank's) and median
-CPU time of a step (both ranks' processes, gloo's threads included: compute plus every overhead,
-without the idle time, so less disturbed by other jobs on a shared machine). Prints and writes to
-benchmarks/results/pp_vs_torch.json (pp_vs_torch-link<R>mbit.json with --link-mbit) the median over rounds of those medians with their spread
-(min-max over rounds), and the first step's loss of each variant (equal up to rounding: the same
-model, data and loss).
+round-robin; a round's figure per variant is its median step time (the slower rank's) and median CPU
+time of a step (both ranks' processes, gloo's threads included: compute plus every overhead, without
+the idle time, so less disturbed by other jobs on a shared machine). Prints and writes to
+benchmarks/results/pp_vs_torch.json (pp_vs_torch-link<R>mbit.json with --link-mbit) the median over
+rounds of those medians with their spread (min-max over rounds), and the first step's loss of each
+variant (equal up to rounding: the same model, data and loss).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ def candidates(layers, hidden, heads, gpus, global_batch, gpus_per_node):
                     m = global_batch // (b * dp)
                     if virtual > 1 and (m < pp or m % pp):
                         continue
-                    # with PP, stage 2 runs as stage 1 (hybrid.zero.config.stage_with_pipeline)
-                    # and stage 3 is refused
+                    # with PP, stage 2 would be estimated as the stage 1 it runs as
+                    # (hybrid.perf.model_states.stage_with_pipeline); stage 3 is refused
                     for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
                         for recompute in RECOMPUTE:
                             yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1)

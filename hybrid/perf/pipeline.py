@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.memory import device_memory
+from hybrid.perf.model_states import stage_with_pipeline
 from hybrid.perf.throughput import ThroughputAssumptions, estimate_iteration
 
 
@@ -98,8 +99,9 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
         raise ValueError(f"{layout.describe()}: {layers} layers or batch {global_batch} do not split")
     m = global_batch // (b * d)
     stage_layers = layers // p
+    zero_stage = stage_with_pipeline(layout.stage, p)   # the stage the engine runs
     it = estimate_iteration(layers=stage_layers, hidden=hidden, seq=seq, vocab=vocab, micro_batch=b,
-                            tp=t, dp=d, stage=layout.stage, grad_accumulation=m,
+                            tp=t, dp=d, stage=zero_stage, grad_accumulation=m,
                             recompute=layout.recompute, cluster=cluster, assumptions=assumptions)
     work = it.compute_s + it.tp_comm_s + it.memory_s + it.overhead_s
     bubble = work * (p - 1) / (v * m)
@@ -109,7 +111,7 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
                               tp=t, sequence_parallel=layout.sequence_parallel)
     p2p = sent / bandwidth + (2 * m * v * cluster.collective_latency if p > 1 else 0.0)
     mem = device_memory(layers=stage_layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
-                        micro_batch=b, tp=t, dp=d, stage=layout.stage, recompute=layout.recompute,
+                        micro_batch=b, tp=t, dp=d, stage=zero_stage, recompute=layout.recompute,
                         sequence_parallel=layout.sequence_parallel)
     flight = micro_batches_in_flight(p, v)
     held = mem.checkpoints * flight + mem.working * (1 if layout.recompute == "full" else flight)

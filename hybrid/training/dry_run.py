@@ -20,7 +20,7 @@ from the meta-built chunks), the activations of the micro-batches its schedule k
 (1F1B: p - stage, GPipe: m, interleaved: the schedule's chunk count / v; hybrid.pipeline.schedules)
 through its L / p layers, and the logits on the last stage only; its point-to-point bytes are the
 activations and gradients it sends per step. ZeRO stage 2 with PP is counted as stage 1, which the
-engine runs instead (:func:`hybrid.zero.config.stage_with_pipeline`).
+engine runs instead (:func:`hybrid.perf.model_states.stage_with_pipeline`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
-from hybrid.perf.model_states import model_state_bytes
+from hybrid.perf.model_states import model_state_bytes, stage_with_pipeline
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
 from hybrid.training.config import TrainConfig, TrainConfigError
 from hybrid.training.traffic import expected_dp_collectives
-from hybrid.zero.config import stage_with_pipeline
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

@@ -21,22 +21,6 @@ import torch
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def stage_with_pipeline(stage: int, pp_size: int) -> int:
-    """The stage an engine runs under pipeline parallelism: stage 2 runs as stage 1 when
-    ``pp_size > 1``.
-
-    With PP a stage's parameters get m (m v when interleaved) backwards per step, and gradients
-    must be reduced once per step, after the last of them, across DP only (Megatron's distributed
-    optimizer; ``torch.distributed.pipelining`` syncs FSDP2's gradients in the last backward only).
-    Stage 2 (ZeRO §5.2) keeps no full-size gradient, so it could only reduce in every backward: m
-    times its DP volume. Accumulating over the micro-batches needs the full-size gradient stage 1
-    keeps, so stage 2 becomes stage 1 (same 2Ψ DP volume, once per step; the gradient memory of
-    stage 1). DeepSpeed refuses ZeRO-2 with pipeline parallelism instead. Stages 0, 1 and 3 are
-    unchanged (stage 3 with PP is refused by :func:`hybrid.zero.factory.build_zero_optimizer`).
-    """
-    return 1 if stage == 2 and pp_size > 1 else stage
-
-
 @dataclass
 class LossScaleConfig:
     """Dynamic loss scaling (fp16 only): start at ``initial_scale``; after ``hysteresis`` overflowed
@@ -72,7 +56,8 @@ class ZeroConfig:
     parameters all-gathered, one bucket at a time. ``gradient_accumulation_steps`` tells stages 0
     and 1 which ``backward`` is the last micro-batch (they communicate only then); stage 2 reduces
     every micro-batch, as it keeps no full gradient (with pipeline parallelism it runs as stage 1:
-    :func:`stage_with_pipeline`). How the DP collectives travel is the parallel
+    :func:`hybrid.perf.model_states.stage_with_pipeline`). How the DP collectives travel is the
+    parallel
     state's choice (``--dp-transport``, :mod:`hybrid.parallel_state`), not the engine's.
 
     Topology-aware options (past the paper; :mod:`hybrid.zero.host_groups`): ``hybrid_shard``

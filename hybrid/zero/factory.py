@@ -22,7 +22,8 @@ from torch import nn
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
-from hybrid.zero.config import ZeroConfig, stage_with_pipeline
+from hybrid.perf.model_states import stage_with_pipeline
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.optimizer import DataParallel, GradientPartitioning, OptimizerStatePartitioning
 from hybrid.zero.stage3 import ParameterPartitioning
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                          adamw_config: AdamWConfig, offload=None, **stage3_options) -> ZeroEngine:
     """The engine for ``zero_config.stage`` (stage 2 under pipeline parallelism: stage 1, see
-    :func:`hybrid.zero.config.stage_with_pipeline`). ``stage3_options`` (``init_fn``/``seed`` for a
+    :func:`hybrid.perf.model_states.stage_with_pipeline`). ``stage3_options`` (``init_fn``/``seed``
+    for a
     meta-built model) apply to stage 3 only; ``offload``: a :class:`hybrid.offload.OffloadConfig`
     (optimizer state on host or NVMe)."""
     stage = stage_with_pipeline(zero_config.stage, state.pp_size)

@@ -270,15 +270,13 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
         from hybrid.offload.budget import return_freed_buffers_to_os
         return_freed_buffers_to_os()
     model, rng, stage = build_stage_model(cfg, state, data.vocab_size)
-    psi = sum(p.numel() for chunk in (stage.chunks if stage is not None else [model])
-              for p in chunk.parameters())   # this rank's (stage 3: before it partitions them)
     compile_clock = build_compiled_layers(cfg, stage.chunks if stage is not None else [model])
     resume = resume_wanted(cfg)
     if resume and cfg.checkpoint.init_from_hf:
         log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
     optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
     if state.rank == 0 and state.dp_size > 1:   # the layout is checked: the engine is built
-        log.info("%s", expected_dp_report(cfg, state, psi))
+        log.info("%s", expected_dp_report(cfg, state, optimizer.num_local_params))
     if stage is not None:
         from hybrid.training.pipeline_stage import attach_runner
         attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,

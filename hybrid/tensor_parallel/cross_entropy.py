@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -103,6 +104,46 @@ def _local_max_and_sum(z: torch.Tensor, exps: torch.Tensor | None) -> tuple[torc
     return row_max.squeeze(-1), row_sum
 
 
+class LossStatistics(NamedTuple):
+    """Per token (fp32 [n] unless said): the global max ``z_max``, ``sum_exp`` = sum exp(z - z_max)
+    over every rank's shard, ``target_logit`` = z_target - z_max, this rank's column of the target
+    (``local_target``, int64, 0 where another rank owns it: ``outside``), and ``rescale`` =
+    exp(local max - z_max), which turns exponentials taken at the local max into global ones."""
+
+    z_max: torch.Tensor
+    sum_exp: torch.Tensor
+    target_logit: torch.Tensor
+    local_target: torch.Tensor
+    outside: torch.Tensor
+    rescale: torch.Tensor
+
+
+def loss_statistics(z: torch.Tensor, flat_target: torch.Tensor, group: Group, start: int, valid: int,
+                    exps: torch.Tensor | None = None) -> LossStatistics:
+    """The softmax statistics of this rank's real columns ``z [n, valid]`` (starting at global
+    column ``start``) and the tokens' targets, with the two TP all-reduces (max, then the stacked
+    sums and target logits). ``exps``, if given, receives ``exp(z - local max)`` (it may be z
+    itself, for fp32 z)."""
+    n = z.size(0)
+    outside = (flat_target < start) | (flat_target >= start + valid)  # target owned elsewhere
+    local_target = (flat_target - start).masked_fill(outside, 0)
+    # the targets' logits first: ``exps`` may be z itself
+    target_logit = (z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() if valid
+                    else torch.zeros(n, device=z.device))
+    if valid:
+        local_max, local_sum = _local_max_and_sum(z, exps)
+    else:   # a shard of padding only: it contributes nothing
+        local_max = torch.full((n,), float("-inf"), device=z.device)
+        local_sum = torch.zeros(n, device=z.device)
+    z_max = local_max.clone()
+    comm.all_reduce(z_max, group, op="max")
+    target_logit = (target_logit - z_max).masked_fill(outside, 0.0)
+    rescale = (local_max - z_max).exp_()                          # [n] <= 1; exactly 1 at tp 1
+    stats = torch.stack([local_sum * rescale, target_logit])       # [2, n]
+    comm.all_reduce(stats, group)
+    return LossStatistics(z_max, stats[0], stats[1], local_target, outside, rescale)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):
@@ -112,39 +153,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
         z = logits.reshape(-1, local_vocab)[:, :valid]                  # [n, valid] input dtype
         n = z.size(0)
-        flat_target = target.reshape(-1)
 
         # fp32 logits: keep exp(z - m_r) [n, V/tp] (the logits' own size, padding columns 0), which
         # backward turns into the gradient in place; narrower logits are kept themselves (half the
         # bytes of a fp32 softmax) and backward recomputes the exponentials from them
         keep_exps = logits.dtype == torch.float32
         kept = torch.empty(n, local_vocab, device=z.device) if keep_exps else logits
-        exps = kept[:, :valid] if keep_exps else None
         if keep_exps:
             kept[:, valid:].zero_()
-        if valid:
-            local_max, local_sum = _local_max_and_sum(z, exps)
-        else:   # a shard of padding only: it contributes nothing
-            local_max = torch.full((n,), float("-inf"), device=z.device)
-            local_sum = torch.zeros(n, device=z.device)
-        z_max = local_max.clone()
-        comm.all_reduce(z_max, group, op="max")
-
-        outside = (flat_target < start) | (flat_target >= start + valid)  # target owned elsewhere
-        local_target = (flat_target - start).masked_fill(outside, 0)
-        if valid:
-            target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - z_max
-            target_logit = target_logit.masked_fill(outside, 0.0)
-        else:
-            target_logit = torch.zeros(n, device=z.device)
-        rescale = (local_max - z_max).exp_()                          # [n] <= 1; exactly 1 at tp 1
-        stats = torch.stack([local_sum * rescale, target_logit])       # [2, n]
-        comm.all_reduce(stats, group)
-        sum_exp, target_logit = stats[0], stats[1]
-
-        ctx.save_for_backward(kept, rescale if keep_exps else z_max, sum_exp, local_target, outside)
+        stats = loss_statistics(z, target.reshape(-1), group, start, valid,
+                                kept[:, :valid] if keep_exps else None)
+        ctx.save_for_backward(kept, stats.rescale if keep_exps else stats.z_max, stats.sum_exp,
+                              stats.local_target, stats.outside)
         ctx.keep_exps, ctx.valid, ctx.logits_shape, ctx.used = keep_exps, valid, logits.shape, False
-        return (torch.log(sum_exp) - target_logit).view(target.shape)   # [...] fp32
+        return (torch.log(stats.sum_exp) - stats.target_logit).view(target.shape)   # [...] fp32
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -204,9 +226,15 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if vocab_size is not None and not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size {vocab_size} must be in [1, {padded}] (the padded vocabulary "
                          f"of {group.size} shards of {logits_shard.size(-1)} logits)")
+    check_targets(target, padded, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_size)
+
+
+def check_targets(target: torch.Tensor, padded: int, vocab_size: int | None) -> None:
+    """Target ids outside ``[0, vocab_size)`` (the padded vocabulary when None) would read a padding
+    column or another array; refused with the range found (checked where it is free: on the host)."""
     if target.device.type == "cpu" and target.numel():
         limit = padded if vocab_size is None else vocab_size
         if int(target.min()) < 0 or int(target.max()) >= limit:
             raise ValueError(f"target ids must lie in [0, {limit}); got [{int(target.min())}, "
                              f"{int(target.max())}] (mask ignored positions with a loss mask instead)")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, vocab_size)

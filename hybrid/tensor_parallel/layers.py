@@ -36,6 +36,7 @@ from torch import nn
 from hybrid.comm import Group
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.async_linear import column_parallel_linear
+from hybrid.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
                                              reduce_scatter_to_sequence)
 
@@ -165,6 +166,25 @@ class ColumnParallelLinear(_TPModule):
         return (f"in={self.in_features}, out={self.out_features}, tp={self.group.size}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelOutput(ColumnParallelLinear):
+    """An untied output layer ``[V/tp, h]`` (no bias) that, given targets, returns the per-token
+    loss through :func:`~hybrid.tensor_parallel.linear_cross_entropy.linear_cross_entropy` instead
+    of the logits (called as the module, so ZeRO-3's module hooks gather its weight)."""
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, group: Group, *,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(hidden_size, padded_vocab_size, group, bias=False,
+                         sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None,
+                vocab_size: int | None = None) -> torch.Tensor:
+        """Logits ``[s, b, V/tp]`` of x ``[s(/tp), b, h]``, or with ``target [s, b]`` its loss [s, b]."""
+        if target is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, target, self.group,
+                                    sequence_parallel=self.sequence_parallel, vocab_size=vocab_size)
 
 
 class RowParallelLinear(_TPModule):

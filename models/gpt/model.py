@@ -6,6 +6,10 @@ default and Llama-style with the options of :class:`~models.gpt.config.GPTConfig
                   -> final norm -> logits = h @ E_r^T (this rank's vocab rows)  [s, b, V_p/tp]
                   -> vocab-parallel cross-entropy over the true vocab         [s, b] -> loss [b, s]
 
+With labels the last two steps are one operation (:mod:`hybrid.tensor_parallel.linear_cross_entropy`:
+the loss's gradient with respect to the logits is formed in forward, over the logits' own buffer);
+without labels the model returns the logits.
+
 E is the word embedding (tied, GPT-2) or, with ``untie_embeddings_and_output_weights``, a separate
 vocab-parallel ``output_layer`` (Llama). Rotary positions live in the attention (no parameters).
 
@@ -36,9 +40,9 @@ import torch.nn as nn
 from hybrid.checkpoint.state import ParamLayout
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan, Recomputer
-from hybrid.tensor_parallel import (ColumnParallelLinear, RNGTracker, VocabParallelEmbedding,
-                                    column_parallel_linear, copy_to_tp, set_tp_attributes,
-                                    vocab_parallel_cross_entropy)
+from hybrid.tensor_parallel import (RNGTracker, VocabParallelEmbedding, VocabParallelOutput,
+                                    column_parallel_linear, copy_to_tp, linear_cross_entropy,
+                                    set_tp_attributes)
 from hybrid.zero.results import Fragment, copy_overlaps
 from models.gpt.config import GPTConfig
 from models.gpt.kv_cache import KVCache
@@ -152,8 +156,8 @@ class GPTModel(nn.Module):
         self.output_layer = None   # tied: the logits use the word embedding
         self.output_weight = None   # the last stage's copy of the tied embedding (docstring)
         if post_process and config.untie_embeddings_and_output_weights:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size, config.padded_vocab_size(state.tp_size), state.tp, bias=False,
+            self.output_layer = VocabParallelOutput(
+                config.hidden_size, config.padded_vocab_size(state.tp_size), state.tp,
                 sequence_parallel=sp, **meta)
         elif post_process and not pre_process:
             self.output_weight = torch.empty(config.padded_vocab_size(state.tp_size) // state.tp_size,
@@ -272,12 +276,10 @@ class GPTModel(nn.Module):
                 x = layer(x)
         if not self.post_process:
             return x                                                # [s(/tp), b, h]
-        logits = self._output_logits(self.final_norm(x))            # [s, b, V_p/tp]
+        x = self.final_norm(x)
         if labels is None:
-            return logits.transpose(0, 1).contiguous()              # [b, s, V_p/tp]
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.group,
-                                            vocab_size=self.config.vocab_size)  # [s, b]
-        return loss.t().contiguous()                                # [b, s]
+            return self._output_logits(x).transpose(0, 1).contiguous()  # [b, s, V_p/tp]
+        return self._output_loss(x, labels.t()).t().contiguous()    # [b, s]
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [b, s, V_p/tp] of tokens at positions ``cache.length ..`` (no recompute, no SP)."""
@@ -298,6 +300,15 @@ class GPTModel(nn.Module):
         weight = self.embedding.word.weight if self.pre_process else self.output_weight
         return column_parallel_linear(x, weight, None, self.group,
                                       self.sequence_parallel)
+
+    def _output_loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Output layer and cross-entropy in one: [s(/tp), b, h] and targets [s, b] -> loss [s, b]."""
+        vocab_size = self.config.vocab_size
+        if self.output_layer is not None:   # called as the module (ZeRO-3's hooks gather it)
+            return self.output_layer(x, target, vocab_size)
+        weight = self.embedding.word.weight if self.pre_process else self.output_weight
+        return linear_cross_entropy(x, weight, target, self.group,
+                                    sequence_parallel=self.sequence_parallel, vocab_size=vocab_size)
 
     def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:
         if tokens.dim() != 2:

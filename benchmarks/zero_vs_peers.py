@@ -395,7 +395,8 @@ def main() -> None:
     for what, ratio in targets.items():
         print(f"{what}: {ratio:.3f}")
     suffix = ("" if args.size == "benchmark" else f"-{args.size}") + (
-        "" if args.peer_model == "ours" else f"-{args.peer_model}")
+        "" if args.peer_model == "ours" else f"-{args.peer_model}") + (
+        "" if sequential == size["sequential"] else "-sequential" if sequential else "-interleaved")
     out = RESULTS / f"zero_vs_peers{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks import figure2_mini as fig
-from hybrid.perf.zeropp import QUANT_BLOCK, QUANT_SCALE_BYTES
+from hybrid.zero.quantize import packed_numel   # bytes of one int8 row with its scales
 
 STAGE, TP = 3, 1
 DEFAULT_VARIANTS = ("plain=", "hpz=--zero-hpz", "hsdp=--zero-hybrid-shard")
@@ -44,11 +44,6 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 # ---- the formulas ----------------------------------------------------------------------------
-def packed_bytes(elements: int) -> int:
-    """One int8 row of ``elements`` as qwZ / qgZ send it: a byte each and one fp32 scale per block."""
-    return elements + QUANT_SCALE_BYTES * -(-elements // QUANT_BLOCK)
-
-
 def formula_bytes(unit_numels: list[int], *, param_bytes: int, alignment: int, dp: int, per_host: int,
                   hpz: bool = False, quantized_weights: bool = False,
                   quantized_gradients: bool = False, hybrid_shard: bool = False) -> dict[str, float]:
@@ -86,15 +81,15 @@ def formula_bytes(unit_numels: list[int], *, param_bytes: int, alignment: int, d
             add(3 * (h - 1) * c * param_bytes, 0)
             add(2 * (k - 1) / k * c * param_bytes, 2 * (k - 1) / k * c * param_bytes)
             continue
-        gather = packed_bytes(c) if quantized_weights else c * param_bytes
+        gather = packed_numel(c) if quantized_weights else c * param_bytes
         add((n - 1) * gather, (n - h) * gather)                        # forward all-gather
         if hpz:
             add((h - 1) * padded // h * param_bytes, 0)                 # backward, in the host
         else:
             add((n - 1) * gather, (n - h) * gather)
         if quantized_gradients:
-            add((h - 1) * packed_bytes(k * c), 0)
-            add((k - 1) * packed_bytes(c), (k - 1) * packed_bytes(c))
+            add((h - 1) * packed_numel(k * c), 0)
+            add((k - 1) * packed_numel(c), (k - 1) * packed_numel(c))
         else:
             add((n - 1) * c * param_bytes, (n - h) * c * param_bytes)
     return {"dp_bytes": total, "dp_cross_host_bytes": cross}

@@ -54,16 +54,12 @@ def test_rank_layouts_tool_ranks_the_papers_layouts(name, capsys):
     assert rank_layouts.main(["--preset", name, "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert f"published layout {preset.published.describe()}" in out
-    found = rank_layouts.rank(layers=preset.layers, hidden=preset.hidden, heads=preset.heads,
-                              seq=preset.seq, vocab=preset.vocab, gpus=preset.gpus,
-                              global_batch=preset.global_batch, cluster=preset.cluster)
+    found = rank_layouts.rank(preset)
     assert f"{len(found)} layouts fit" in out
     assert all(e.memory_bytes <= preset.cluster.memory_bytes for e in found)
     assert [e.time_s for e in found] == sorted(e.time_s for e in found)
     assert found[0].layout.describe() in out.splitlines()[2]
-    est = estimate_layout(preset.published, layers=preset.layers, hidden=preset.hidden,
-                          heads=preset.heads, seq=preset.seq, vocab=preset.vocab,
-                          global_batch=preset.global_batch, cluster=preset.cluster)
+    est = estimate_layout(preset.published, **preset.model())
     over = est.memory_bytes - preset.cluster.memory_bytes
     if over > 0:   # the verdict says so and by how much, and ranks nothing
         assert f"does NOT fit {preset.cluster.memory_bytes / 1e9:.0f} GB" in out

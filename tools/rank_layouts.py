@@ -45,8 +45,13 @@ class Preset:
     gpus: int
     global_batch: int
     cluster: Cluster
-    published: Layout
+    published: Layout | None
     source: str      # where the published layout and its measured throughput come from
+
+    def model(self) -> dict:
+        """The keyword arguments :func:`hybrid.perf.pipeline.estimate_layout` takes besides the layout."""
+        return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
+                    vocab=self.vocab, global_batch=self.global_batch, cluster=self.cluster)
 
 
 # ZeRO's Pa partitions each checkpoint over the MP ranks as SP's shards do: modelled as SP.
@@ -89,17 +94,16 @@ def candidates(layers, hidden, heads, gpus, global_batch, gpus_per_node):
                             yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1)
 
 
-def rank(*, layers, hidden, heads, seq, vocab, gpus, global_batch, cluster) -> list[LayoutEstimate]:
-    """Every candidate layout that fits ``cluster``'s memory, fastest first."""
-    model = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
-                 global_batch=global_batch, cluster=cluster)
+def rank(preset: Preset) -> list[LayoutEstimate]:
+    """Every candidate layout that fits the preset cluster's memory, fastest first."""
     found = []
-    for layout in candidates(layers, hidden, heads, gpus, global_batch, cluster.gpus_per_node):
+    for layout in candidates(preset.layers, preset.hidden, preset.heads, preset.gpus,
+                             preset.global_batch, preset.cluster.gpus_per_node):
         try:
-            est = estimate_layout(layout, **model)
+            est = estimate_layout(layout, **preset.model())
         except ValueError:
             continue   # e.g. a recompute mode the memory model does not combine with the layout
-        if est.memory_bytes <= cluster.memory_bytes:
+        if est.memory_bytes <= preset.cluster.memory_bytes:
             found.append(est)
     return sorted(found, key=lambda e: e.time_s)
 
@@ -118,9 +122,7 @@ def table(found: list[LayoutEstimate], top: int) -> list[str]:
 def published_verdict(preset: Preset, found: list[LayoutEstimate]) -> list[str]:
     """Where the published layout stands: predicted throughput and memory, fit, rank."""
     target, limit = preset.published, preset.cluster.memory_bytes
-    est = estimate_layout(target, layers=preset.layers, hidden=preset.hidden, heads=preset.heads,
-                          seq=preset.seq, vocab=preset.vocab, global_batch=preset.global_batch,
-                          cluster=preset.cluster)
+    est = estimate_layout(target, **preset.model())
     other = est.memory_bytes - est.model_state_bytes - est.activation_bytes
     counted = ""
     if target.recompute == "full":   # Megatron-LM's published figures count it as work done
@@ -152,10 +154,7 @@ def published_verdict(preset: Preset, found: list[LayoutEstimate]) -> list[str]:
 def report(preset: Preset, top: int) -> list[str] | None:
     """The ranking of one model and cluster, with the published layout's verdict; None if nothing
     fits."""
-    dims = dict(layers=preset.layers, hidden=preset.hidden, heads=preset.heads, seq=preset.seq,
-                vocab=preset.vocab, gpus=preset.gpus, global_batch=preset.global_batch,
-                cluster=preset.cluster)
-    found = rank(**dims)
+    found = rank(preset)
     if not found:
         return None
     lines = [f"{preset.layers} layers, hidden {preset.hidden}, {preset.heads} heads, seq {preset.seq}, "

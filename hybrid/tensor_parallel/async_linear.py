@@ -62,6 +62,26 @@ def _autocast_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
+def overlapped_backward(ctx, x: torch.Tensor, input_grad, param_grads) -> tuple:
+    """The column-parallel backward's schedule (module docstring), for any op of that shape:
+    under SP launch the all-gather of the saved input shard ``x``; compute the partial input
+    gradient ``input_grad(total)`` ``[s, b, in]``; start its all-reduce (SP: reduce-scatter); compute
+    ``param_grads(total)`` (a tuple: weight, bias, ...) from the whole input ``total`` while the
+    collective is in flight; wait. ``ctx`` carries ``group``, ``sequence_parallel`` and
+    ``needs_input_grad`` (0: the input, 1: the weight). Returns ``(grad_input, *param_grads)``."""
+    total, gather = _start_input_regather(x, ctx)                 # [s, b, in] for dW
+    grad_total = input_grad(total) if ctx.needs_input_grad[0] else None
+    if gather is not None:
+        gather.wait()
+    grad_input = handle = None
+    if grad_total is not None:
+        grad_input, handle = _start_input_grad_reduction(grad_total, ctx.group, ctx.sequence_parallel)
+    grads = param_grads(total)                                    # overlaps the collective
+    if handle is not None:
+        handle.wait()
+    return (grad_input, *grads)
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
@@ -74,22 +94,17 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = handle = grad_weight = grad_bias = None
-        total, gather = _start_input_regather(x, ctx)                 # [s, b, in] for dW
-        if ctx.needs_input_grad[0]:
-            grad_total = grad.matmul(weight)                          # [s, b, in], partial over TP
-        if gather is not None:
-            gather.wait()
-        if ctx.needs_input_grad[0]:
-            grad_input, handle = _start_input_grad_reduction(grad_total, ctx.group,
-                                                             ctx.sequence_parallel)
         grad_2d = grad.reshape(-1, grad.size(-1))                     # [s*b, out/tp]
-        if ctx.needs_input_grad[1]:                                   # overlaps the collective
-            grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))  # [out/tp, in]
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.sum(dim=0)
-        if handle is not None:
-            handle.wait()
+
+        def param_grads(total):
+            grad_weight = grad_bias = None
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))  # [out/tp, in]
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = grad_2d.sum(dim=0)
+            return grad_weight, grad_bias
+        grad_input, grad_weight, grad_bias = overlapped_backward(
+            ctx, x, lambda total: grad.matmul(weight), param_grads)   # dX [s, b, in], partial
         return grad_input, grad_weight, grad_bias, None, None
 
 

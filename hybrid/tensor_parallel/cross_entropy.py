@@ -79,12 +79,16 @@ def _as_fp32(source: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
     return source if source.dtype == torch.float32 else work.copy_(source)
 
 
-def _local_max_and_sum(z: torch.Tensor, exps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_max_and_sum(z: torch.Tensor, exps: torch.Tensor | None,
+                       finish=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``z [n, v]`` (any float dtype): its max ``m_r`` and ``sum exp(z - m_r)``, fp32 [n].
 
-    ``exps [n, v]`` fp32, if given, receives ``exp(z - m_r)``; otherwise each block is computed in a
-    scratch buffer. A row of only -inf gets ``m_r`` = the lowest finite float and a sum of 0, so
-    rescaling it to the global max gives 0 instead of NaN.
+    ``exps [n, v]`` fp32, if given, receives ``exp(z - m_r)`` (it may be z itself); otherwise each
+    block is computed in a scratch buffer. ``finish(block, work, rows, block_sum)``, if given, runs on
+    each block while it is in cache: ``block`` is z's rows ``rows`` (a slice), ``work`` their
+    exponentials in fp32 (``block`` itself for fp32 z and ``exps`` = z), ``block_sum`` [rows] their
+    sums. A row of only -inf gets ``m_r`` = the lowest finite float and a sum of 0, so rescaling it
+    to the global max gives 0 instead of NaN.
     """
     n, width = z.shape
     step = _rows_per_block(n, width, z.device)
@@ -96,12 +100,20 @@ def _local_max_and_sum(z: torch.Tensor, exps: torch.Tensor | None) -> tuple[torc
         works = exps.split(step)
     lowest = torch.finfo(torch.float32).min
     blocks = zip(z.split(step), works, row_max.split(step), row_sum.split(step))
-    for block, work, block_max, block_sum in blocks:
-        work = work[: block.size(0)]
-        block = _as_fp32(block, work)
+    for i, (source, work, block_max, block_sum) in enumerate(blocks):
+        work = work[: source.size(0)]
+        block = _as_fp32(source, work)
         torch.amax(block, dim=-1, keepdim=True, out=block_max).clamp_min_(lowest)
         torch.sum(_exp_shifted(block, block_max, work), dim=-1, out=block_sum)
+        if finish is not None:
+            finish(source, work, slice(i * step, i * step + source.size(0)), block_sum)
     return row_max.squeeze(-1), row_sum
+
+
+def real_columns(local_vocab: int, start: int, vocab_size: int | None) -> int:
+    """How many of a shard's ``local_vocab`` columns, the first at global column ``start``, are
+    real vocabulary: a prefix, since padding only ever ends the last shards."""
+    return local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
 
 
 class LossStatistics(NamedTuple):
@@ -149,8 +161,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_size):
         local_vocab = logits.size(-1)
         start = group.rank * local_vocab
-        # the shard's real columns are a prefix: padding only ever ends the last shards
-        valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
+        valid = real_columns(local_vocab, start, vocab_size)
         z = logits.reshape(-1, local_vocab)[:, :valid]                  # [n, valid] input dtype
         n = z.size(0)
 

@@ -35,35 +35,26 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.comm import Group
-from hybrid.tensor_parallel.async_linear import (_autocast_inputs, _start_input_grad_reduction,
-                                                 _start_input_regather)
-from hybrid.tensor_parallel.cross_entropy import (_as_fp32, _exp_shifted, _rows_per_block,
-                                                  _write_gradient, check_targets, loss_statistics)
+from hybrid.tensor_parallel.async_linear import _autocast_inputs, overlapped_backward
+from hybrid.tensor_parallel.cross_entropy import (_local_max_and_sum, _write_gradient,
+                                                  check_targets, loss_statistics, real_columns)
 from hybrid.tensor_parallel.mappings import _gather_first, apply_communicating
 
 
 def _softmax_minus_target_in_place(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
                                                                                      torch.Tensor]:
     """One pass over ``z [n, v]`` (one TP rank: every target is local): ``z <- softmax(z) - onehot``
-    in place, block by block in fp32 (rounded once into z's dtype). Returns each row's max and
-    ``sum exp(z - max)``, fp32 [n]."""
-    n, width = z.shape
-    step = _rows_per_block(n, width, z.device)
-    row_max = torch.empty(n, 1, device=z.device)
-    row_sum = torch.empty(n, 1, device=z.device)
-    buffer = None if z.dtype == torch.float32 else torch.empty(min(step, n), width, device=z.device)
-    lowest = torch.finfo(torch.float32).min
-    minus_one = torch.full((min(step, n), 1), -1.0, device=z.device)
-    blocks = zip(z.split(step), target.unsqueeze(-1).split(step), row_max.split(step),
-                 row_sum.split(step))
-    for block, column, block_max, block_sum in blocks:
-        work = _as_fp32(block, buffer[: block.size(0)] if buffer is not None else block)
-        torch.amax(work, dim=-1, keepdim=True, out=block_max).clamp_min_(lowest)
-        torch.sum(_exp_shifted(work, block_max, work), dim=-1, keepdim=True, out=block_sum)
-        work.mul_(block_sum.reciprocal()).scatter_add_(-1, column, minus_one[: block.size(0)])
-        if work is not block:
+    in place, each block finished in fp32 while in cache and rounded once into z's dtype. Returns
+    each row's max and ``sum exp(z - max)``, fp32 [n]."""
+    columns = target.unsqueeze(-1)                                    # [n, 1]
+    minus_one = torch.full(columns.shape, -1.0, device=z.device)
+
+    def finish(block, work, rows, block_sum):
+        work.mul_(block_sum.reciprocal().unsqueeze(-1)).scatter_add_(-1, columns[rows],
+                                                                     minus_one[rows])
+        if work.data_ptr() != block.data_ptr():                      # 16-bit z: round it back
             block.copy_(work)
-    return row_max.squeeze(-1), row_sum.squeeze(-1)
+    return _local_max_and_sum(z, z if z.dtype == torch.float32 else None, finish)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -75,7 +66,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         local_vocab = logits.size(-1)
         z_all = logits.view(-1, local_vocab)                          # [n, V/tp], P is written here
         start = group.rank * local_vocab
-        valid = local_vocab if vocab_size is None else max(0, min(local_vocab, vocab_size - start))
+        valid = real_columns(local_vocab, start, vocab_size)
         z = z_all[:, :valid]
         flat_target = target.reshape(-1)
         if group.size == 1:   # one pass: the local max and sum are the global ones
@@ -105,21 +96,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x, weight, p = ctx.saved_tensors
         row_scale = grad_loss.reshape(-1, 1).float()                  # [n, 1]
         p = p.view(-1, p.size(-1))                                    # [n, V/tp]
-        grad_input = handle = grad_weight = None
-        total, gather = _start_input_regather(x, ctx)                 # [s, b, h] for dW
-        if ctx.needs_input_grad[0]:
-            scaled = torch.mul(p.matmul(weight), row_scale).to(p.dtype)   # [n, h], partial over TP
-            grad_total = scaled.view(total.shape)                     # [s, b, h]
-        if gather is not None:
-            gather.wait()
-        if ctx.needs_input_grad[0]:
-            grad_input, handle = _start_input_grad_reduction(grad_total, ctx.group,
-                                                             ctx.sequence_parallel)
-        if ctx.needs_input_grad[1]:                                   # overlaps the collective
+
+        def input_grad(total):                                        # [s, b, h], partial over TP
+            return torch.mul(p.matmul(weight), row_scale).to(p.dtype).view(total.shape)
+
+        def param_grads(total):
+            if not ctx.needs_input_grad[1]:
+                return (None,)
             rows = torch.mul(total.reshape(-1, total.size(-1)), row_scale).to(p.dtype)
-            grad_weight = p.t().matmul(rows)                          # [V/tp, h]
-        if handle is not None:
-            handle.wait()
+            return (p.t().matmul(rows),)                              # [V/tp, h]
+        grad_input, grad_weight = overlapped_backward(ctx, x, input_grad, param_grads)
         return grad_input, grad_weight, None, None, None, None
 
 

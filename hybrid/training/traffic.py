@@ -19,9 +19,9 @@ def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_by
                             micro_batches: int = 1) -> list[tuple[str, str, float, float]]:
     """(group, op, bytes, cross-host bytes) per rank per step of the DP collectives of a run with
     ``parallel`` (the config's ParallelSection) on ``state``'s groups, for ``psi`` parameters of
-    ``param_bytes`` bytes on this rank, with ``micro_batches`` backwards per step. The host-split options need the state's host groups (their
-    layout is checked where the engine or the dry run builds them). Stage 2 with pipeline
-    parallelism counts as the stage 1 it runs as
+    ``param_bytes`` bytes on this rank, with ``micro_batches`` backwards per step. The host-split
+    options need the state's host groups (their layout is checked where the engine or the dry run
+    builds them). Stage 2 with pipeline parallelism counts as the stage 1 it runs as
     (:func:`hybrid.perf.model_states.stage_with_pipeline`)."""
     quantized = ZeroOptions()   # int8 blocks (hybrid.zero.quantize)
     intra, inter = state.dp_intra_host_group, state.dp_inter_host_group

@@ -57,8 +57,7 @@ class ZeroConfig:
     and 1 which ``backward`` is the last micro-batch (they communicate only then); stage 2 reduces
     every micro-batch, as it keeps no full gradient (with pipeline parallelism it runs as stage 1:
     :func:`hybrid.perf.model_states.stage_with_pipeline`). How the DP collectives travel is the
-    parallel
-    state's choice (``--dp-transport``, :mod:`hybrid.parallel_state`), not the engine's.
+    parallel state's choice (``--dp-transport``, :mod:`hybrid.parallel_state`), not the engine's.
 
     Topology-aware options (past the paper; :mod:`hybrid.zero.host_groups`): ``hybrid_shard``
     partitions the model states of stages 1-3 over the DP ranks of one host and keeps one copy per

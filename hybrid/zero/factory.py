@@ -38,9 +38,8 @@ def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: Ze
                          adamw_config: AdamWConfig, offload=None, **stage3_options) -> ZeroEngine:
     """The engine for ``zero_config.stage`` (stage 2 under pipeline parallelism: stage 1, see
     :func:`hybrid.perf.model_states.stage_with_pipeline`). ``stage3_options`` (``init_fn``/``seed``
-    for a
-    meta-built model) apply to stage 3 only; ``offload``: a :class:`hybrid.offload.OffloadConfig`
-    (optimizer state on host or NVMe)."""
+    for a meta-built model) apply to stage 3 only; ``offload``: a
+    :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
     stage = stage_with_pipeline(zero_config.stage, state.pp_size)
     if stage != zero_config.stage:
         if state.rank == 0:

@@ -22,9 +22,11 @@ Tensor parallelism: a rank's flat chunk interleaves TP-sharded parameters with T
 (LayerNorm, row-parallel biases, position embeddings), at the same offsets on every TP rank. A block
 mixing both would get a different scale on each TP rank and round the replicated values
 differently, so the TP copies would drift apart step after step. ``agree`` (the engines pass the
-maximum over the TP group, :func:`tp_agreed_scales`) makes every TP rank use the same scale per
-block: a replicated value, equal on all of them, then quantizes to the same int8 everywhere. Pure tensor code,
-vectorised over rows and blocks: the same on CPU and CUDA.
+maximum over the TP group, :func:`~hybrid.zero.quantized_collectives.tp_agreed_scales`) makes
+every TP rank use the same scale per block: a replicated value, equal on all of them, then
+quantizes to the same int8 everywhere.
+
+Pure tensor code, vectorised over rows and blocks: the same on CPU and CUDA.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from hybrid import comm
 from hybrid.comm import Group
+from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel.mappings import _gather_first, apply_communicating
 
 
@@ -85,6 +86,7 @@ def overlapped_backward(ctx, x: torch.Tensor, input_grad, param_grads) -> tuple:
 class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.grad_param = grad_fusion.accumulation_param(weight)       # dW added into its .grad
         x, weight, bias = _autocast_inputs(x, weight, bias)
         total = _gather_first(x, group) if sequence_parallel else x   # [s, b, in]
         ctx.save_for_backward(x, weight)                              # SP: the shard only
@@ -99,7 +101,8 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         def param_grads(total):
             grad_weight = grad_bias = None
             if ctx.needs_input_grad[1]:
-                grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))  # [out/tp, in]
+                grad_weight = grad_fusion.weight_grad(                # [out/tp, in] or None
+                    ctx.grad_param, grad_2d.t(), total.reshape(-1, total.size(-1)))
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_bias = grad_2d.sum(dim=0)
             return grad_weight, grad_bias

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid.comm import Group
+from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.async_linear import column_parallel_linear
 from hybrid.tensor_parallel.linear_cross_entropy import linear_cross_entropy
@@ -215,7 +216,7 @@ class RowParallelLinear(_TPModule):
         self._init_weight_and_bias(seed, std, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)                            # [s, b, out], partial sum
+        partial = grad_fusion.linear(x, self.weight)                  # [s, b, out], partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.group)       # [s/tp, b, out]
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
@@ -255,11 +256,11 @@ class VocabParallelEmbedding(_TPModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
         if self.group.size == 1:
-            partial = F.embedding(ids, self.weight)
+            partial = grad_fusion.embedding(ids, self.weight)
         else:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            partial = grad_fusion.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_output:
             return reduce_scatter_to_sequence(partial, self.group)    # [s/tp, b, h]
         return reduce_from_tp(partial, self.group)                    # [*, h]

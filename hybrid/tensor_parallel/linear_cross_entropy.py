@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid.comm import Group
+from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel.async_linear import _autocast_inputs, overlapped_backward
 from hybrid.tensor_parallel.cross_entropy import (_local_max_and_sum, _write_gradient,
                                                   check_targets, loss_statistics, real_columns)
@@ -60,6 +61,7 @@ def _softmax_minus_target_in_place(z: torch.Tensor, target: torch.Tensor) -> tup
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, group, sequence_parallel, vocab_size):
+        ctx.grad_param = grad_fusion.accumulation_param(weight)       # dW added into its .grad
         x, weight, _ = _autocast_inputs(x, weight, None)
         total = _gather_first(x, group) if sequence_parallel else x   # [s, b, h]
         logits = F.linear(total, weight)                              # [s, b, V/tp]
@@ -104,7 +106,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if not ctx.needs_input_grad[1]:
                 return (None,)
             rows = torch.mul(total.reshape(-1, total.size(-1)), row_scale).to(p.dtype)
-            return (p.t().matmul(rows),)                              # [V/tp, h]
+            return (grad_fusion.weight_grad(ctx.grad_param, p.t(), rows),)   # [V/tp, h] or None
         grad_input, grad_weight = overlapped_backward(ctx, x, input_grad, param_grads)
         return grad_input, grad_weight, None, None, None, None
 

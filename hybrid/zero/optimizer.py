@@ -40,6 +40,7 @@ from torch import nn
 from hybrid import comm
 from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
+from hybrid.tensor_parallel import grad_fusion
 from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import OwnedPiece, ZeroEngine
@@ -149,6 +150,8 @@ class ZeroOptimizer(ZeroEngine):
         self.grad_flat, self.grad_chunks, self.grad_part, self._grad_views = None, None, None, []
         self._build_grads()
         self._attach_grads()
+        # a full buffer that param.grad views for the whole step: products may add into it
+        grad_fusion.allow(self.params, self.grad_flat is not None and self.config.grad_accumulation_fusion)
 
     # ---- gradient storage: a full buffer (GradientPartitioning overrides) -------------------
     def _build_grads(self) -> None:
@@ -236,6 +239,7 @@ class ZeroOptimizer(ZeroEngine):
     def _zero_grads(self) -> None:
         """Zero the gradient storage; re-attach grad views."""
         self._grad_buffer().zero_()
+        grad_fusion.zeroed(self.params)
         self._attach_grads()
 
     def _stream_grad(self, bucket: int) -> None:

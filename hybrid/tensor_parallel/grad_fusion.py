@@ -19,7 +19,9 @@ post-accumulate hooks (the engines' bucket counting) with ``param.grad`` already
 Exactness: on a zeroed buffer (a step's first micro-batch) the result is bit-equal to autograd's,
 in fp32 and bf16 (the product written in place is the product; the lookup sums a token's rows in
 autograd's order, then adds them once, as autograd adds its summed gradient once), and so are later
-16-bit micro-batches on CPU; fp32's ``addmm_`` rounds a later micro-batch's sum once instead of twice.
+16-bit micro-batches on CPU but for a tied embedding table (the output layer's product and the
+lookup's rows are added one after the other, autograd adds their sum); fp32's ``addmm_`` rounds a
+later micro-batch's sum once instead of twice.
 Whatever adds first, fused product or autograd, a post-accumulate hook records that the buffer no
 longer holds zeros, so a product is never written over a sum.
 

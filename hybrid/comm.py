@@ -184,11 +184,17 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
-    """In-place all-reduce of ``tensor`` over ``group``."""
+    """In-place all-reduce of ``tensor`` over ``group`` (op: sum, max or min)."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all-reduce op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     group.ledger.record("all_reduce", group, tensor.numel(), tensor.dtype)
     if group.size == 1:
         return _Done() if async_op else None
     group.require_process_group()
+    if group.shm is not None and tensor.is_contiguous() and tensor.device.type == "cpu":
+        work = group.shm.all_reduce(tensor, op)
+        if work is not None:
+            return _finish(work, async_op)
     return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group.pg, async_op=async_op)
 
 

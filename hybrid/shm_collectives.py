@@ -1,6 +1,7 @@
 """All-gather and reduce-scatter through shared memory for CPU groups on one host (ZeRO §5, §7).
 
-ZeRO's data-parallel traffic is reduce-scatters of gradients and all-gathers of parameters. Between
+ZeRO's data-parallel traffic is reduce-scatters of gradients and all-gathers of parameters (and
+the small all-reduces of a step: the gradient norm, overflow flags). Between
 CPU processes on one host, gloo moves them through loopback TCP: the sender's kernel copies the
 data into a socket, the receiver's kernel copies it out, and both copies run on the cores that
 compute. Here every rank of the group maps the same shared-memory regions instead (one per rank,
@@ -63,6 +64,7 @@ class ShmTransport:
     def __init__(self, group, timeout: timedelta, required: bool = False):
         self.group, self.timeout, self.required = group, timeout.total_seconds(), required
         self.capacity = 0
+        self._mapping = False            # regions being (re)mapped: all-reduces go through gloo
         self.regions: list[torch.Tensor] = []
         self.header: torch.Tensor | None = None
         self._reset()
@@ -100,7 +102,11 @@ class ShmTransport:
         capacity = _align(2 * nbytes)
         if capacity <= self.capacity:
             return True
-        mapped = self._map_regions(capacity)
+        self._mapping = True
+        try:
+            mapped = self._map_regions(capacity)
+        finally:
+            self._mapping = False
         if mapped is None:
             return False
         self.regions, self.header = mapped
@@ -205,6 +211,28 @@ class ShmTransport:
             torch.add(parts[0], parts[1], out=flat_out)   # out may BE parts[0]: read first
             for part in parts[2:]:
                 flat_out.add_(part)
+        return self._work(seq, read)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> "_ShmWork | None":
+        """``tensor`` (contiguous) <- its ``op`` ("sum", "max", "min") over the ranks, combined in
+        rank order on every rank (the same bits everywhere). For the small all-reduces (a
+        gradient norm, overflow flags): one copy in, one read of every peer's, where gloo would
+        take a round trip through the loopback. None: too large, or the regions are being set up
+        (their own control messages are all-reduces)."""
+        if self._mapping:
+            return None
+        placed = self._reserve(tensor.nbytes)
+        if placed is None:
+            return None
+        seq, start = placed
+        flat = tensor.view(-1)
+        self._typed(self.group.rank, start, tensor).copy_(flat)
+        self._publish(seq)
+
+        def read() -> None:
+            parts = torch.stack([self._typed(r, start, tensor) for r in range(self.group.size)])
+            reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}[op]
+            flat.copy_(reduce(parts, dim=0))
         return self._work(seq, read)
 
     # ---- the ring and the counters ---------------------------------------------------------

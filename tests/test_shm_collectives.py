@@ -30,7 +30,8 @@ def _plan(seed=5, count=60):
     """The same list of collectives on every rank: (kind, dtype, shard numel, in flight before
     the oldest is waited)."""
     r = random.Random(seed)
-    kinds = ("gather", "reduce", "gather in place", "reduce in place")
+    kinds = ("gather", "reduce", "gather in place", "reduce in place", "all-reduce sum",
+             "all-reduce max", "all-reduce min")
     return [(r.choice(kinds), r.choice((torch.float32, torch.bfloat16)),
              r.randint(1, 700), r.randint(1, 5)) for _ in range(count)]
 
@@ -53,7 +54,10 @@ def _against_expected(rank, world_size):
             mine = out[own]
         if kind == "reduce in place":        # the output is this rank's slice of the input
             out = mine[own]
-        if "gather" in kind:
+        if kind.startswith("all-reduce"):   # in place, any size (a norm, a flag, a bucket)
+            out = mine
+            handle = comm.all_reduce(out, group, kind.split()[-1], async_op=True)
+        elif "gather" in kind:
             handle = comm.all_gather_into(out, mine, group, async_op=True)
         else:
             handle = comm.reduce_scatter_into(out, mine, group, async_op=True)
@@ -63,10 +67,19 @@ def _against_expected(rank, world_size):
             inflight.pop(waits.randrange(len(inflight))).wait()
     for handle in inflight:
         handle.wait()
+    capacity = group.shm.capacity
     for op, kind, dtype, numel, out in results:
         every = [_inputs(op, r, numel * (world_size if "reduce" in kind else 1), dtype)
                  for r in range(world_size)]
-        if "gather" in kind:
+        if kind.startswith("all-reduce"):   # combined in rank order: the same bits on every rank
+            reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}[kind.split()[-1]]
+            if out.nbytes <= capacity:
+                assert torch.equal(out, reduce(torch.stack(every), dim=0)), op
+            else:                           # gloo's own order
+                tol = 1e-6 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(out.float(), reduce(torch.stack(every).float(), dim=0),
+                                           rtol=tol, atol=tol)
+        elif "gather" in kind:
             assert torch.equal(out, torch.cat(every)), op
         else:
             expected = sum(x.float()[rank * numel:(rank + 1) * numel] for x in every)

@@ -2,13 +2,15 @@
 accumulation, which the engines get with ``ZeroConfig(grad_accumulation_fusion=False)``.
 
 - One micro-batch (a zeroed buffer): every gradient is BIT-EQUAL to autograd's, fp32 and bf16, for a
-  GPT with a tied and with an untied output layer, at TP 1 and at TP 2 with sequence parallelism,
-  and the fused path was taken for every weight it covers (counted).
-- Gradient accumulation over micro-batches: bf16 on CPU adds as autograd adds (bit-equal) but for
-  the tied embedding table, which gets two adds where autograd makes one; fp32's ``addmm_`` rounds
-  each later sum once where autograd rounds twice (within a few units).
-- Where the fusion must not run (stage 2, no ``allow``, autocast, ``torch.no_grad``), the layers
-  give autograd's gradients and never write a buffer themselves.
+  GPT with a tied and with an untied output layer, ZeRO stage 1 (``param.grad`` views its buffer)
+  and stage 2 (the products go into the staging bucket), at TP 1 and at TP 2 with sequence
+  parallelism, and the fused path was taken for every weight it covers (counted).
+- Gradient accumulation over micro-batches: stage 2 is bit-equal (each micro-batch stages afresh);
+  stage 1 in bf16 on CPU adds as autograd adds (bit-equal) but for the tied embedding table, which
+  gets two adds where autograd makes one; fp32's ``addmm_`` rounds each later sum once where
+  autograd rounds twice (within a few units).
+- Where the fusion must not run (turned off, stage 3, no ``allow``, autocast, ``torch.no_grad``),
+  the layers give autograd's gradients and never write a buffer themselves.
 """
 
 import pytest
@@ -37,11 +39,12 @@ def _grads(state, config, precision, fusion, micro_batches=1, sequence_parallel=
     """The engine's gradient buffer after ``micro_batches`` backwards of a fixed batch stream."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model = GPTModel(config, state, device="meta", dtype=dtype, sequence_parallel=sequence_parallel)
-    model.init_weights(3)
+    if stage < 3:   # stage 3 partitions the model from its canonical init
+        model.init_weights(3)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision=precision,
                                                         gradient_accumulation_steps=micro_batches,
                                                         grad_accumulation_fusion=fusion),
-                               AdamWConfig(lr=1e-3))
+                               AdamWConfig(lr=1e-3), **({"seed": 3} if stage == 3 else {}))
     gen = torch.Generator().manual_seed(5)
     opt.zero_grad()
     for _ in range(micro_batches):
@@ -49,11 +52,14 @@ def _grads(state, config, precision, fusion, micro_batches=1, sequence_parallel=
         tokens = torch.randint(0, 9, (2, config.seq_length + 1), generator=gen)
         loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean() / micro_batches
         opt.backward(loss)
-    opt.reducer.finish()
+    if stage < 3:
+        opt.reducer.finish()
     if count is not None:
         count.append(sum(1 for name, p in model.named_parameters()   # learned positions: a slice
                          if getattr(p, grad_fusion._ALLOWED, False) and p.dim() == 2
                          and "position" not in name))
+    if stage == 2:   # this rank's reduced gradient partition (no full gradient is kept)
+        return {"partition": opt.grad_part.clone()}
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()
             if p.grad is not None}
 
@@ -75,14 +81,15 @@ class _Counting:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("untied", [False, True])
-def test_one_micro_batch_is_bit_equal_to_autograd(monkeypatch, precision, untied):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_micro_batch_is_bit_equal_to_autograd(monkeypatch, stage, precision, untied):
     state = ParallelState.single_process()
     config = _config(untied)
     counting = _Counting(monkeypatch)
-    reference = _grads(state, config, precision, fusion=False)
+    reference = _grads(state, config, precision, fusion=False, stage=stage)
     assert not counting.weights, "fusion ran although the engine turned it off"
     weights = []
-    fused = _grads(state, config, precision, fusion=True, count=weights)
+    fused = _grads(state, config, precision, fusion=True, count=weights, stage=stage)
     # every 2-D weight but the learned positions is a linear, the output layer or the word
     # embedding: all fused
     assert len(counting.weights) == weights[0] > 0
@@ -92,14 +99,17 @@ def test_one_micro_batch_is_bit_equal_to_autograd(monkeypatch, precision, untied
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_accumulation_over_micro_batches(precision):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_over_micro_batches(stage, precision):
     state = ParallelState.single_process()
     config = _config(untied=False)
-    reference = _grads(state, config, precision, fusion=False, micro_batches=3)
-    fused = _grads(state, config, precision, fusion=True, micro_batches=3)
+    reference = _grads(state, config, precision, fusion=False, micro_batches=3, stage=stage)
+    fused = _grads(state, config, precision, fusion=True, micro_batches=3, stage=stage)
     for name in reference:
         ref, got = reference[name].double(), fused[name].double()
-        if precision == "bf16" and name != TIED:   # the product, then autograd's add: bit-equal
+        if stage == 2:   # every micro-batch's products land in a fresh staging bucket
+            assert torch.equal(got, ref), name
+        elif precision == "bf16" and name != TIED:   # the product, then autograd's add: bit-equal
             assert torch.equal(got, ref), name
         else:   # fp32's addmm_ rounds each later sum once instead of twice; the tied table adds
             # the output layer's product and the lookup's rows one after the other where
@@ -109,12 +119,12 @@ def test_accumulation_over_micro_batches(precision):
             assert (got - ref).abs().max().item() <= 4 * unit * scale, name
 
 
-def test_stage_2_and_disallowed_parameters_take_autograds_path(monkeypatch):
+def test_stage_3_takes_autograds_path(monkeypatch):
     state = ParallelState.single_process()
     counting = _Counting(monkeypatch)
     weights = []
-    _grads(state, _config(untied=True), "fp32", fusion=True, stage=2, count=weights)
-    assert weights == [0] and not counting.weights     # stage 2 stages its gradients: not allowed
+    _grads(state, _config(untied=True), "fp32", fusion=True, stage=3, count=weights)
+    assert weights == [0] and not counting.weights     # its hooks take the gathered gradients
 
 
 def test_layers_fall_back_without_a_buffer_under_autocast_and_no_grad():
@@ -139,19 +149,19 @@ def test_layers_fall_back_without_a_buffer_under_autocast_and_no_grad():
     assert y.dtype == torch.bfloat16 and y.grad_fn.name() != "_LinearBackward"
     with torch.no_grad():
         assert grad_fusion.linear(x, weight).grad_fn is None
-    grad_fusion.allow([weight], False)
+    grad_fusion.allow([weight], enabled=False)
     assert grad_fusion.accumulation_param(weight) is None
 
 
-def _tp2_rank(rank, world_size, precision, untied):
+def _tp2_rank(rank, world_size, precision, untied, stage):
     state = ParallelState.initialize(Topology(world_size, 2, gpus_per_node=world_size))
     config = _config(untied, vocab=64)
-    reference = _grads(state, config, precision, fusion=False, sequence_parallel=True)
-    fused = _grads(state, config, precision, fusion=True, sequence_parallel=True)
+    reference = _grads(state, config, precision, fusion=False, sequence_parallel=True, stage=stage)
+    fused = _grads(state, config, precision, fusion=True, sequence_parallel=True, stage=stage)
     return [name for name in reference if not torch.equal(fused[name], reference[name])]
 
 
-@pytest.mark.parametrize("precision,untied", [("bf16", False), ("fp32", True)])
-def test_tensor_parallel_with_sequence_parallelism_is_bit_equal(precision, untied):
-    for differing in run_on_ranks(_tp2_rank, 2, args=(precision, untied)):
+@pytest.mark.parametrize("precision,untied,stage", [("bf16", False, 2), ("fp32", True, 1)])
+def test_tensor_parallel_with_sequence_parallelism_is_bit_equal(precision, untied, stage):
+    for differing in run_on_ranks(_tp2_rank, 2, args=(precision, untied, stage)):
         assert differing == []

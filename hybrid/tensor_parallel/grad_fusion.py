@@ -6,30 +6,32 @@ Autograd hands every weight gradient to the parameter's ``AccumulateGrad`` node,
 ``param.grad`` (``grad += new``): after the GEMM has written a weight-sized gradient, one more pass
 over the weight's size per backward. The embedding is worse: its lookup gradient is a zero-filled
 ``[V, h]`` table with a few rows set, added whole, and a tied word embedding first sums that table
-with the output layer's ``[V, h]`` gradient. Where an engine keeps ``param.grad`` as a view of its
-gradient buffer for the whole step (ZeRO stages 0 and 1, which call :func:`allow` and
-:func:`zeroed`), the products go there directly: into a buffer still zero the weight gradient's GEMM
-writes its product in place (``torch.mm(..., out=grad)``), into one holding a sum it adds
+with the output layer's ``[V, h]`` gradient. Where an engine has a buffer for them, the products go
+there directly (the engines attach a :class:`GradTarget` per parameter with :func:`allow`):
+``param.grad`` itself where it views the engine's gradient buffer for the whole step (ZeRO stages 0
+and 1: :class:`OwnGrad`, zeroed between steps), or the parameter's slot of the staging bucket that
+would otherwise receive a copy of ``param.grad`` (stage 2, :mod:`hybrid.zero.reducer`). The
+column- and row-parallel linears and the output layer write their weight gradient's product in
+place into a buffer still zero (``torch.mm(..., out=...)``) and add it into one holding a sum
 (``addmm_`` in fp32 and on GPUs; on CPU a 16-bit ``addmm_`` is slower than the product and an add,
-measured, so those two), for the column- and row-parallel linears and the output layer; the
-embedding's lookup adds its per-token rows into the rows of the table that the tokens touch. The
-autograd Function then returns no gradient for the weight, and autograd still runs the parameter's
-post-accumulate hooks (the engines' bucket counting) with ``param.grad`` already holding the sum.
+measured, so those two); the embedding's lookup adds its per-token rows into the rows of the table
+that the tokens touch. The autograd Function then returns no gradient for the weight, and autograd
+still runs the parameter's post-accumulate hooks (the engines' bucket counting).
 
-Exactness: on a zeroed buffer (a step's first micro-batch) the result is bit-equal to autograd's,
-in fp32 and bf16 (the product written in place is the product; the lookup sums a token's rows in
-autograd's order, then adds them once, as autograd adds its summed gradient once), and so are later
-16-bit micro-batches on CPU but for a tied embedding table (the output layer's product and the
-lookup's rows are added one after the other, autograd adds their sum); fp32's ``addmm_`` rounds a
-later micro-batch's sum once instead of twice.
-Whatever adds first, fused product or autograd, a post-accumulate hook records that the buffer no
-longer holds zeros, so a product is never written over a sum.
+Exactness: into a zeroed buffer (a step's first micro-batch; stage 2's every micro-batch, each
+staged afresh) the result is bit-equal to autograd's, in fp32 and bf16 (the product written in
+place is the product; the lookup sums a token's rows in autograd's order, then adds them once, as
+autograd adds its summed gradient once). Later micro-batches of stages 0 and 1 are bit-equal too in
+16-bit on CPU but for a tied embedding table (the output layer's product and the lookup's rows are
+added one after the other, autograd adds their sum); fp32's ``addmm_`` rounds such a sum once
+instead of twice. Whatever adds first, fused product or autograd, the target records that the
+buffer no longer holds zeros, so a product is never written over a sum.
 
 Not used, so autograd's path runs unchanged: while ``torch.compile`` traces (the compiled layers'
-weight gradients are graph outputs), for parameters of engines that stage or partition gradients
-(stages 2 and 3: ``param.grad`` is None during backward), and where the buffer's dtype differs from
-the product's (``torch.autocast`` over fp32 parameters). A parameter that :func:`allow` marked gets
-no gradient from ``torch.autograd.grad``: the engines only call ``backward``.
+weight gradients are graph outputs), for stage 3 (its hooks take the gradients of parameters
+gathered for the layer), and where the buffer's dtype differs from the product's (``torch.autocast``
+over fp32 parameters). A parameter with a target gets no gradient from ``torch.autograd.grad``: the
+engines only call ``backward``.
 """
 
 from __future__ import annotations
@@ -40,37 +42,53 @@ import torch.nn.functional as F
 _ALLOWED = "_hybrid_grad_accumulation_fusion"
 
 
-class _BufferState:
-    """Whether a parameter's buffer still holds the zeros its owner wrote (so the first product
-    may overwrite it instead of adding: a 16-bit ``addmm_`` on CPU is slower than the product and
-    a separate add, measured) or a sum already."""
+class GradTarget:
+    """Where the weight-gradient products of one parameter go during a backward; an engine
+    attaches one per parameter with :func:`allow`. ``zeroed``: the buffer still holds the zeros
+    its owner wrote, so the first product may be written over it instead of added (a 16-bit
+    ``addmm_`` on CPU is slower than the product and an add, measured)."""
 
-    def __init__(self):
-        self.zeroed = True
+    zeroed: bool = True
+
+    def buffer(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The ``param``-shaped tensor to accumulate into now (None: autograd's path)."""
+        raise NotImplementedError
+
+    def written(self) -> None:
+        """A product has been written or added into the buffer."""
+        self.zeroed = False
+
+
+class OwnGrad(GradTarget):
+    """``param.grad`` itself, a view of a buffer the owner keeps for the whole step and zeroes
+    (:func:`zeroed`) between steps (ZeRO stages 0 and 1). Any accumulation into it, fused or
+    autograd's (a post-accumulate hook), ends ``zeroed``."""
+
+    def buffer(self, param: torch.Tensor) -> torch.Tensor | None:
+        return param.grad
 
     def after_accumulate(self, param: torch.Tensor) -> None:
-        """Post-accumulate hook: autograd (or a fused product) has added into the buffer."""
         if getattr(param, _ALLOWED, None) is self:
             self.zeroed = False
 
 
-def allow(params, enabled: bool = True) -> None:
-    """Mark ``params`` (whose buffers are zero now): their ``param.grad``, while set, is a buffer
-    the weight-gradient products may accumulate into; the owner calls :func:`zeroed` whenever it
-    zeroes them."""
-    for p in params:
-        state = _BufferState() if enabled else None
-        setattr(p, _ALLOWED, state)
-        if state is not None:   # any accumulation into it, fused or autograd's, ends "zeroed"
-            p.register_post_accumulate_grad_hook(state.after_accumulate)
+def allow(params, targets=None, enabled: bool = True) -> None:
+    """Attach to each of ``params`` its :class:`GradTarget` (``targets``, one per parameter;
+    default: :class:`OwnGrad`, whose buffers must be zero now); ``enabled`` False detaches."""
+    params = list(params)
+    targets = list(targets) if targets is not None else [OwnGrad() for _ in params]
+    for p, target in zip(params, targets):
+        setattr(p, _ALLOWED, target if enabled else None)
+        if enabled and isinstance(target, OwnGrad):
+            p.register_post_accumulate_grad_hook(target.after_accumulate)
 
 
 def zeroed(params) -> None:
-    """The owner has zeroed the buffers of ``params``."""
+    """The owner has zeroed the ``param.grad`` buffers of ``params`` (their :class:`OwnGrad`)."""
     for p in params:
-        state = getattr(p, _ALLOWED, None)
-        if state is not None:
-            state.zeroed = True
+        target = getattr(p, _ALLOWED, None)
+        if isinstance(target, OwnGrad):
+            target.zeroed = True
 
 
 def accumulation_param(weight: torch.Tensor) -> torch.Tensor | None:
@@ -82,8 +100,9 @@ def accumulation_param(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _buffer(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """In a backward: the gradient buffer of ``param`` to accumulate ``dtype`` products into."""
-    grad = None if param is None else param.grad
+    """In a backward: the buffer of ``param`` to accumulate ``dtype`` products into."""
+    target = None if param is None else getattr(param, _ALLOWED, None)
+    grad = None if target is None else target.buffer(param)
     if grad is None or grad.dtype != dtype or grad.shape != param.shape:
         return None
     return grad
@@ -95,14 +114,14 @@ def weight_grad(param: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) ->
     buffer = _buffer(param, a.dtype)
     if buffer is None:
         return a.matmul(b)
-    state = getattr(param, _ALLOWED)
-    if state.zeroed:                           # the product itself, written in place
+    target = getattr(param, _ALLOWED)
+    if target.zeroed:                          # the product itself, written in place
         torch.mm(a, b, out=buffer)
     elif buffer.dtype == torch.float32 or buffer.device.type != "cpu":
         buffer.addmm_(a, b)                    # rounded once
     else:                                      # 16-bit on CPU: autograd's add, bit for bit
         buffer.add_(a.matmul(b))
-    state.zeroed = False
+    target.written()
     return None
 
 
@@ -157,6 +176,7 @@ class _EmbeddingLookup(torch.autograd.Function):
         touched, slot = ids.reshape(-1).unique(return_inverse=True)
         sums = rows.new_zeros(touched.numel(), rows.size(1)).index_put_((slot,), rows, accumulate=True)
         buffer.index_put_((touched,), sums, accumulate=True)
+        getattr(ctx.param, _ALLOWED).written()
         return None, None, None
 
 

@@ -79,8 +79,8 @@ class ZeroConfig:
     hpz: bool = False            # stage 3: secondary 16-bit partition inside the host (ZeRO++ hpZ)
     quantized_weights: bool = False     # qwZ: stage 3 all-gathers int8 parameters (ZeRO++ §3.1)
     quantized_gradients: bool = False   # qgZ: hierarchical int8 gradient reduce-scatter (§3.3)
-    # stages 0 and 1: weight-gradient GEMMs and the embedding's lookup accumulate straight into
-    # the gradient buffer (hybrid.tensor_parallel.grad_fusion); False: autograd adds them
+    # stages 0-2: weight-gradient GEMMs and the embedding's lookup accumulate straight into the
+    # gradient buffer or staging bucket (hybrid.tensor_parallel.grad_fusion); False: autograd's
     grad_accumulation_fusion: bool = True
 
     def __post_init__(self) -> None:

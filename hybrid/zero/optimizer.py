@@ -98,6 +98,11 @@ class ZeroOptimizer(ZeroEngine):
                                           replicas=self.replicas, reduce_scatter=quantized)
         if self.offload is not None:   # gradients stream to the host as buckets complete
             self.reducer.on_final = self._stream_grad
+        # weight-gradient products go straight into param.grad's buffer (stages 0, 1) or the
+        # staging bucket (stage 2)
+        grad_fusion.allow(self.params, None if self.grad_flat is not None
+                          else self.reducer.fusion_targets(),
+                          enabled=self.config.grad_accumulation_fusion)
         self.pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,
                                   uses_weight_decay(self.params[p.index]),
                                   bool(getattr(self.params[p.index], "tensor_model_parallel", False)))
@@ -150,8 +155,6 @@ class ZeroOptimizer(ZeroEngine):
         self.grad_flat, self.grad_chunks, self.grad_part, self._grad_views = None, None, None, []
         self._build_grads()
         self._attach_grads()
-        # a full buffer that param.grad views for the whole step: products may add into it
-        grad_fusion.allow(self.params, self.grad_flat is not None and self.config.grad_accumulation_fusion)
 
     # ---- gradient storage: a full buffer (GradientPartitioning overrides) -------------------
     def _build_grads(self) -> None:

@@ -44,6 +44,7 @@ import torch
 
 from hybrid import comm
 from hybrid.comm import Group
+from hybrid.tensor_parallel.grad_fusion import GradTarget
 from hybrid.zero.partition import Bucket, FlatLayout
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,26 @@ class BucketReduceScatter(GradReducer):
         self._inflight.append((bucket, handle, entry))
 
 
+class _StagedSlot(GradTarget):
+    """Gradient-accumulation fusion under Pos+g: a parameter's products go straight into its slot
+    of the staging bucket (acquired, zeroed, on the first), not into a ``param.grad`` to copy."""
+
+    def __init__(self, reducer: "PartitionReduceScatter", index: int):
+        self.reducer, self.slot = reducer, reducer.layout.slots[index]
+
+    def buffer(self, param: torch.Tensor) -> torch.Tensor | None:
+        if not self.reducer.enabled:
+            return None
+        return self.reducer.staged_slot(self.slot).view(param.shape)
+
+    @property
+    def zeroed(self) -> bool:
+        return self.slot.start not in self.reducer.written
+
+    def written(self) -> None:
+        self.reducer.written.add(self.slot.start)
+
+
 class PartitionReduceScatter(GradReducer):
     """Pos+g (ZeRO §5.2): gradients are moved into a staging bucket as backward produces them and
     the full-size ``param.grad`` is freed; the staged bucket is reduce-scattered and this rank's
@@ -203,11 +224,32 @@ class PartitionReduceScatter(GradReducer):
 
     stages_gradients = True
 
-    def _take(self, slot, bucket: Bucket, param: torch.Tensor) -> None:
-        staged_in = self._staging_for(bucket).full
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written: set[int] = set()   # slots (by start) a fused product wrote this backward
+
+    def fusion_targets(self) -> list[GradTarget]:
+        """One :class:`hybrid.tensor_parallel.grad_fusion.GradTarget` per parameter: its slot."""
+        return [_StagedSlot(self, i) for i in range(len(self.params))]
+
+    def staged_slot(self, slot) -> torch.Tensor:
+        """The flat view of ``slot`` in its bucket's staging buffer (acquired on first use)."""
+        bucket = self.layout.buckets[slot.bucket]
         begin = slot.start - bucket.start
-        staged_in[begin:begin + slot.numel].copy_(param.grad.reshape(-1))
-        param.grad = None       # the full-size gradient must not persist (Pos+g)
+        return self._staging_for(bucket).full[begin:begin + slot.numel]
+
+    def _staging_for(self, bucket: Bucket):
+        if bucket.index not in self._staged:   # a fresh, zeroed entry: nothing written in it
+            self.written.difference_update(self.layout.slots[i].start for i in bucket.params)
+        return super()._staging_for(bucket)
+
+    def _take(self, slot, bucket: Bucket, param: torch.Tensor) -> None:
+        if param.grad is not None:   # autograd's gradient (None: fused products wrote the slot)
+            staged = self.staged_slot(slot)
+            grad = param.grad.reshape(-1)
+            staged.add_(grad) if slot.start in self.written else staged.copy_(grad)
+            param.grad = None       # the full-size gradient must not persist (Pos+g)
+        self.written.discard(slot.start)
 
     def _launch(self, bucket: Bucket) -> None:
         entry = self._staging_for(bucket)

@@ -1,13 +1,14 @@
-"""All-gather and reduce-scatter through shared memory for CPU groups on one host (ZeRO §5, §7).
+"""All-gather, reduce-scatter and all-reduce through shared memory for CPU groups on one host
+(ZeRO §5, §7).
 
-ZeRO's data-parallel traffic is reduce-scatters of gradients and all-gathers of parameters (and
-the small all-reduces of a step: the gradient norm, overflow flags). Between
-CPU processes on one host, gloo moves them through loopback TCP: the sender's kernel copies the
-data into a socket, the receiver's kernel copies it out, and both copies run on the cores that
-compute. Here every rank of the group maps the same shared-memory regions instead (one per rank,
-``capacity`` bytes): a collective costs one copy in (this rank's input into its region) and one
-pass out (the peers' parts copied into the output, or summed into it), both ordinary memory
-traffic. The logical volume the ledger records is unchanged: the same bytes cross between ranks.
+ZeRO's data-parallel traffic is reduce-scatters of gradients and all-gathers of parameters (and a
+step's small all-reduces: the gradient norm, overflow flags). Between CPU processes on one host,
+gloo moves them through loopback TCP: the sender's kernel copies the data into a socket, the
+receiver's kernel copies it out, and both copies run on the cores that compute. Here every rank
+of the group maps the same shared-memory regions instead (one per rank, ``capacity`` bytes): a
+collective costs one copy in (this rank's input into its region) and one pass out (the peers'
+parts copied into the output, or summed into it), both ordinary memory traffic. The logical
+volume the ledger records is unchanged: the same bytes cross between ranks.
 
 Ordering is the one every collective library relies on: all ranks issue the group's collectives
 in the same order with the same sizes. Collective ``s`` (numbered 1, 2, ... on every rank) takes

@@ -20,8 +20,10 @@ buffer pool are :class:`GradReducer`'s):
   reduced chunk lands on its own chunk of the full gradient buffer (the rest is left stale, never
   read).
 * :class:`PartitionReduceScatter` (Pos+g): there is no full gradient buffer. The hook copies the
-  fresh ``param.grad`` into a constant-size staging buffer and frees it; the staged bucket is
-  reduce-scattered and this rank's chunk ADDED to its gradient partition (accumulation).
+  fresh ``param.grad`` into a constant-size staging buffer and frees it (with gradient-accumulation
+  fusion the weight-gradient products were written there already, and there is no ``param.grad``);
+  the staged bucket is reduce-scattered and this rank's chunk ADDED to its gradient partition
+  (accumulation).
 
 Every reduce-scatter goes through ``reduce_scatter`` (default :func:`hybrid.comm.reduce_scatter_into`
 over the group; qgZ: :func:`hybrid.zero.quantized_collectives.hierarchical_reduce_scatter`).
@@ -247,7 +249,10 @@ class PartitionReduceScatter(GradReducer):
         if param.grad is not None:   # autograd's gradient (None: fused products wrote the slot)
             staged = self.staged_slot(slot)
             grad = param.grad.reshape(-1)
-            staged.add_(grad) if slot.start in self.written else staged.copy_(grad)
+            if slot.start in self.written:
+                staged.add_(grad)
+            else:
+                staged.copy_(grad)
             param.grad = None       # the full-size gradient must not persist (Pos+g)
         self.written.discard(slot.start)
 

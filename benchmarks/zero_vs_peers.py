@@ -109,8 +109,9 @@ def _ours(rank, world, stage, precision, compiled=False):
         model.init_weights(SEED)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, precision=precision,
                                                         bucket_size=1_000_000),
-                               AdamWConfig(lr=1e-4), **({"seed": SEED} if stage == 3 else {}))
-    if compiled:   # regional compile of each layer (models/gpt/compile.py, the trainer's --compile)
+                               AdamWConfig(lr=1e-4, kernel="compiled" if compiled else "fused"),
+                               **({"seed": SEED} if stage == 3 else {}))
+    if compiled:   # as the trainer's --compile: each layer (models/gpt/compile.py) and the update
         from models.gpt.compile import compile_layers
         compile_layers(model)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+ADAMW_KERNELS = ("fused", "foreach", "compiled")
+
 
 @dataclass
 class AdamWConfig:
@@ -18,8 +20,10 @@ class AdamWConfig:
 
     Weight decay applies only to parameters with ``ndim >= 2`` (matrices, embeddings); biases and
     norm weights are left undecayed (see :func:`uses_weight_decay`). ``kernel``: ``fused`` (torch's
-    single-pass kernel) or ``foreach`` (bitwise ``torch.optim.AdamW(foreach=True)``), see
-    :mod:`hybrid.zero.adamw`."""
+    single-pass kernel), ``foreach`` (bitwise ``torch.optim.AdamW(foreach=True)``), see
+    :mod:`hybrid.zero.adamw`, or ``compiled`` (one torch.compile'd pass that also casts the 16-bit
+    gradient and rounds the 16-bit parameters, :mod:`hybrid.zero.adamw_compiled`; ZeRO engines
+    without offload)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -35,8 +39,9 @@ class AdamWConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not self.eps > 0 or not self.weight_decay >= 0:
             raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
-        if self.kernel not in ("fused", "foreach"):
-            raise ValueError(f"AdamW kernel must be 'fused' or 'foreach', got {self.kernel!r}")
+        if self.kernel not in ADAMW_KERNELS:
+            raise ValueError(f"AdamW kernel must be 'fused', 'foreach' or 'compiled', "
+                             f"got {self.kernel!r}")
 
 
 def uses_weight_decay(param: torch.Tensor) -> bool:

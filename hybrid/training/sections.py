@@ -307,7 +307,8 @@ class TrainingSection:
     memory_budget: str | None = _help("activation bytes per rank that --recompute auto plans for, "
                                       "e.g. 2GiB or 500000000", default=None)
     compile: bool = _help("torch.compile each transformer layer (regional; inductor's C++ back end "
-                          "on CPU, Triton on CUDA), cached in <--data-cache-dir>/inductor",
+                          "on CPU, Triton on CUDA) and the AdamW update (one pass; not with "
+                          "optimizer offload), cached in <--data-cache-dir>/inductor",
                           default=False)
 
     @property

@@ -230,10 +230,11 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
                                                  min_scale=o.min_loss_scale,
                                                  growth_interval=o.loss_scale_window,
                                                  hysteresis=o.hysteresis))
-    acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                       weight_decay=o.weight_decay)
     offload = cfg.parallel.offload_config()
     offload = offload if offload is not None and offload.enabled else None
+    acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                       weight_decay=o.weight_decay,   # --compile: the update in one compiled pass
+                       kernel="compiled" if cfg.training.compile and offload is None else "fused")
     if zcfg.stage == 3:   # meta-built model: each rank initialises only its partitions
         return build_zero_optimizer(model, state, zcfg, acfg, offload, seed=cfg.training.seed,
                                     init_fn=init_fn)

@@ -1,7 +1,7 @@
 """AdamW over flat fp32 partitions (Loshchilov & Hutter 2019), the optimizer ZeRO partitions (§5.1).
 
 ZeRO stores the fp32 master parameters and the two Adam moments of a rank's partition as a few flat
-1-D tensors (one chunk per communication bucket or unit). Two kernels update lists of views of them:
+1-D tensors (one chunk per communication bucket or unit). Three kernels update them:
 
 * ``fused`` (default, :func:`fused_adamw_step`): torch's single-pass AdamW kernel
   (``aten::_fused_adamw_``, what ``torch.optim.AdamW(fused=True)`` runs, on CPU and CUDA): one read
@@ -12,9 +12,12 @@ ZeRO stores the fp32 master parameters and the two Adam moments of a rank's part
   operations as ``torch.optim.AdamW(foreach=True)`` (decoupled decay, ``lerp`` for the first
   moment, ``addcmul`` for the second, bias corrections in Python doubles): bitwise that reference,
   seven passes over memory instead of one.
+* ``compiled`` (:mod:`hybrid.zero.adamw_compiled`): one ``torch.compile``'d pass per chunk that also
+  reads the 16-bit gradient and writes the 16-bit parameters (mixed precision without offload).
 
 Weight decay applies only to the decayed parameters' pieces: the flat chunks mix decayed and
-undecayed parameters without a mask tensor.
+undecayed parameters, which ``fused`` and ``foreach`` take as lists of views (no mask tensor) and
+``compiled`` as a 1-byte mask per element.
 """
 
 from __future__ import annotations
@@ -24,8 +27,6 @@ import math
 import torch
 
 from hybrid.adamw_config import AdamWConfig
-
-ADAMW_KERNELS = ("fused", "foreach")
 
 
 def fused_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],

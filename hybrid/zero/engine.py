@@ -34,6 +34,7 @@ from hybrid.adamw_config import AdamWConfig
 from hybrid.comm import Group
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.adamw import adamw_step, fused_adamw_step
+from hybrid.zero.adamw_compiled import compiled_adamw_step, decay_masks
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.report import CommReport, comm_report
@@ -105,9 +106,10 @@ class ZeroEngine:
     def _land_gradients(self) -> None:
         raise NotImplementedError
 
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient chunks in fp32, one per chunk, still multiplied by
-        ``grad_divisor`` x loss scale; the step may modify them in place."""
+    def _owned_grads(self, fp32: bool = True) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks, one per chunk, still multiplied by
+        ``grad_divisor`` x loss scale: in fp32 (a copy of 16-bit ones; the step may modify them in
+        place), or with ``fp32`` False in the gradient's own dtype (read only)."""
         raise NotImplementedError
 
     def _param_chunks(self):
@@ -116,8 +118,9 @@ class ZeroEngine:
         last write-back when it closes)."""
         raise NotImplementedError
 
-    def _publish(self) -> None:
-        """Make the updated owned chunks the model's parameters (round the master, all-gather)."""
+    def _publish(self, rounded: bool = False) -> None:
+        """Make the updated owned chunks the model's parameters (round the master into them unless
+        ``rounded``: the update wrote them already; all-gather)."""
         raise NotImplementedError
 
     def _zero_grads(self) -> None:
@@ -148,7 +151,8 @@ class ZeroEngine:
         self.check_micro_batches()
         self._land_gradients()
         scale = self.scaler.scale
-        grads = self._owned_grads()
+        one_pass = self.adamw.kernel == "compiled" and self.offload is None
+        grads = self._owned_grads(fp32=not one_pass)
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
         if not math.isfinite(norm):
@@ -157,7 +161,7 @@ class ZeroEngine:
             return StepResult(True, norm, scale)
         coef = clip_coefficient(norm, self.config.clip_grad)
         self._update(grads, divisor / coef)
-        self._publish()
+        self._publish(rounded=one_pass)
         self.scaler.update(False)
         self._finish_step()
         return StepResult(False, norm, scale)
@@ -184,6 +188,13 @@ class ZeroEngine:
             return
         self.adam.step += 1
         moments = (self.adam.exp_avgs, self.adam.exp_avg_sqs)
+        if self.adamw.kernel == "compiled":   # one pass: 16-bit gradient in, 16-bit params out
+            with self._param_chunks() as chunks:
+                compiled_adamw_step(grads, self.masters, *moments, self._decay_masks(),
+                                    chunks if self.config.mixed_precision else None,
+                                    step=self.adam.step, config=self.adamw, lr=self.lr,
+                                    grad_scale=grad_scale)
+            return
         if self.adamw.kernel == "foreach":
             torch._foreach_mul_(grads, 1.0 / grad_scale)
             params = _views(self.masters, self._decay_spans)
@@ -198,6 +209,17 @@ class ZeroEngine:
                              *(_views(m, spans) for m in moments), decay=decay,
                              step=self.adam.step, config=self.adamw, lr=self.lr,
                              grad_scale=grad_scale)
+
+    def _decay_masks(self) -> list[torch.Tensor]:
+        """The compiled kernel's per-chunk weight-decay masks (built at its first step)."""
+        if getattr(self, "_masks", None) is None:
+            self._masks = decay_masks([m.numel() for m in self.masters], self._decay_spans,
+                                      self.state.device)
+        return self._masks
+
+    def _kernel_buffers(self) -> list[torch.Tensor]:
+        """Storages the AdamW kernel keeps (the memory report's buffers)."""
+        return list(getattr(self, "_masks", None) or [])
 
     # ---- checkpoint interface --------------------------------------------------------------
     @property

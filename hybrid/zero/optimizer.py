@@ -254,18 +254,18 @@ class ZeroOptimizer(ZeroEngine):
         self.reducer.enabled = True
         self.reducer.finish()
 
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient chunks (summed over DP, still loss-scaled) in fp32."""
+    def _owned_grads(self, fp32: bool = True) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks (summed over DP, still loss-scaled)."""
         chunks = [self._reduced_grad(b) for b in range(len(self.layout.buckets))]
-        return [c.float() for c in chunks] if self.config.mixed_precision else chunks
+        return [c.float() for c in chunks] if fp32 and self.config.mixed_precision else chunks
 
-    def _publish(self) -> None:
-        """Write the updated master into this rank's 16-bit chunks and all-gather every bucket
-        (all launched, then waited: the transfers of consecutive buckets overlap)."""
+    def _publish(self, rounded: bool = False) -> None:
+        """Write the updated master into this rank's 16-bit chunks (unless ``rounded``) and
+        all-gather every bucket (all launched, then waited: consecutive buckets overlap)."""
         inflight = []
         for bucket, master in zip(self.layout.buckets, self.masters):
             own = self._chunk_of(self.flat_param, bucket)
-            if self.config.mixed_precision and self.offload is None:
+            if self.config.mixed_precision and self.offload is None and not rounded:
                 own.copy_(master)
             if self.partitions > 1:   # in place: own is this rank's slot of the bucket
                 full = self.flat_param[bucket.start:bucket.start + bucket.numel]
@@ -284,7 +284,8 @@ class ZeroOptimizer(ZeroEngine):
                       "grad16": [self._grad_buffer()],
                       "master32": [self.master_flat] if self.master_flat is not None else self.masters,
                       "adam_moments": self.adam.tensors(),
-                      "buffers": self.reducer.buffers() + comm.transport_buffers(self.shard_group)}
+                      "buffers": (self.reducer.buffers() + comm.transport_buffers(self.shard_group)
+                                  + self._kernel_buffers())}
         if self.offload is not None:   # what the backend keeps resident (nothing on NVMe)
             host = self.adam.resident()
             categories.update(master32=host["master32"], adam_moments=host["adam_moments"],

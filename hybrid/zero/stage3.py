@@ -227,8 +227,9 @@ class ParameterPartitioning(ZeroEngine):
     def _land_gradients(self) -> None:
         self._finish_backward()
 
-    def _owned_grads(self) -> list[torch.Tensor]:
-        return [u.grad.float() if u.grad.dtype != torch.float32 else u.grad for u in self.all_units]
+    def _owned_grads(self, fp32: bool = True) -> list[torch.Tensor]:
+        return [u.grad.float() if fp32 and u.grad.dtype != torch.float32 else u.grad
+                for u in self.all_units]
 
     def _param_chunks(self):
         """The owned 16-bit chunks (with parameters on NVMe: the store's writer)."""
@@ -236,10 +237,11 @@ class ParameterPartitioning(ZeroEngine):
             return self.param_store.writer()
         return contextlib.nullcontext([u.shard for u in self.all_units])
 
-    def _publish(self) -> None:
-        """Round the fp32 masters into the 16-bit partitions; re-gather the persistent parameters."""
+    def _publish(self, rounded: bool = False) -> None:
+        """Round the fp32 masters into the 16-bit partitions (unless ``rounded``: the update wrote
+        them); re-gather the persistent parameters."""
         for unit, master in zip(self.all_units, self.masters):
-            if master is not unit.shard:
+            if master is not unit.shard and not rounded:
                 unit.shard.copy_(master)
             unit.invalidate_secondary()   # hpZ: the next gather is the forward's full one
         if self.persistent is not None:
@@ -306,7 +308,8 @@ class ParameterPartitioning(ZeroEngine):
                        comm.transport_buffers(self.shard_group) +
                        (comm.transport_buffers(self.secondary_group)
                         if self.secondary_group is not None else []) +
-                       ([] if self.offload is None else self.adam.resident()["buffers"])})
+                       ([] if self.offload is None else self.adam.resident()["buffers"]) +
+                       self._kernel_buffers()})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         formula = formula_bytes(self.psi, self.stage, self.shard_group.size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)

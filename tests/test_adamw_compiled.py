@@ -19,11 +19,12 @@ from hybrid.topology import Topology
 from hybrid.zero import adamw_compiled
 from hybrid.zero.adamw import fused_adamw_step
 from hybrid.zero.adamw_compiled import compiled_adamw_step, decay_masks
-from hybrid.zero.config import ZeroConfig
+from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from tests.multirank import run_on_ranks
 from tests.test_zero_stages import GPTTask, train
 
+SCALE = LossScaleConfig(initial_scale=2.0 ** 8)
 CONFIG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 N = 1000
 SPANS = [(0, 0, 300, True), (0, 300, 77, False), (0, 377, 600, True), (0, 977, 23, False)]
@@ -90,7 +91,7 @@ def test_an_element_gets_the_same_bits_in_any_chunk():
 
 
 def test_a_kernel_that_cannot_compile_names_the_fix(monkeypatch):
-    def broken():
+    def broken(dtypes):
         def kernel(*args):
             raise OSError("g++: not found")
         return kernel
@@ -112,31 +113,33 @@ def _engines(rank, world_size):
     task = GPTTask()
     data = task.data()
     out = []
-    for stage in (0, 1, 2, 3):
-        for precision in ("bf16", "fp32"):
-            runs = {}
-            for kernel in ("fused", "compiled"):
-                model = task.model(state)
-                opt = build_zero_optimizer(model, state,
-                                           ZeroConfig(stage=stage, precision=precision,
-                                                      bucket_size=700),
-                                           dataclasses.replace(task.adamw, kernel=kernel),
-                                           **({"seed": 11} if stage == 3 else {}))
-                losses, _ = train(task, state, opt, model, data, 1)
-                params = (opt.gathered_state_dict() if stage == 3 else
-                          {n: p.detach().clone() for n, p in model.named_parameters()})
-                runs[kernel] = losses, params, opt.memory_report(), sum(
-                    m.numel() for m in opt.masters)
-            (fl, fp, fused_report, _), (cl, cp, report, owned) = runs["fused"], runs["compiled"]
-            what = f"stage {stage} {precision}"
-            torch.testing.assert_close(torch.tensor(cl), torch.tensor(fl), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{what} losses: {m}")
-            for name, value in fp.items():   # bf16: a rounding apart at most, where ulps differ
-                tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=8e-3,
-                                                                                  atol=1e-5)
-                torch.testing.assert_close(cp[name].float(), value.float(), **tol,
-                                           msg=lambda m: f"{what} {name}: {m}")
-            out.append((what, report.measured["buffers"] - fused_report.measured["buffers"], owned))
+    cases = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("bf16", "fp32")]
+    for stage, precision in cases + [(1, "fp16"), (3, "fp16")]:   # fp16: a loss scale divides
+        runs = {}
+        for kernel in ("fused", "compiled"):
+            model = task.model(state)
+            opt = build_zero_optimizer(model, state,
+                                       ZeroConfig(stage=stage, precision=precision,
+                                                  bucket_size=700, loss_scale=SCALE),
+                                       dataclasses.replace(task.adamw, kernel=kernel),
+                                       **({"seed": 11} if stage == 3 else {}))
+            losses, _ = train(task, state, opt, model, data, 1)
+            params = (opt.gathered_state_dict() if stage == 3 else
+                      {n: p.detach().clone() for n, p in model.named_parameters()})
+            runs[kernel] = losses, params, opt.memory_report(), sum(
+                m.numel() for m in opt.masters)
+        (fl, fp, fused_report, _), (cl, cp, report, owned) = runs["fused"], runs["compiled"]
+        what = f"stage {stage} {precision}"
+        torch.testing.assert_close(torch.tensor(cl), torch.tensor(fl), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what} losses: {m}")
+        # 16-bit: a rounding apart; near zero, where the next steps' 16-bit gradients differ in
+        # their last bits too, Adam's normalised step can differ by ~1e-3 of lr (1e-2)
+        for name, value in fp.items():
+            tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=8e-3,
+                                                                              atol=5e-5)
+            torch.testing.assert_close(cp[name].float(), value.float(), **tol,
+                                       msg=lambda m: f"{what} {name}: {m}")
+        out.append((what, report.measured["buffers"] - fused_report.measured["buffers"], owned))
     return out
 
 

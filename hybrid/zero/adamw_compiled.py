@@ -23,6 +23,7 @@ dynamic, so one graph serves every chunk.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -44,8 +45,15 @@ def _adamw_pass(grad, master, exp_avg, exp_avg_sq, decay, param16, grad_scale, d
 
 
 @functools.cache
-def _compiled_pass():
-    return torch.compile(_adamw_pass, dynamic=True, fullgraph=True)
+def _compiled_pass(dtypes: tuple):
+    """The compiled pass for one (gradient, 16-bit parameter) dtype pair. dynamo caches graphs per
+    code object, at most 8 (its recompile limit), and compiles one per dtype pair and per layout of
+    the views it is given: a process that builds engines of several precisions (the tests, the
+    benchmarks) would pass that limit, and fullgraph would then fail. Each pair therefore gets its
+    own copy of the code."""
+    fn = _adamw_pass
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return torch.compile(copy, dynamic=True, fullgraph=True)
 
 
 def decay_masks(sizes: list[int], spans, device) -> list[torch.Tensor]:
@@ -74,12 +82,13 @@ def compiled_adamw_step(grads: list[torch.Tensor], masters: list[torch.Tensor],
         return torch.tensor(x, dtype=torch.float32, device=device)
     scalars = (scalar(grad_scale), scalar(1.0 - lr * config.weight_decay),
                scalar(lr / (1 - beta1 ** step)), scalar((1 - beta2 ** step) ** 0.5))
-    kernel = _compiled_pass()
     for k, master in enumerate(masters):
         if master.numel() == 0:
             continue
-        args = (grads[k], master, exp_avgs[k], exp_avg_sqs[k], masks[k],
-                None if params16 is None else params16[k], *scalars, beta1, beta2, config.eps)
+        param16 = None if params16 is None else params16[k]
+        kernel = _compiled_pass((grads[k].dtype, None if param16 is None else param16.dtype))
+        args = (grads[k], master, exp_avgs[k], exp_avg_sqs[k], masks[k], param16, *scalars,
+                beta1, beta2, config.eps)
         try:
             kernel(*args)
         except Exception as err:   # inductor could not build it: no C++ compiler, no Triton ...

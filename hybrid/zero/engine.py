@@ -99,6 +99,9 @@ class ZeroEngine:
     def _init_engine(self) -> None:
         self._decay_spans = merged_spans(self.pieces, lambda p: p.decay)
         self._tp_spans = merged_spans(self.pieces, lambda p: p.tp_sharded)
+        self._masks = (decay_masks([m.numel() for m in self.masters], self._decay_spans,
+                                   self.state.device)
+                       if self.adamw.kernel == "compiled" and self.offload is None else None)
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
 
@@ -190,7 +193,7 @@ class ZeroEngine:
         moments = (self.adam.exp_avgs, self.adam.exp_avg_sqs)
         if self.adamw.kernel == "compiled":   # one pass: 16-bit gradient in, 16-bit params out
             with self._param_chunks() as chunks:
-                compiled_adamw_step(grads, self.masters, *moments, self._decay_masks(),
+                compiled_adamw_step(grads, self.masters, *moments, self._masks,
                                     chunks if self.config.mixed_precision else None,
                                     step=self.adam.step, config=self.adamw, lr=self.lr,
                                     grad_scale=grad_scale)
@@ -210,16 +213,10 @@ class ZeroEngine:
                              step=self.adam.step, config=self.adamw, lr=self.lr,
                              grad_scale=grad_scale)
 
-    def _decay_masks(self) -> list[torch.Tensor]:
-        """The compiled kernel's per-chunk weight-decay masks (built at its first step)."""
-        if getattr(self, "_masks", None) is None:
-            self._masks = decay_masks([m.numel() for m in self.masters], self._decay_spans,
-                                      self.state.device)
-        return self._masks
-
     def _kernel_buffers(self) -> list[torch.Tensor]:
-        """Storages the AdamW kernel keeps (the memory report's buffers)."""
-        return list(getattr(self, "_masks", None) or [])
+        """Storages the AdamW kernel keeps (the memory report's buffers): the compiled kernel's
+        per-chunk weight-decay masks."""
+        return list(self._masks or [])
 
     # ---- checkpoint interface --------------------------------------------------------------
     @property

@@ -23,6 +23,11 @@ def test_categorize_by_name_and_enclosing_range():
         == "elementwise/norm/activation"             # inductor's fused kernels
     for around in ("_PackedCore", "autograd::engine::evaluate_function: _CoreBackward"):
         assert categorize(ProfiledOp("aten::bmm", 1.0, (around,))) == "attention core"
+    compiled = ("## Call CompiledFxGraph f73qsblm ##", "CompiledFunction")
+    for name in ("aten::bmm", "aten::baddbmm"):   # --compile: the core's products in the graph
+        assert categorize(ProfiledOp(name, 1.0, compiled)) == "attention core"
+    assert categorize(ProfiledOp("aten::mm", 1.0, compiled)) == "GEMMs"   # its weight GEMMs
+    assert categorize(ProfiledOp("aten::bmm", 1.0, ())) == "GEMMs"        # elsewhere a GEMM
     assert categorize(ProfiledOp("aten::copy_", 1.0, ("aten::_to_copy", "aten::to"))) == "casts"
     assert categorize(ProfiledOp("aten::copy_", 1.0, ("aten::clone",))) \
         == "elementwise/norm/activation"             # a same-dtype copy is memory traffic

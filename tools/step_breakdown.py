@@ -13,7 +13,9 @@ The config's ``world_size`` (TP x DP) ranks run on this machine as gloo processe
   memory; a rank waiting for a slower peer counts here);
 - GEMMs: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` ...;
 - attention core: the fused attention kernels (``scaled_dot_product_*``, flash / efficient / math)
-  and the CPU core of models/gpt/attention_core.py, with every op inside them;
+  and the CPU core of models/gpt/attention_core.py, with every op inside them; with ``--compile``
+  (the core traced into the layer's graph) its batched products only, its softmax being part of
+  inductor's kernels;
 - casts: dtype conversions (``to`` / ``_to_copy`` and the copies inside them);
 - elementwise / norm / activation: every other aten op that computes (LayerNorm, GELU, residual
   adds, softmax and the cross-entropy's reductions, embedding, gradient accumulation, fills), and
@@ -44,6 +46,10 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addb
 # and backward ranges: "_Core", "_PackedCore", "..Backward")
 ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "_cudnn_attention",
                    "_Core", "_PackedCore")
+# batched products: the attention core's (q k^T, P v and their gradients); the model's weight
+# GEMMs are 2-D (mm / addmm). Under --compile the core is traced into the layer's graph and its
+# ranges above are gone, so its products are recognised by name there
+BATCHED_GEMM_OPS = {"aten::bmm", "aten::baddbmm"}
 CAST_OPS = {"aten::to", "aten::_to_copy"}
 # aten ops that only create or reshape tensor metadata: their self time is dispatch overhead
 METADATA_OPS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::view",
@@ -78,6 +84,8 @@ def categorize(op: ProfiledOp) -> str | None:
         return "communication"
     if any(m in name for name in (op.name, *around) for m in ATTENTION_MARKS):
         return "attention core"   # the fused kernel and whatever runs inside it
+    if op.name in BATCHED_GEMM_OPS and any(COMPILED_GRAPH_MARK in a for a in around):
+        return "attention core"   # its softmax is in inductor's kernels (elementwise)
     if op.name in GEMM_OPS:
         return "GEMMs"
     if op.name in CAST_OPS or (op.name == "aten::copy_" and any(a in CAST_OPS for a in around)):

@@ -145,5 +145,5 @@ def _engines(rank, world_size):
 
 def test_zero_stages_train_as_with_the_fused_kernel():
     for what, extra_bytes, owned in run_on_ranks(_engines, 2, timeout=600)[0]:
-        assert extra_bytes == owned, f"{what}: the decay masks (1 byte an owned element) reported " \
-                                     f"as {extra_bytes} bytes for {owned} elements"
+        assert extra_bytes == owned, (f"{what}: the decay masks (1 byte an owned element) "
+                                      f"reported as {extra_bytes} bytes for {owned} elements")

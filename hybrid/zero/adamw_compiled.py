@@ -5,19 +5,19 @@ reduced gradient is cast into a fp32 copy, torch's fused AdamW reads that copy w
 both moments and writes them back, and the publish rounds the master into the 16-bit parameters.
 Here ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) turns the whole update into one loop
 per chunk: read the 16-bit gradient, master and moments, write master, moments and the 16-bit
-parameter (28 bytes an element in bf16 instead of 40). On this project's CPU benchmark at DP 2
-(2.65 M elements a rank) the three passes take ~3.9 ms of a step and this one ~1.7 ms: the step is
-memory-bound once two ranks share the memory bus.
+parameter (28 bytes an element in bf16 instead of 40). Measured on this project's 2-core CPU
+(benchmarks/README.md): 2.65 M elements in one process 1.9 ms against 2.4-2.6 ms for the three
+passes; GPT-2 small's optimizer step at DP 2 7% shorter; the small benchmark GPT's at DP 2 the same
+within its noise (its two ranks' updates share the memory bus).
 
 Weight decay applies per element through a mask of the chunk (uint8, 1 byte an element, built once
-from the engine's decay spans: a chunk mixes decayed matrices and undecayed biases and norms; a
-bool mask and ``torch.where`` make inductor's CPU loop 1.7x slower).
-The arithmetic is AdamW's as ``torch._fused_adamw_`` does it (gradient divided by the scale,
-decoupled decay, ``lerp`` first moment, second moment, bias-corrected step), but the compiled loop
-rounds differently now and then, so it agrees with the ``fused`` kernel to about an ulp per step;
-every element gets the same arithmetic whatever its position in a chunk.
-The step's scalars are tensors, so a learning-rate schedule does not recompile; chunk sizes are
-dynamic, so one graph serves every chunk.
+from the engine's decay spans: a chunk mixes decayed matrices and undecayed biases and norms; a bool
+mask and ``torch.where`` make inductor's CPU loop 1.7x slower). The arithmetic is AdamW's as
+``torch._fused_adamw_`` does it (gradient divided by the scale, decoupled decay, ``lerp`` first
+moment, second moment, bias-corrected step), but the compiled loop rounds differently now and then,
+so it agrees with the ``fused`` kernel to about an ulp per step; every element gets the same
+arithmetic whatever its position in a chunk. The step's scalars are tensors, so a learning-rate
+schedule does not recompile; chunk sizes are dynamic, so one graph serves every chunk.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def compiled_adamw_step(grads: list[torch.Tensor], masters: list[torch.Tensor],
         try:
             kernel(*args)
         except Exception as err:   # inductor could not build it: no C++ compiler, no Triton ...
-            raise RuntimeError(f"the 'compiled' AdamW kernel failed in torch.compile "
-                               f"({type(err).__name__}: {str(err)[:300]}); use the 'fused' kernel "
-                               f"(AdamWConfig(kernel='fused'); in the trainer: drop --compile)") from err
+            raise RuntimeError(
+                f"the 'compiled' AdamW kernel failed in torch.compile ({type(err).__name__}: "
+                f"{str(err)[:300]}); use the 'fused' kernel (AdamWConfig(kernel='fused'); in the "
+                f"trainer: drop --compile)") from err

@@ -9,10 +9,12 @@ import torch.nn.functional as F
 
 from models.gpt.attention_core import attention_core, packed_attention_core
 
-# (b, query heads, key/value heads, s, d, start): one block, two and four causal blocks (s >= 128),
-# GQA, queries after cached keys (a band; s = 1 sees every key)
-SHAPES = [(2, 4, 4, 32, 16, 0), (4, 4, 4, 128, 64, 0), (1, 12, 12, 256, 64, 0), (2, 4, 2, 128, 32, 0),
-          (2, 2, 1, 128, 32, 0), (2, 4, 2, 8, 16, 5), (1, 4, 4, 1, 16, 9), (1, 4, 2, 128, 16, 3)]
+# (b, query heads, key/value heads, s, d, start): one block, two and four causal blocks (fp32 and
+# fp64 from s = 128, 16-bit from s = 256), GQA (also in blocks), queries after cached keys (a band;
+# s = 1 sees every key)
+SHAPES = [(2, 4, 4, 32, 16, 0), (4, 4, 4, 128, 64, 0), (1, 12, 12, 256, 64, 0),
+          (1, 4, 4, 512, 16, 0), (2, 4, 2, 128, 32, 0), (1, 4, 2, 256, 32, 0), (2, 2, 1, 128, 32, 0),
+          (2, 4, 2, 8, 16, 5), (1, 4, 4, 1, 16, 9), (1, 4, 2, 128, 16, 3)]
 
 
 def _inputs(b, a, g, s, d, start, dtype):

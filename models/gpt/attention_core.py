@@ -5,12 +5,13 @@ batched matrix products, for CPU.
 On CPU, torch's SDPA runs a flash-attention kernel whose blocking, per-block rescaling and
 recomputation of the probabilities in backward cost more than the matrix products at GPT shapes
 (short sequences, head dim 64; measured at [4, 4, 128, 64] forward + backward with the layout
-copies: fp32 4.5 -> 3.2 ms, bf16 7.4 -> 2.5 ms, one thread). Here the core is one autograd
-Function: forward ``baddbmm`` (scale and causal mask folded in), the native row-wise softmax,
-dropout, ``bmm``; backward from the saved probabilities with four ``bmm`` and the softmax backward
-formula ``dS = P * (dP - rowsum(dP * P))``. Causal blocks of 64 query positions multiply only the
-keys they can see. It keeps the probabilities ``[b, a, s, t]`` and a bool dropout mask (Megatron's
-core keeps them too; the recompute planner counts them, hybrid/recompute/planner.py ``cpu_core``).
+copies: fp32 4.5 -> 3.2 ms, bf16 7.4 -> 2.5 ms, one thread). Here the core is one autograd Function:
+forward ``baddbmm`` (scale and causal mask folded in), the native row-wise softmax, dropout,
+``bmm``; backward from the saved probabilities with four ``bmm`` and the softmax backward formula
+``dS = P * (dP - rowsum(dP * P))``. Causal blocks of query positions (64 in fp32, 128 in 16-bit)
+multiply only the keys they can see. It keeps the probabilities ``[b, a, s, t]`` and a bool dropout
+mask (Megatron's core keeps them too; the recompute planner counts them, hybrid/recompute/planner.py
+``cpu_core``).
 
 Grouped-query attention needs no copies of keys and values: the ``r = a/g`` query heads of a group
 are stacked along the rows, position-major, ``q [b g, s r, d] @ k^T [b g, d, t]``, and the backward
@@ -57,9 +58,15 @@ def packed_attention_core(qkv: torch.Tensor, *, dropout_p: float = 0.0,
     return _PackedCore.apply(qkv, dropout_p, compute_dtype or qkv.dtype)
 
 
-# query rows per causal block: with s >= 128 the products skip the keys a block of 64 positions
-# cannot see (at s = 128 a quarter of the work, at 256 three eighths); below that one block
-BLOCK = 64
+# query rows per causal block: with s >= 2 BLOCK the products skip the keys a block cannot see (a
+# quarter of the work at s = 2 BLOCK, three eighths at 8 BLOCK); below that one block. Smaller
+# blocks skip more work but multiply smaller matrices, which the 16-bit products pay for more:
+# forward + backward, one thread, blocks of 64 -> 128 -> 256 at [b 4, heads 4, s 128, d 64],
+# [1, 12, 256, 64], s = 512, s = 1024: bf16 2.19 -> 2.09 -> 2.08, 4.92 -> 4.54 -> 5.07,
+# 16.3 -> 14.7 -> 15.3, 56.6 -> 51.2 -> 50.8 ms; fp32 2.97 -> 3.59 -> 3.56, 7.17 -> 8.08 -> 10.1,
+# 23.7 -> 25.6 -> 29.9, 87.3 -> 88.3 -> 101 ms
+BLOCK = 64            # fp32 and fp64
+BLOCK_16BIT = 128     # bf16 and fp16
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,10 +100,11 @@ def _causal_bias(s: int, per_group: int, t: int, start: int, dtype: torch.dtype,
     return torch.zeros(s * per_group, t, dtype=dtype, device=device).masked_fill_(hidden, -math.inf)
 
 
-def _blocks(s: int, start: int) -> list[tuple[int, int, int]]:
-    """Causal blocks of query positions ``[lo, hi)``, each with the number of keys it sees,
-    ``start + hi``."""
-    size = BLOCK if s >= 2 * BLOCK and s % BLOCK == 0 else s
+def _blocks(s: int, start: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    """Causal blocks of query positions ``[lo, hi)`` for a core computing in ``dtype``, each with
+    the number of keys it sees, ``start + hi``."""
+    block = BLOCK_16BIT if dtype.itemsize == 2 else BLOCK
+    size = block if s >= 2 * block and s % block == 0 else s
     return [(lo, lo + size, start + lo + size) for lo in range(0, s, size)]
 
 
@@ -111,7 +119,7 @@ def _forward(ctx, q, k, v, start: int, p: float, dtype: torch.dtype) -> torch.Te
     bias = _causal_bias(s, r, t, start, dtype, q.device)                # [R, t]
     out = torch.empty(s, b, g, r, d, dtype=q.dtype, device=q.device)
     probs, keeps = [], []
-    for lo, hi, end in _blocks(s, start):
+    for lo, hi, end in _blocks(s, start, dtype):
         rows = slice(lo * r, hi * r)
         scores = torch.baddbmm(bias[rows, :end], qc[:, rows], kc[:, :end].transpose(1, 2),
                                alpha=scale)                             # [B, rows, end]
@@ -131,7 +139,7 @@ def _backward(ctx, grad: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: t
     and v into ``dq [s, b, g, r, d]``, ``dk`` and ``dv [t, b, g, 1, d]`` (any strides)."""
     qc, kc, vc, *saved = ctx.saved_tensors
     (s, b, g, r), p, scale = ctx.sizes, ctx.p, ctx.scale
-    blocks = _blocks(s, ctx.start)
+    blocks = _blocks(s, ctx.start, qc.dtype)
     probs, keeps = saved[:len(blocks)], saved[len(blocks):]
     do = _rows(grad, qc.dtype)                                          # [B, R, d]
     dkc = dvc = None                 # [B, t, d]: the last block sees every key, so it goes first

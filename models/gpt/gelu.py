@@ -8,9 +8,12 @@ With the identity 1/2 (1 + tanh(u)) = sigmoid(2u) the same function is ``x sigmo
 
 (t = K0 x + K1 x^3). torch's CPU kernels evaluate tanh with an accurate but slow vector tanh, about
 twice the time of a sigmoid plus the few streaming passes above; for bf16/fp16 inputs
-:func:`gelu_tanh` computes in fp32 this way and rounds once. The result is the tanh GELU, not the erf
-one: it differs from torch's bf16 kernel only where torch's ``1 + tanh(u)`` cancels (x well below
-zero), where it is closer to the exact value. fp32 and fp64 inputs keep torch's kernel, bit for bit.
+:func:`gelu_tanh` computes in fp32 this way and rounds once, with ``sigmoid(t) = 1 / (1 + exp2(-t
+log2 e))`` (inductor's exp2 is cheaper than the exp inside its sigmoid: 17% off the compiled forward
++ backward at [512, 1024] bf16, 0.98 -> 0.81 ms; the same 16-bit results). The result is the tanh
+GELU, not the erf one: it differs from torch's bf16 kernel only where torch's ``1 + tanh(u)``
+cancels (x well below zero), where it is closer to the exact value. fp32 and fp64 inputs keep
+torch's kernel, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,9 +27,18 @@ _K0 = 2.0 * math.sqrt(2.0 / math.pi)   # t = 2u = K0 x + K1 x^3
 _K1 = _K0 * 0.044715
 
 
-def _t(xf: torch.Tensor, cubic: float) -> torch.Tensor:
-    """K0 + cubic x^2, times x: one fresh fp32 tensor of x's shape (two passes)."""
-    return torch.addcmul(xf.new_tensor(_K0), xf, xf, value=cubic).mul_(xf)
+_LOG2_E = 1.0 / math.log(2.0)
+
+
+def _t(xf: torch.Tensor, cubic: float, scale: float = 1.0) -> torch.Tensor:
+    """(K0 + cubic x^2) x, times ``scale``: one fresh fp32 tensor of x's shape (two passes)."""
+    return torch.addcmul(xf.new_tensor(_K0 * scale), xf, xf, value=cubic * scale).mul_(xf)
+
+
+def _one_plus_exp_minus_t(xf: torch.Tensor) -> torch.Tensor:
+    """1 + exp(-t) = 1 / sigmoid(t), as ``exp2(-t log2 e)`` with log2 e folded into t's
+    coefficients (module docstring: faster under torch.compile, as fast eagerly)."""
+    return _t(xf, _K1, -_LOG2_E).exp2_().add_(1)
 
 
 class _GeluTanh16(torch.autograd.Function):
@@ -36,13 +48,14 @@ class _GeluTanh16(torch.autograd.Function):
     def forward(ctx, x):
         ctx.save_for_backward(x)
         xf = x.float()
-        return _t(xf, _K1).sigmoid_().mul_(xf).to(x.dtype)
+        e = _one_plus_exp_minus_t(xf)
+        return torch.div(xf, e, out=e).to(x.dtype)          # x sigmoid(t)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         xf = x.float()
-        s = _t(xf, _K1).sigmoid_()
+        s = _one_plus_exp_minus_t(xf).reciprocal_()         # sigmoid(t)
         d = _t(xf, 3 * _K1)                                 # x t'(x)
         d.mul_(s)                                            # u = s x t'
         torch.addcmul(d, s, d, value=-1, out=d).add_(s)      # s + u (1 - s) = gelu'(x)

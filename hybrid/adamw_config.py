@@ -40,8 +40,7 @@ class AdamWConfig:
         if not self.eps > 0 or not self.weight_decay >= 0:
             raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
         if self.kernel not in ADAMW_KERNELS:
-            raise ValueError(f"AdamW kernel must be 'fused', 'foreach' or 'compiled', "
-                             f"got {self.kernel!r}")
+            raise ValueError(f"AdamW kernel must be one of {ADAMW_KERNELS}, got {self.kernel!r}")
 
 
 def uses_weight_decay(param: torch.Tensor) -> bool:

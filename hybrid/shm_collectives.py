@@ -56,6 +56,7 @@ ALIGN = 64                       # every collective's piece starts on a cache li
 PUBLISHED, CONSUMED, PID = 0, 1, 2
 SPIN_SECONDS = 0.002             # sched_yield this long before sleeping between checks
 CHECK_PEERS_EVERY = 0.05         # seconds between checks that the peers' processes exist
+_COMBINE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}   # all-reduce ops over ranks
 
 
 class ShmTransport:
@@ -232,8 +233,7 @@ class ShmTransport:
 
         def read() -> None:
             parts = torch.stack([self._typed(r, start, tensor) for r in range(self.group.size)])
-            reduce = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}[op]
-            flat.copy_(reduce(parts, dim=0))
+            flat.copy_(_COMBINE[op](parts, dim=0))
         return self._work(seq, read)
 
     # ---- the ring and the counters ---------------------------------------------------------

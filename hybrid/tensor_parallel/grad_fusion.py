@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 _ALLOWED = "_hybrid_grad_accumulation_fusion"
+_HOOKED = "_hybrid_grad_accumulation_fusion_hooked"
 
 
 class GradTarget:
@@ -62,14 +63,18 @@ class GradTarget:
 class OwnGrad(GradTarget):
     """``param.grad`` itself, a view of a buffer the owner keeps for the whole step and zeroes
     (:func:`zeroed`) between steps (ZeRO stages 0 and 1). Any accumulation into it, fused or
-    autograd's (a post-accumulate hook), ends ``zeroed``."""
+    autograd's (seen by :func:`_after_accumulate`), ends ``zeroed``."""
 
     def buffer(self, param: torch.Tensor) -> torch.Tensor | None:
         return param.grad
 
-    def after_accumulate(self, param: torch.Tensor) -> None:
-        if getattr(param, _ALLOWED, None) is self:
-            self.zeroed = False
+
+def _after_accumulate(param: torch.Tensor) -> None:
+    """Post-accumulate hook (one per parameter, whichever engine attached its target last):
+    autograd added into ``param.grad``, so an :class:`OwnGrad` buffer no longer holds zeros."""
+    target = getattr(param, _ALLOWED, None)
+    if isinstance(target, OwnGrad):
+        target.zeroed = False
 
 
 def allow(params, targets=None, enabled: bool = True) -> None:
@@ -79,8 +84,9 @@ def allow(params, targets=None, enabled: bool = True) -> None:
     targets = list(targets) if targets is not None else [OwnGrad() for _ in params]
     for p, target in zip(params, targets):
         setattr(p, _ALLOWED, target if enabled else None)
-        if enabled and isinstance(target, OwnGrad):
-            p.register_post_accumulate_grad_hook(target.after_accumulate)
+        if enabled and isinstance(target, OwnGrad) and not getattr(p, _HOOKED, False):
+            p.register_post_accumulate_grad_hook(_after_accumulate)   # once, not per engine
+            setattr(p, _HOOKED, True)
 
 
 def zeroed(params) -> None:

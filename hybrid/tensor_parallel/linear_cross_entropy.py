@@ -39,7 +39,7 @@ from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel.async_linear import _autocast_inputs, overlapped_backward
 from hybrid.tensor_parallel.cross_entropy import (_local_max_and_sum, _write_gradient,
                                                   check_targets, loss_statistics, real_columns)
-from hybrid.tensor_parallel.mappings import _apply_eagerly, _gather_first
+from hybrid.tensor_parallel.mappings import _gather_first, apply_eagerly
 
 
 def _softmax_minus_target_in_place(z: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
@@ -128,5 +128,5 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     # layers only): AOT autograd's functionalization of the in-place passes over row blocks of
     # the logits (fp32 writes exp(z - m) over z through its split views) gave wrong losses and
     # gradients once there were several blocks (tests/test_linear_cross_entropy.py)
-    return _apply_eagerly(_LinearCrossEntropy, x, weight, target, group, sequence_parallel,
-                          vocab_size)
+    return apply_eagerly(_LinearCrossEntropy, x, weight, target, group, sequence_parallel,
+                         vocab_size)

@@ -89,7 +89,8 @@ def _reduce_scatter_first(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _apply_eagerly(function, *args):
+def apply_eagerly(function, *args):
+    """``function.apply(*args)`` always eagerly: a graph break under torch.compile."""
     return function.apply(*args)
 
 
@@ -98,7 +99,7 @@ def apply_communicating(function, *args, group: Group):
     (a graph break under torch.compile) when the group has several ranks, traced when it has one."""
     if group.size == 1:
         return function.apply(*args)
-    return _apply_eagerly(function, *args)
+    return apply_eagerly(function, *args)
 
 
 # ---- autograd Functions ----------------------------------------------------------------------

@@ -99,9 +99,10 @@ class ZeroEngine:
     def _init_engine(self) -> None:
         self._decay_spans = merged_spans(self.pieces, lambda p: p.decay)
         self._tp_spans = merged_spans(self.pieces, lambda p: p.tp_sharded)
+        # the compiled kernel: one pass from the 16-bit gradient to the 16-bit parameters
+        self._one_pass = self.adamw.kernel == "compiled" and self.offload is None
         self._masks = (decay_masks([m.numel() for m in self.masters], self._decay_spans,
-                                   self.state.device)
-                       if self.adamw.kernel == "compiled" and self.offload is None else None)
+                                   self.state.device) if self._one_pass else None)
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
 
@@ -154,8 +155,7 @@ class ZeroEngine:
         self.check_micro_batches()
         self._land_gradients()
         scale = self.scaler.scale
-        one_pass = self.adamw.kernel == "compiled" and self.offload is None
-        grads = self._owned_grads(fp32=not one_pass)
+        grads = self._owned_grads(fp32=not self._one_pass)
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
         if not math.isfinite(norm):
@@ -164,7 +164,7 @@ class ZeroEngine:
             return StepResult(True, norm, scale)
         coef = clip_coefficient(norm, self.config.clip_grad)
         self._update(grads, divisor / coef)
-        self._publish(rounded=one_pass)
+        self._publish(rounded=self._one_pass)
         self.scaler.update(False)
         self._finish_step()
         return StepResult(False, norm, scale)
@@ -191,7 +191,7 @@ class ZeroEngine:
             return
         self.adam.step += 1
         moments = (self.adam.exp_avgs, self.adam.exp_avg_sqs)
-        if self.adamw.kernel == "compiled":   # one pass: 16-bit gradient in, 16-bit params out
+        if self._one_pass:   # 16-bit gradient in, 16-bit parameters out
             with self._param_chunks() as chunks:
                 compiled_adamw_step(grads, self.masters, *moments, self._masks,
                                     chunks if self.config.mixed_precision else None,

@@ -268,7 +268,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
         # gloo's send/recv hand the raw pointer to its TCP transport (host memory only); its
         # all-gather stages CUDA tensors through pinned host buffers itself
         group.ledger.record("all_gather", group, output.numel(), output.dtype, "ring")
-        return dist.all_gather_single(output, shard, group=group.pg, async_op=async_op)
+        return dist.all_gather_into_tensor(output, shard, group=group.pg, async_op=async_op)
     group.ledger.record("all_gather", group, output.numel(), output.dtype, "direct")
     slots = output.view(-1).chunk(group.size)          # [size] x [shard numel], contiguous
     source = shard.contiguous().view(-1)
@@ -305,7 +305,7 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
             return _finish(work, async_op)
     if not (_is_gloo(group) and output.is_contiguous()):
         group.ledger.record("reduce_scatter", group, full.numel(), full.dtype, "ring")
-        return dist.reduce_scatter_single(output, full, group=group.pg, async_op=async_op)
+        return dist.reduce_scatter_tensor(output, full, group=group.pg, async_op=async_op)
     group.ledger.record("reduce_scatter", group, full.numel(), full.dtype, "direct")
     if scratch is None:
         scratch = torch.empty(full.numel(), dtype=full.dtype, device=full.device)

@@ -121,7 +121,7 @@ class NVMeOptimizerState:
 
     def write_master(self, chunk: int, offset: int, values: torch.Tensor) -> None:
         """Initial (or loaded) master values for elements [offset, +numel) of ``chunk``."""
-        data = values.detach().reshape(-1).to(torch.float32).contiguous().numpy()
+        data = values.detach().reshape(-1).to("cpu", torch.float32).contiguous().numpy()   # CUDA too
         os.pwrite(self.fd, data.tobytes(), self._byte_offset(0, chunk, offset))
 
     # ---- gradients streamed out during backward ----------------------------------------------

@@ -26,7 +26,6 @@ nothing; ``init_weights(seed, std=, prefix=)`` fills materialised parameters fro
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -280,7 +279,6 @@ class VocabParallelEmbedding(_TPModule):
                 f"reduce_scatter_output={self.reduce_scatter_output}")
 
 
-@functools.lru_cache(maxsize=1)
 def _apex_fused_layer_norm():
     """NVIDIA apex's fused CUDA layer norm when apex is installed with its CUDA extension (optional,
     docs/design.md "Dependencies"), else None; torch's own kernel is the fallback."""
@@ -291,6 +289,11 @@ def _apex_fused_layer_norm():
     except ImportError:
         return None
     return fused_layer_norm_affine
+
+
+# looked up once, at import: inside LayerNorm.forward the lookup (importlib's find_spec) made
+# torch.compile break the graph at every layer norm on CUDA
+APEX_FUSED_LAYER_NORM = _apex_fused_layer_norm()
 
 
 class LayerNorm(_TPModule):
@@ -319,7 +322,7 @@ class LayerNorm(_TPModule):
         weight, bias = self.weight, self.bias
         if self.sequence_parallel:
             weight, bias = copy_to_tp(weight, self.group), copy_to_tp(bias, self.group)
-        fused = _apex_fused_layer_norm() if x.is_cuda else None
+        fused = APEX_FUSED_LAYER_NORM if x.is_cuda else None
         if fused is not None:
             return fused(x, weight, bias, (self.hidden,), self.eps)
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):

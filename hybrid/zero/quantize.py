@@ -55,7 +55,9 @@ def quantize(x: torch.Tensor, agree=None) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.zeros(rows, nb * BLOCK, dtype=torch.float32, device=x.device)
     padded[:, :numel] = x
     blocks = padded.view(rows, nb, BLOCK)                               # [P, nb, BLOCK]
-    scales = blocks.abs().amax(dim=2) / QMAX                            # [P, nb]; NaN/Inf stay
+    # a divisor on x's device: CUDA multiplies by the reciprocal of a Python-number divisor, which
+    # rounds differently from CPU's true division now and then (issue 19: bytes must agree)
+    scales = blocks.abs().amax(dim=2) / blocks.new_full((), QMAX)       # [P, nb]; NaN/Inf stay
     if agree is not None:   # a NaN scale becomes Inf first, which a maximum cannot lose
         agree(torch.nan_to_num_(scales, nan=float("inf")))
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block: q = 0

@@ -1,6 +1,6 @@
 """One GPU, bf16: our GPT training step against plain PyTorch and torch.compile of the same model (issue 19).
 
-Three variants train the same GPT-2-family model (same config, same initial weights, same data, same
+Four variants train the same GPT-2-family model (same config, same initial weights, same data, same
 activation recompute) for ``--steps`` timed steps after ``--warmup`` steps each:
 
 * ``ours``: ``models/gpt`` GPTModel at TP 1 with ZeRO stage 0 (bf16 parameters and gradients, fp32
@@ -9,7 +9,9 @@ activation recompute) for ``--steps`` timed steps after ``--warmup`` steps each:
   ``torch.autocast(bfloat16)``, fp32 parameters and ``torch.optim.AdamW(fused=True)`` - the plain
   PyTorch recipe with the same 16 bytes of model state per parameter; with ``--recompute full``
   every block runs under ``torch.utils.checkpoint`` (non-reentrant);
-* ``torch.compile``: that baseline model wrapped by ``torch.compile`` (default mode).
+* ``torch.compile``: that baseline model wrapped by ``torch.compile`` (default mode);
+* ``ours compiled``: ``ours`` under the trainer's ``--compile`` (each transformer layer compiled by
+  ``models/gpt/compile.py``, the AdamW update as one compiled pass, ``hybrid/zero/adamw_compiled.py``).
 
 Reported per variant: ms/step (median of the timed steps, CUDA events), tokens/s, model TFLOP/s
 (Megatron's 72 B s l h^2 (1 + s/6h + V/12lh), recompute not counted: hybrid.perf.flops), MFU against
@@ -54,6 +56,7 @@ from hybrid.adamw_config import AdamWConfig   # noqa: E402
 from hybrid.zero.config import ZeroConfig   # noqa: E402
 from hybrid.zero.factory import build_zero_optimizer   # noqa: E402
 from models.gpt import reference   # noqa: E402
+from models.gpt.compile import compile_layers   # noqa: E402
 from models.gpt.config import GPTConfig   # noqa: E402
 from models.gpt.model import GPTModel   # noqa: E402
 from models.gpt.presets import PRESETS   # noqa: E402
@@ -155,7 +158,10 @@ def torch_step(model, opt, tokens, labels, bf16: bool) -> torch.Tensor:
 
 
 # ---- ours -------------------------------------------------------------------------------------
-def build_ours(config: GPTConfig, device: torch.device, recompute: str, seed: int, bf16: bool):
+def build_ours(config: GPTConfig, device: torch.device, recompute: str, seed: int, bf16: bool,
+               compiled: bool = False):
+    """Our model at TP 1, ZeRO stage 0; ``compiled``: the trainer's ``--compile`` (each layer
+    compiled, the AdamW update as one compiled pass)."""
     state = ParallelState.single_process(device)
     rng = RNGTracker(seed, 0, state.device)
     rng.seed_all()
@@ -163,7 +169,10 @@ def build_ours(config: GPTConfig, device: torch.device, recompute: str, seed: in
     model = GPTModel(config, state, device="meta", rng=rng, recompute=plan)
     model.init_weights(seed)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=0, precision="bf16" if bf16 else "fp32"),
-                               AdamWConfig(lr=1e-4, weight_decay=0.01, kernel="fused"))
+                               AdamWConfig(lr=1e-4, weight_decay=0.01,
+                                           kernel="compiled" if compiled else "fused"))
+    if compiled:
+        compile_layers(model)
     return model, opt
 
 
@@ -204,8 +213,9 @@ def run_variant(name: str, args, config: GPTConfig, device: torch.device) -> dic
     tokens = torch.randint(0, config.vocab_size, shape, generator=gen).to(device)
     labels = torch.randint(0, config.vocab_size, shape, generator=gen).to(device)
     _reset_memory(device)
-    if name == "ours":
-        model, opt = build_ours(config, device, args.recompute, args.seed, bf16)
+    if name.startswith("ours"):
+        model, opt = build_ours(config, device, args.recompute, args.seed, bf16,
+                                compiled=name == "ours compiled")
         step = lambda: ours_step(model, opt, tokens, labels)   # noqa: E731
     else:
         model, opt = build_torch_baseline(config, device, args.recompute, args.seed)
@@ -254,7 +264,8 @@ def run_size(size: str, args, device: torch.device, device_name: str, memory: fl
     log.info("%s on %s: %d layers, hidden %d, micro-batch %d, seq %d, recompute %s, peak %s TFLOP/s",
              size, device_name, config.num_layers, config.hidden_size, args.micro_batch_size, seq,
              args.recompute, args.peak_tflops)
-    variants = ["torch", *([] if args.no_compile else ["torch.compile"]), "ours"]
+    variants = ["torch", *([] if args.no_compile else ["torch.compile"]), "ours",
+                *([] if args.no_compile else ["ours compiled"])]
     return {"device": device_name, "size": size, "memory_stated_gib": memory / 2**30,
             "config": config.to_dict(), "micro_batch": args.micro_batch_size,
             "recompute": args.recompute, "peak_tflops": args.peak_tflops, "torch": torch.__version__,
@@ -276,7 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation recompute of every variant")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation too)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    p.add_argument("--no-compile", action="store_true", help="skip the two compiled variants")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the device for MFU (default: from the device name)")
     p.add_argument("--seed", type=int, default=1234)

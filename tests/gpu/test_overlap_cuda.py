@@ -32,9 +32,10 @@ from models.gpt.model import GPTModel
 
 HIDDEN_BOUND = 0.5
 REPEATS = 5
+WARMUP = 3
 CONFIG = GPTConfig(8, 1024, 16, vocab_size=1024, seq_length=512, hidden_dropout=0.0,
                    attention_dropout=0.0)
-MICRO_BATCH = 4
+MICRO_BATCH = 8   # the GPU, not the host's kernel launches, sets the step time
 
 
 def cuda_ms(work, side: torch.cuda.Stream | None = None) -> float:
@@ -50,7 +51,7 @@ def cuda_ms(work, side: torch.cuda.Stream | None = None) -> float:
     return start.elapsed_time(end)
 
 
-def median_ms(work, side_of=lambda: None, warmup: int = 2) -> float:
+def median_ms(work, side_of=lambda: None, warmup: int = WARMUP) -> float:
     for _ in range(warmup):
         work()
     return statistics.median(cuda_ms(work, side_of()) for _ in range(REPEATS))
@@ -82,19 +83,27 @@ def test_pa_cpu_checkpoint_copies_hide_behind_layer_compute(figures):
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, CONFIG.vocab_size, (MICRO_BATCH, CONFIG.seq_length), generator=gen)
     tokens, labels = tokens.cuda(), tokens.roll(1, dims=1).cuda()
-    times = {}
+    steps, stores = {}, {}
     for mode in ("full", "full-pa-cpu"):
         model = GPTModel(CONFIG, state, recompute=RecomputePlan.uniform(mode, CONFIG.num_layers))
-        store = model.recomputer.stores[mode]
+        stores[mode] = model.recomputer.stores[mode]
 
-        def step():
+        def step(model=model):
             model(tokens, labels).mean().backward()
             for p in model.parameters():
                 p.grad = None
-        times[mode] = median_ms(step, lambda: store.side_stream)
-        if mode == "full-pa-cpu":
-            assert store.counters.offloaded_bytes > 0 and store.side_stream is not None
-        del model
+        steps[mode] = step
+    # the two steps alternate, round after round, so a drift of clocks or host load hits both alike
+    for _ in range(WARMUP):
+        for step in steps.values():
+            step()
+    samples = {mode: [] for mode in steps}
+    for _ in range(REPEATS):
+        for mode, step in steps.items():
+            samples[mode].append(cuda_ms(step, stores[mode].side_stream))
+    times = {mode: statistics.median(v) for mode, v in samples.items()}
+    assert stores["full-pa-cpu"].counters.offloaded_bytes > 0
+    assert stores["full-pa-cpu"].side_stream is not None
     checkpoint = (CONFIG.seq_length, MICRO_BATCH, CONFIG.hidden_size)
     copy_ms = copies_alone_ms(checkpoint, torch.float32, CONFIG.num_layers)
     hidden = hidden_fraction(times["full"], copy_ms, times["full-pa-cpu"])

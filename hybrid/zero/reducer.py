@@ -47,6 +47,7 @@ import torch
 from hybrid import comm
 from hybrid.comm import Group
 from hybrid.tensor_parallel.grad_fusion import GradTarget
+from hybrid.weak_hooks import add_post_accumulate_hooks
 from hybrid.zero.partition import Bucket, FlatLayout
 
 log = logging.getLogger(__name__)
@@ -90,15 +91,9 @@ class GradReducer:
         self._staged: dict[int, _Staging] = {}
         self._inflight: deque = deque()     # (bucket, handle, staging entry or None)
         self._reset_counters()
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        add_post_accumulate_hooks(self, "_on_grad", ((p, (i,)) for i, p in enumerate(params)))
 
     # ---- hooks -----------------------------------------------------------------------------
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(index, param)
-        return hook
-
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if not self.enabled:
             return

@@ -49,6 +49,7 @@ from torch import nn
 from hybrid import comm
 from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
+from hybrid.weak_hooks import add_post_accumulate_hooks
 from hybrid.zero import stage3_build as build
 from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
@@ -133,9 +134,9 @@ class ParameterPartitioning(ZeroEngine):
                                               comm.needs_reduce_scratch(self.shard_group))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
                            for i, v in enumerate(self.units) if v is u}
-        for k, unit in enumerate(self.all_units):
-            for slot in unit.slots:
-                slot.param.register_post_accumulate_grad_hook(self._grad_hook(k))
+        add_post_accumulate_hooks(self, "_on_unit_grad", ((slot.param, (k,))
+                                                          for k, unit in enumerate(self.all_units)
+                                                          for slot in unit.slots))
         self.pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
                                   uses_weight_decay(seg.slot.param),
                                   bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
@@ -158,13 +159,12 @@ class ParameterPartitioning(ZeroEngine):
         return masters
 
     # ---- gradients -------------------------------------------------------------------------
-    def _grad_hook(self, k: int):
-        def hook(param: torch.Tensor) -> None:
-            self._backward_open = True
-            self._remaining[k] -= 1
-            if self._remaining[k] == 0:
-                self._reduce_unit(k)
-        return hook
+    def _on_unit_grad(self, k: int, param: torch.Tensor) -> None:
+        """Post-accumulate hook of each parameter of unit ``k``: the unit's last one reduces it."""
+        self._backward_open = True
+        self._remaining[k] -= 1
+        if self._remaining[k] == 0:
+            self._reduce_unit(k)
 
     def _reduce_unit(self, k: int) -> None:
         """Release unit k (its backward is over) and start its gradient reduce-scatter. At most

@@ -98,6 +98,8 @@ class ZeroEngine:
 
     def _init_engine(self) -> None:
         self._decay_spans = merged_spans(self.pieces, lambda p: p.decay)
+        self._spans_by_chunk = [[span for span in self._decay_spans if span[0] == c]
+                                for c in range(len(self.masters))]
         self._tp_spans = merged_spans(self.pieces, lambda p: p.tp_sharded)
         # the compiled kernel: one pass from the 16-bit gradient to the 16-bit parameters
         self._one_pass = self.adamw.kernel == "compiled" and self.offload is None
@@ -155,7 +157,9 @@ class ZeroEngine:
         self.check_micro_batches()
         self._land_gradients()
         scale = self.scaler.scale
-        grads = self._owned_grads(fp32=not self._one_pass)
+        # 16-bit gradients stay 16-bit here (the norm reads them in fp32): the fused and foreach
+        # kernels get an fp32 copy one chunk at a time in _update; the offload backends take fp32
+        grads = self._owned_grads(fp32=self.offload is not None)
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
         if not math.isfinite(norm):
@@ -198,18 +202,25 @@ class ZeroEngine:
                                     step=self.adam.step, config=self.adamw, lr=self.lr,
                                     grad_scale=grad_scale)
             return
+        # one chunk at a time: a 16-bit chunk's fp32 copy is the only transient (at most one
+        # bucket, 4 bytes per element), not an fp32 copy of the whole partition
+        for c, grad in enumerate(grads):
+            self._update_chunk(c, grad, grad_scale)
+
+    def _update_chunk(self, c: int, grad: torch.Tensor, grad_scale: float) -> None:
+        """The fused or foreach AdamW kernel on chunk ``c`` (its copy dies on return)."""
+        grad = grad.float()   # fp32 training: the chunk itself, scaled in place
+        spans = self._spans_by_chunk[c]
+        views = [[t.narrow(0, offset, numel) for _, offset, numel, _ in spans]
+                 for t in (self.masters[c], grad, self.adam.exp_avgs[c], self.adam.exp_avg_sqs[c])]
         if self.adamw.kernel == "foreach":
-            torch._foreach_mul_(grads, 1.0 / grad_scale)
-            params = _views(self.masters, self._decay_spans)
-            decayed = [p for p, span in zip(params, self._decay_spans) if span[3]]
-            adamw_step(params, _views(grads, self._decay_spans),
-                       *(_views(m, self._decay_spans) for m in moments), decayed,
-                       step=self.adam.step, config=self.adamw, lr=self.lr)
+            grad.mul_(1.0 / grad_scale)
+            decayed = [p for p, span in zip(views[0], spans) if span[3]]
+            adamw_step(*views, decayed, step=self.adam.step, config=self.adamw, lr=self.lr)
             return
         for decay in (True, False):
-            spans = [s for s in self._decay_spans if s[3] == decay]
-            fused_adamw_step(_views(self.masters, spans), _views(grads, spans),
-                             *(_views(m, spans) for m in moments), decay=decay,
+            pick = [i for i, span in enumerate(spans) if span[3] == decay]
+            fused_adamw_step(*([v[i] for i in pick] for v in views), decay=decay,
                              step=self.adam.step, config=self.adamw, lr=self.lr,
                              grad_scale=grad_scale)
 

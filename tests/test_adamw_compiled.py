@@ -43,14 +43,16 @@ def _fused(state, grad, step, grad_scale):
                          config=CONFIG, lr=CONFIG.lr, grad_scale=grad_scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_one_pass_matches_the_fused_kernel(dtype):
+def five_steps_against_fused(dtype: torch.dtype, device: str = "cpu"):
+    """Five steps of the compiled kernel and of the fused one from the same state on ``device``,
+    compared after each; returns (the decay masks, the last gradient) for further checks."""
     g = torch.Generator().manual_seed(2)
-    compiled, fused = _state(), _state()
+    compiled = tuple(t.to(device) for t in _state())
+    fused = tuple(t.to(device) for t in _state())
     params16 = compiled[0].to(dtype)
-    masks = decay_masks([N], SPANS, "cpu")
+    masks = decay_masks([N], SPANS, device)
     for step in range(1, 6):
-        grad = (torch.randn(N, generator=g) * 0.1).to(dtype)
+        grad = (torch.randn(N, generator=g) * 0.1).to(dtype).to(device)
         before = grad.clone()
         compiled_adamw_step([grad], [compiled[0]], [compiled[1]], [compiled[2]], masks,
                             [params16] if dtype != torch.float32 else None, step=step,
@@ -62,6 +64,12 @@ def test_one_pass_matches_the_fused_kernel(dtype):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
         if dtype != torch.float32:   # the 16-bit parameters are the master rounded
             assert torch.equal(params16, compiled[0].to(dtype))
+    return masks, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_pass_matches_the_fused_kernel(dtype):
+    masks, grad = five_steps_against_fused(dtype)
     # the decay mask did its work: an undecayed piece differs from a run decaying everything
     everything = _state()
     compiled_adamw_step([grad], [everything[0]], [everything[1]], [everything[2]],

@@ -16,13 +16,12 @@ import torch
 
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan
-from hybrid.zero.adamw_compiled import compiled_adamw_step, decay_masks
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.compile import compile_layers
 from models.gpt.model import GPTModel
 from tests.gpu.cuda_helpers import INIT_SEED, ieee_fp32
-from tests.test_adamw_compiled import CONFIG, N, SPANS, _fused, _state
+from tests.test_adamw_compiled import five_steps_against_fused
 from tests.test_compile_layers import CompileTask, _assert_16bit_parameters_close
 
 STEPS = 5
@@ -71,20 +70,4 @@ def test_compiled_layers_train_like_eager_on_cuda(stage, precision, recompute):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_pass_adamw_matches_the_fused_kernel_on_cuda(dtype):
-    g = torch.Generator().manual_seed(2)
-    compiled = tuple(t.cuda() for t in _state())
-    fused = tuple(t.cuda() for t in _state())
-    params16 = compiled[0].to(dtype)
-    masks = decay_masks([N], SPANS, "cuda")
-    for step in range(1, 6):
-        grad = (torch.randn(N, generator=g) * 0.1).to(dtype).cuda()
-        before = grad.clone()
-        compiled_adamw_step([grad], [compiled[0]], [compiled[1]], [compiled[2]], masks,
-                            [params16] if dtype != torch.float32 else None, step=step,
-                            config=CONFIG, lr=CONFIG.lr, grad_scale=4.0)
-        assert torch.equal(grad, before), "the kernel wrote into the gradient"
-        _fused(fused, grad, step, 4.0)
-        for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), compiled, fused):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
-        if dtype != torch.float32:
-            assert torch.equal(params16, compiled[0].to(dtype))
+    five_steps_against_fused(dtype, "cuda")

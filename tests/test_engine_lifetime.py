@@ -1,4 +1,4 @@
-"""Deleting a model and its ZeRO engine frees them (hybrid/weak_hooks.py); the step's transient
+"""Deleting a model and its ZeRO engine frees them (hybrid/zero/weak_hooks.py); the step's transient
 memory is one fp32 gradient chunk.
 
 The engines' gradient hooks live in the parameters; when they held the engine strongly, the cycle

@@ -47,8 +47,8 @@ import torch
 from hybrid import comm
 from hybrid.comm import Group
 from hybrid.tensor_parallel.grad_fusion import GradTarget
-from hybrid.weak_hooks import add_post_accumulate_hooks
 from hybrid.zero.partition import Bucket, FlatLayout
+from hybrid.zero.weak_hooks import add_post_accumulate_hooks
 
 log = logging.getLogger(__name__)
 

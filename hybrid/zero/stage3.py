@@ -49,7 +49,6 @@ from torch import nn
 from hybrid import comm
 from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
-from hybrid.weak_hooks import add_post_accumulate_hooks
 from hybrid.zero import stage3_build as build
 from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
@@ -61,6 +60,7 @@ from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
+from hybrid.zero.weak_hooks import add_post_accumulate_hooks
 
 log = logging.getLogger(__name__)
 MAX_REDUCES_IN_FLIGHT = 2   # overlap one unit's reduce-scatter with the next unit's backward

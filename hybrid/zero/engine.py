@@ -112,10 +112,11 @@ class ZeroEngine:
     def _land_gradients(self) -> None:
         raise NotImplementedError
 
-    def _owned_grads(self, fp32: bool = True) -> list[torch.Tensor]:
-        """This rank's reduced gradient chunks, one per chunk, still multiplied by
-        ``grad_divisor`` x loss scale: in fp32 (a copy of 16-bit ones; the step may modify them in
-        place), or with ``fp32`` False in the gradient's own dtype (read only)."""
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks, one per chunk, in the gradient's dtype, still
+        multiplied by ``grad_divisor`` x loss scale. Whoever needs fp32 converts what it reads (the
+        update a chunk at a time, the offload backends a block at a time): never a fp32 copy of
+        the whole partition. In fp32 training the update scales them in place."""
         raise NotImplementedError
 
     def _param_chunks(self):
@@ -157,9 +158,7 @@ class ZeroEngine:
         self.check_micro_batches()
         self._land_gradients()
         scale = self.scaler.scale
-        # 16-bit gradients stay 16-bit here (the norm reads them in fp32): the fused and foreach
-        # kernels get an fp32 copy one chunk at a time in _update; the offload backends take fp32
-        grads = self._owned_grads(fp32=self.offload is not None)
+        grads = self._owned_grads()   # 16-bit stays 16-bit: the norm reads it in fp32
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
         if not math.isfinite(norm):

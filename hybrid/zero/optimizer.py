@@ -197,9 +197,8 @@ class ZeroOptimizer(ZeroEngine):
             if uses_weight_decay(self.params[piece.index]):
                 decay[b].append((piece.chunk_offset, piece.numel))
         grads = self._grad_numel()
-        fp32_grads = 4 * sum(sizes) if self.config.mixed_precision else 0   # _owned_grads_fp32
         resident = item * (self.layout.numel + grads + 3 * max(self.layout.chunk_sizes()) *
-                           self.partitions) + fp32_grads
+                           self.partitions)
         self.adam = build_offload_state(self.offload, sizes, decay, self.adamw, device=self.device,
                                         param_dtype=self.dtype, rank=self.state.rank,
                                         resident_bytes=resident)
@@ -254,10 +253,9 @@ class ZeroOptimizer(ZeroEngine):
         self.reducer.enabled = True
         self.reducer.finish()
 
-    def _owned_grads(self, fp32: bool = True) -> list[torch.Tensor]:
+    def _owned_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient chunks (summed over DP, still loss-scaled)."""
-        chunks = [self._reduced_grad(b) for b in range(len(self.layout.buckets))]
-        return [c.float() for c in chunks] if fp32 and self.config.mixed_precision else chunks
+        return [self._reduced_grad(b) for b in range(len(self.layout.buckets))]
 
     def _publish(self, rounded: bool = False) -> None:
         """Write the updated master into this rank's 16-bit chunks (unless ``rounded``) and

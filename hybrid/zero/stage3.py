@@ -227,9 +227,8 @@ class ParameterPartitioning(ZeroEngine):
     def _land_gradients(self) -> None:
         self._finish_backward()
 
-    def _owned_grads(self, fp32: bool = True) -> list[torch.Tensor]:
-        return [u.grad.float() if fp32 and u.grad.dtype != torch.float32 else u.grad
-                for u in self.all_units]
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [u.grad for u in self.all_units]
 
     def _param_chunks(self):
         """The owned 16-bit chunks (with parameters on NVMe: the store's writer)."""
@@ -278,8 +277,7 @@ class ParameterPartitioning(ZeroEngine):
         largest = max(u.padded for u in self.all_units)
         params = (param_store.resident_bytes([u.chunk for u in self.all_units], self.dtype)
                   if self.offload.params == "nvme" else item * chunks)   # store buffers / shards
-        resident = params + item * (chunks + 4 * largest) + (4 * chunks if self.config.mixed_precision
-                                                             else 0)
+        resident = params + item * (chunks + 4 * largest)
         backend = build_offload_state(self.offload, [u.chunk for u in self.all_units], decay,
                                       self.adamw, device=self.device, param_dtype=self.dtype,
                                       rank=self.state.rank, resident_bytes=resident)

@@ -253,7 +253,7 @@ def _optimizer(model, state, config, stage):
         from hybrid.zero import AdamWConfig, ZeroConfig
         from hybrid.zero.factory import build_zero_optimizer
     except ImportError:
-        from hybrid.training.fallback_optimizer import ReplicatedAdamW
+        from pretrain.fallback_optimizer import ReplicatedAdamW
         return ReplicatedAdamW(model, state, lr=1e-4), "fallback torch AdamW + hybrid.comm all-reduce"
     zcfg, acfg = ZeroConfig(stage=stage, precision="fp32"), AdamWConfig(lr=1e-4)
     if stage == 3:

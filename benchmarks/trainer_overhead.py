@@ -1,6 +1,6 @@
 """Trainer overhead (issue 6): the share of a training step the loop itself costs.
 
-A step of :class:`hybrid.training.trainer.Trainer` is split into the model's work - forward (with its
+A step of :class:`pretrain.trainer.Trainer` is split into the model's work - forward (with its
 TP collectives), backward (with ZeRO's gradient reduce-scatter) and the optimizer (zero_grad, clip,
 AdamW, parameter all-gather) - and everything else: waiting for the next micro-batch, the step
 agreement (one world all-reduce per iteration carrying the logged loss and the non-finite flag), the
@@ -17,7 +17,7 @@ all threads) time are both given.
 
     python benchmarks/trainer_overhead.py --iters 30 --warmup 5     # 1 rank and 4 ranks (TP2 x DP2)
 
-Runs the tiny-cpu preset (launch/presets/tiny-cpu.yaml) on the embedded corpus, without checkpoints
+Runs the tiny-cpu preset (pretrain/presets/tiny-cpu.yaml) on the embedded corpus, without checkpoints
 or evaluation (not part of a step), TensorBoard on; writes results/trainer_overhead.json.
 """
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from hybrid.training.exit import ExitCondition  # noqa: E402
+from pretrain.exit import ExitCondition  # noqa: E402
 
 MODEL_PHASES = ("forward", "backward", "optimizer")
 TRAINER_PHASES = ("data wait", "loss masking", "step agreement", "exit check",
@@ -148,9 +148,9 @@ def summarise(clock: PhaseClock, warmup: int) -> dict:
 
 
 def run_trainer(argv: list[str], warmup: int) -> dict:
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.metrics import install_rank_logging
-    from hybrid.training.setup import build_parallel_state, build_trainer
+    from pretrain.arguments import parse_args
+    from pretrain.metrics import install_rank_logging
+    from pretrain.setup import build_parallel_state, build_trainer
     torch.set_num_threads(1)
     cfg, _ = parse_args(argv)
     cfg.checkpoint.save = None                      # checkpoints are not part of a step

@@ -99,8 +99,8 @@ def expected_bytes(train_argv: list[str], vocab: int) -> dict[str, float]:
     """:func:`formula_bytes` for the run the trainer flags ``train_argv`` describe: its model's
     sharding units (the engine's own assignment, built on meta), precision and options."""
     from hybrid.parallel_state import ParallelState
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.setup import gpt_config
+    from pretrain.arguments import parse_args
+    from pretrain.setup import gpt_config
     from hybrid.zero.config import ZeroConfig
     from hybrid.zero.stage3_build import assign_units
     from models.gpt.model import GPTModel

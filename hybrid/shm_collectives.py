@@ -19,7 +19,7 @@ reuses a piece of its region only after every rank has consumed the collectives 
 first completes its own older collectives, so the ring never deadlocks: every rank reaches the
 same launch and makes the same completions. Waiting spins with ``sched_yield``, then sleeps; a
 peer whose process is gone, or the group's timeout, ends the wait with an error naming the ranks
-(``hybrid.training.liveness`` then names their host).
+(``pretrain.liveness`` then names their host).
 
 Chosen once, when the parallel state is built (``--dp-transport``: :mod:`hybrid.parallel_state`
 calls :meth:`ShmTransport.create`), and sized by the ZeRO engines, which know their largest

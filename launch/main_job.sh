@@ -3,7 +3,7 @@
 # 4 CPU ranks = tensor parallel 2 x data parallel 2, ZeRO stage 2, bf16 with fp32 master weights, on
 # the embedded default corpus (built and tokenized on first use, cached in data-cache/).
 # Extra arguments are passed on, e.g.  bash launch/main_job.sh --train-iters 50
-# Another preset of launch/presets/ writing checkpoints/<name> and runs/<name>, e.g. the Llama-style
+# Another preset of pretrain/presets/ writing checkpoints/<name> and runs/<name>, e.g. the Llama-style
 # twin:  bash launch/main_job.sh --config tiny-llama-cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."

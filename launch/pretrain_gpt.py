@@ -4,7 +4,7 @@
     python launch/pretrain_gpt.py --config table5-zero-100B --dry-run      # 400-GPU layout, one CPU
 
 Flags follow Megatron's names (``--help`` lists them); a ``--config`` YAML/TOML (or a preset name in
-launch/presets/) gives the base values, flags override. Everything else lives in hybrid.training.
+pretrain/presets/) gives the base values, flags override. Everything else lives in pretrain.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from hybrid.checkpoint.format import CheckpointError  # noqa: E402
 from hybrid.launch_env import LaunchEnv, LaunchEnvError  # noqa: E402
-from hybrid.training.arguments import parse_args  # noqa: E402
-from hybrid.training.exit import Interrupted  # noqa: E402
-from hybrid.training.liveness import PeersLostError  # noqa: E402
-from hybrid.training.metrics import install_rank_logging  # noqa: E402
+from pretrain.arguments import parse_args  # noqa: E402
+from pretrain.exit import Interrupted  # noqa: E402
+from pretrain.liveness import PeersLostError  # noqa: E402
+from pretrain.metrics import install_rank_logging  # noqa: E402
 
 # Bad input found before or at launch: config/topology/model dims (ValueError subclasses:
 # TrainConfigError, TopologyError, ConfigError), data (IndexedDatasetError, dataset ValueErrors) and
@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         return report_error(err)
     if options.dry_run:
-        from hybrid.training.dry_run import dry_run_report, format_report
+        from pretrain.dry_run import dry_run_report, format_report
         try:
             print(format_report(dry_run_report(cfg, options.dry_run_rank)))
         except USER_ERRORS as err:   # the layout at its full GPU count (divisibility, batches)
             return report_error(err)
         return 0
-    from hybrid.training.setup import run
+    from pretrain.setup import run
     log = logging.getLogger("pretrain_gpt")
     try:
         trainer = run(cfg, env)

@@ -6,7 +6,7 @@ torchrun's own command-line parser and agent run in this process (``torch.distri
 things differ, so that the command a user or a scheduler ran ends the way the job ended:
 
 - SIGTERM (preemption, ``scancel``, a time limit) or SIGINT (Ctrl-C) goes to every rank of this
-  host, and the ranks agree to save a checkpoint and stop (hybrid/training/exit.py): they exit 0 and
+  host, and the ranks agree to save a checkpoint and stop (pretrain/exit.py): they exit 0 and
   so does this command. torchrun itself would also pass the signal on, but then exit 1 with a
   traceback. A second Ctrl-C stops every rank at once (SIGKILL): nothing more is written, and a save
   cut short leaves only its ``iter_N.tmp`` directory, which no load reads. Exit 130.

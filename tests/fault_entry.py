@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid.checkpoint import writer  # noqa: E402
-from hybrid.training.trainer import Trainer  # noqa: E402
+from pretrain.trainer import Trainer  # noqa: E402
 from tests.reliability_helpers import load_entry  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))

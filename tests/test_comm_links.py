@@ -134,8 +134,8 @@ def test_dry_runs_split_the_400_gpu_traffic_by_link():
     """table5-zero-100B: DP 25 with one rank per DGX-2 node (every DP byte on InfiniBand), TP 16
     inside a node (none); table5-megatron-100B: TP 128 over 8 nodes, 8 of 128 ring hops cross."""
     from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.dry_run import dry_run_report, format_report
+    from pretrain.arguments import parse_args
+    from pretrain.dry_run import dry_run_report, format_report
     zero = dry_run_report(parse_args(["--config", "table5-zero-100B"])[0])
     assert zero["dp_cross_host_bytes_per_step"] == zero["dp_bytes_per_step"] > 0
     assert zero["tp_cross_host_bytes_per_step"] == 0
@@ -156,9 +156,9 @@ def test_start_up_report_gives_each_dp_group_and_op_its_bytes(options):
     (NCCL rings over hosts 0,0,1,1 cross at 2 of 4 hops). Plain: reduce-scatter and all-gather
     Ψ_b 3/4 each over DP; hybrid sharding: both inside the host, Ψ_b 1/2, then the all-reduce of
     the host's half Ψ_b/2, 2 (1/2) of it, all across hosts. The dry run lists the same lines."""
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.dry_run import dry_run_report, format_report
-    from hybrid.training.setup import expected_dp_report
+    from pretrain.arguments import parse_args
+    from pretrain.dry_run import dry_run_report, format_report
+    from pretrain.setup import expected_dp_report
     from tests.training_helpers import tiny_args
     cfg = parse_args(tiny_args(zero=2, precision="bf16",
                                extra=["--gpus-per-node", "2", "--world-size", "4", *options]))[0]

@@ -414,7 +414,7 @@ def test_bad_input_gives_one_error_line(outcomes, case):
 def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     """YAML 1.1 reads 1e-3 as a string; the config accepts it as the number it is (and 5e6 for an
     integer field), while a flag still overrides it."""
-    from hybrid.training.arguments import parse_args
+    from pretrain.arguments import parse_args
     f = _write(tmp_path / "run.yaml", "optimizer: {lr: 1e-3, min_lr: 1e-5}\n"
                                       "parallel: {zero_bucket_size: 5e6}\n")
     cfg, _ = parse_args(["--config", str(f)])

@@ -11,8 +11,8 @@ import torch
 from hybrid.checkpoint.format import CheckpointError
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
-from hybrid.training import resume
-from hybrid.training.arguments import parse_args
+from pretrain import resume
+from pretrain.arguments import parse_args
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.sharding import unshard_state_dict

@@ -6,7 +6,7 @@ layers 1 and 2 a package may import only packages to its left in its row. Nothin
 neither between modules nor between packages. Every ``import`` in a file's AST counts, including
 the lazy ones inside functions: a lazy import hides a cycle from Python, not from the design.
 
-The graph is read from the source of ``hybrid/`` and ``models/`` (nothing is imported), so a
+The graph is read from the source of ``hybrid/``, ``models/`` and ``pretrain/`` (nothing is imported), so a
 failure names the file, the line and the import statement that breaks the rule.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = ("hybrid", "models")
+ROOTS = ("hybrid", "models", "pretrain")
 
 # docs/design.md §Architecture: one row per layer, lowest first. Rows whose order matters (a package
 # may import only packages to its left) are lists; in a set the order is free (only no cycles).
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str] | set[str]]] = [
                        "hybrid.pipeline", "hybrid.data", "hybrid.generation"]),
     ("3 checkpoint", {"hybrid.checkpoint"}),
     ("4 models", {"models.gpt"}),
-    ("5 training", {"hybrid.training"}),
+    ("5 application", {"pretrain"}),
 ]
 # The root packages' __init__ files hold no imports of the framework (checked below).
 NAMESPACES = {"hybrid", "models"}
@@ -112,9 +112,13 @@ def import_edges() -> list[Edge]:
 
 
 def unit_of(module: str) -> str:
-    """The package or top-level module of the layer table that holds ``module``."""
+    """The package or top-level module of the layer table that holds ``module``: a top-level
+    package listed whole (the application, ``pretrain``) is one unit; inside the namespace roots
+    ``hybrid`` and ``models`` a unit is the root's sub-package or module."""
     parts = module.split(".")
-    return module if len(parts) == 1 else ".".join(parts[:2])
+    if parts[0] not in NAMESPACES or len(parts) == 1:
+        return parts[0]
+    return ".".join(parts[:2])
 
 
 def layer_positions() -> dict[str, tuple[int, int | None]]:
@@ -279,8 +283,8 @@ def _edge(src: str, dst: str, line: int = 1) -> Edge:
 
 
 def test_checker_flags_an_upward_import_with_file_and_line():
-    problems = check([_edge("hybrid.zero.engine", "hybrid.training.config", 7)], set())
-    assert len(problems) == 1 and "hybrid/zero/engine.py:7: from hybrid.training.config" in problems[0]
+    problems = check([_edge("hybrid.zero.engine", "pretrain.config", 7)], set())
+    assert len(problems) == 1 and "hybrid/zero/engine.py:7: from pretrain.config" in problems[0]
     assert "higher layer" in problems[0]
 
 
@@ -307,9 +311,9 @@ def test_checker_flags_module_and_package_cycles():
 
 
 def test_checker_excuses_pending_edges_and_rejects_stale_ones():
-    upward = _edge("models.gpt.weights", "hybrid.training.checkpointing")
-    assert check([upward], {("models.gpt.weights", "hybrid.training.checkpointing")}) == []
-    stale = check([], {("models.gpt.weights", "hybrid.training.checkpointing")})
+    upward = _edge("models.gpt.weights", "pretrain.checkpointing")
+    assert check([upward], {("models.gpt.weights", "pretrain.checkpointing")}) == []
+    stale = check([], {("models.gpt.weights", "pretrain.checkpointing")})
     assert len(stale) == 1 and "no file imports any more" in stale[0]
     allowed = _edge("hybrid.zero.engine", "hybrid.comm")
     harmless = check([allowed], {("hybrid.zero.engine", "hybrid.comm")})

@@ -6,7 +6,7 @@ crosses the veth link.
 1. both hosts train and checkpoint; 2. host B is killed (SIGKILL to its torchrun and ranks) while
 training: each of host A's ranks exits on its own within --distributed-timeout-minutes with one
 ``error:`` line naming host B's ranks, hostname and address and the checkpoint to resume from
-(hybrid/training/liveness.py); 3. relaunching both hosts resumes from the latest checkpoint;
+(pretrain/liveness.py); 3. relaunching both hosts resumes from the latest checkpoint;
 4. host A, which holds the rendezvous store, is killed: host B's ranks name host A's ranks and
 address as the lost rendezvous host.
 Skips (saying why) where namespaces cannot be created; namespaces are always removed."""

@@ -129,7 +129,7 @@ def test_nvme_file_is_owned_by_one_optimizer(tmp_path):
 
 
 def test_cli_flags_build_the_config(tmp_path):
-    from hybrid.training.arguments import parse_args
+    from pretrain.arguments import parse_args
 
     def offload_config(*flags):   # the trainer's own flags and config section
         return parse_args(["--zero-stage", "3", *flags])[0].parallel.offload_config()

@@ -1,4 +1,4 @@
-"""Lost peers are named, fast (docs/design.md §10; hybrid/training/liveness.py).
+"""Lost peers are named, fast (docs/design.md §10; pretrain/liveness.py).
 
 First the diagnosis in one process, against a real c10d store: alive, lost, failed and already
 diagnosed peers. Then four ranks (TP 2 x DP 2) run the real entry point (``launch/pretrain_gpt.py``
@@ -29,10 +29,10 @@ import pytest
 import torch.distributed as dist
 
 # what the ranks run, imported before they fork so that each starts in a fraction of a second
-import hybrid.training.setup  # noqa: F401
+import pretrain.setup  # noqa: F401
 import models.gpt.model  # noqa: F401
 import tests.fault_entry  # noqa: F401
-from hybrid.training.liveness import Liveness, Peer, PeersLostError, is_distributed_error
+from pretrain.liveness import Liveness, Peer, PeersLostError, is_distributed_error
 from tests.multirank import free_port
 from tests.reliability_helpers import FAULT_ENTRY, build_corpus, tiny_cli
 

@@ -1,4 +1,4 @@
-"""No orphan ranks (hybrid/training/liveness.py): ``kill -9`` of the torchrun agent of a real job
+"""No orphan ranks (pretrain/liveness.py): ``kill -9`` of the torchrun agent of a real job
 must stop every rank within the stated bound, each with one line saying why, and no checkpoint may
 be written after the kill (today's ranks would go on training and saving unsupervised)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybrid.processes import child_pids, process_gone
-from hybrid.training.liveness import LAUNCHER_CHECK
+from pretrain.liveness import LAUNCHER_CHECK
 from tests.reliability_helpers import ROOT, build_corpus, child_env, tiny_cli, torchrun
 
 SLACK = 1.0        # seconds a loaded 2-core machine may add to the detection bound

@@ -176,8 +176,8 @@ TRANSPORT_FLAGS = {None: True, "auto": True, "shm": True, "gloo": False}   # fla
 
 
 def _from_flags(rank, world_size):
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.setup import build_parallel_state
+    from pretrain.arguments import parse_args
+    from pretrain.setup import build_parallel_state
     from tests.training_helpers import tiny_args
     on = {}
     for transport in TRANSPORT_FLAGS:
@@ -192,7 +192,7 @@ def test_the_trainer_flag_chooses_the_transport():
 
 
 def test_an_unknown_transport_is_a_config_error():
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.sections import TrainConfigError
+    from pretrain.arguments import parse_args
+    from pretrain.sections import TrainConfigError
     with pytest.raises(TrainConfigError, match="--dp-transport must be auto, shm or gloo, got 'nccl'"):
         parse_args(["--dp-transport", "nccl"])

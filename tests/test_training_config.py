@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from hybrid.training.arguments import PRESET_DIR, build_parser, parse_args
-from hybrid.training.config import TrainConfig, TrainConfigError
-from hybrid.training.lr_schedule import LRSchedule
+from pretrain.arguments import PRESET_DIR, build_parser, parse_args
+from pretrain.config import TrainConfig, TrainConfigError
+from pretrain.lr_schedule import LRSchedule
 
 MEGATRON_FLAGS = ["--tensor-model-parallel-size", "--micro-batch-size", "--global-batch-size",
                   "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",

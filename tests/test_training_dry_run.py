@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.training.arguments import parse_args
-from hybrid.training.config import TrainConfigError
-from hybrid.training.dry_run import dry_run_report, format_report, total_bytes
+from pretrain.arguments import parse_args
+from pretrain.config import TrainConfigError
+from pretrain.dry_run import dry_run_report, format_report, total_bytes
 
 
 def _entry():

@@ -14,9 +14,9 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from hybrid.training.arguments import parse_args
-from hybrid.training.config import TrainConfigError
-from hybrid.training.metrics import (CUDA_MEMORY_NAMES, HOST_MEMORY_NAMES, SCALAR_NAMES,
+from pretrain.arguments import parse_args
+from pretrain.config import TrainConfigError
+from pretrain.metrics import (CUDA_MEMORY_NAMES, HOST_MEMORY_NAMES, SCALAR_NAMES,
                                      VALIDATION_NAMES, claim_run_dir, console_line,
                                      cuda_memory_bytes, format_duration, host_memory_bytes)
 from tests.multirank import run_on_ranks
@@ -87,7 +87,7 @@ def _train_two_hosts(rank, world_size, tb_dir):
     seen = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
-    for name in ("hybrid.training.trainer", "hybrid.training.setup"):
+    for name in ("pretrain.trainer", "pretrain.setup"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
     args = tiny_args(zero=3, precision="bf16", iters=2,

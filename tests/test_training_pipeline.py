@@ -1,4 +1,4 @@
-"""The trainer with pipeline parallelism (hybrid.training.pipeline_stage) against the same config
+"""The trainer with pipeline parallelism (pretrain.pipeline_stage) against the same config
 at PP 1 in one process, fp32: per-iteration losses, gradient norms (clipped at 1.0: the norm spans
 every stage) and the validation loss within rtol 1e-5 for PP 2 x DP 2 (1F1B, ZeRO 1, full
 recompute) and PP 2 x TP 2 + SP (interleaved, 2 chunks per stage, ZeRO 2); fp16 loss-scale
@@ -125,8 +125,8 @@ def test_saved_at_pp2_resumes_at_pp1(tmp_path):
 def test_start_up_report_names_the_pipeline_layout():
     from hybrid.parallel_state import ParallelState
     from hybrid.topology import Topology
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.setup import link_report
+    from pretrain.arguments import parse_args
+    from pretrain.setup import link_report
     cfg, _ = parse_args(["--world-size", "8", "--gpus-per-node", "2", "--num-layers", "8",
                          "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
                          "1", "--micro-batch-size", "1", "--global-batch-size", "8"])

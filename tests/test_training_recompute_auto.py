@@ -6,9 +6,9 @@ import torch
 
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute.plan import MODES
-from hybrid.training.arguments import parse_args
-from hybrid.training.config import TrainConfigError
-from hybrid.training.setup import build_model, gpt_config, recompute_plan
+from pretrain.arguments import parse_args
+from pretrain.config import TrainConfigError
+from pretrain.setup import build_model, gpt_config, recompute_plan
 
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--world-size", "1"]

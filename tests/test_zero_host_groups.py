@@ -191,8 +191,8 @@ def test_unequal_hosts_are_refused():
 def test_dry_run_of_the_options():
     """8 ranks as 2 hosts of 4, TP 2: DP n = 4, h = 2, k = 2; NCCL rings (a DP ring crosses at k of
     its n hops): plain stage 3 3Ψ(n-1)/n k/n, hpZ 2Ψ(n-1)/n k/n, hybrid sharding 2(Ψ/h)(k-1)/k."""
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.dry_run import dry_run_report, format_report
+    from pretrain.arguments import parse_args
+    from pretrain.dry_run import dry_run_report, format_report
     base = ["--config", "tiny-cpu", "--world-size", "8", "--gpus-per-node", "4", "--zero-stage", "3",
             "--bf16", "--dry-run"]
     plain, hpz, hsdp = (dry_run_report(parse_args(base + extra)[0]) for extra in
@@ -222,8 +222,8 @@ def test_dry_run_of_the_quantized_options(stage, extra):
     ψq(h-1)/h, and one across hosts on the host's partial sum, ψq(k-1)/(k h), all of it crossing.
     Stage 3 also equals hybrid.perf.zeropp's model of the same options."""
     from hybrid.perf.zeropp import ZeroOptions, dp_traffic
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.dry_run import dry_run_report, format_report
+    from pretrain.arguments import parse_args
+    from pretrain.dry_run import dry_run_report, format_report
     base = ["--config", "tiny-cpu", "--world-size", "8", "--gpus-per-node", "4", "--zero-stage",
             str(stage), "--bf16", "--dry-run"]
     plain, quant = (dry_run_report(parse_args(base + e)[0]) for e in ([], extra))
@@ -273,8 +273,8 @@ def test_single_host_is_refused():
 
 
 def test_trainer_flags_are_checked():
-    from hybrid.training.config import TrainConfigError
-    from hybrid.training.sections import ParallelSection
+    from pretrain.config import TrainConfigError
+    from pretrain.sections import ParallelSection
     with pytest.raises(TrainConfigError, match="use --zero-stage 3"):
         ParallelSection(zero_stage=1, zero_hpz=True)
     assert ParallelSection(zero_stage=3, zero_hpz=True).zero_config_options()["hpz"]

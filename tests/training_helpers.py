@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from hybrid.data.loader import build_pretraining_loader
-from hybrid.training.arguments import parse_args
-from hybrid.training.setup import DataBundle, build_parallel_state, build_trainer
+from pretrain.arguments import parse_args
+from pretrain.setup import DataBundle, build_parallel_state, build_trainer
 
 VOCAB = 200          # padded to 224 at TP 1, 256 at TP 2 and 4: resharding crosses padding
 SEQ = 16

@@ -1,6 +1,6 @@
 """Dry run of the paper's Table 5 runs at full size on the meta device (ZeRO §10; torchtitan-style
 dry run), through the same path as ``launch/pretrain_gpt.py --dry-run``: every row's preset (from
-launch/presets/) is checked by :func:`hybrid.training.dry_run.dry_run_report`, which builds the real
+pretrain/presets/) is checked by :func:`pretrain.dry_run.dry_run_report`, which builds the real
 tensor-parallel GPT of one TP rank (nothing allocated), counts its parameters and estimates model
 states, activations and buffers with hybrid.perf. This tool adds the comparison with the parameter
 formulas, shows which TP groups of the 400-GPU (and 384/256-GPU baseline) layouts stay inside a
@@ -20,8 +20,8 @@ import sys
 from hybrid.perf.flops import gpt_param_count, megatron_param_count
 from hybrid.perf.model_states import GB, model_state_bytes
 from hybrid.topology import Topology
-from hybrid.training.arguments import parse_args
-from hybrid.training.dry_run import dry_run_report, total_bytes
+from pretrain.arguments import parse_args
+from pretrain.dry_run import dry_run_report, total_bytes
 from models.gpt.presets import PAPER_RUNS, PaperRun
 from tools._cli import ArgumentParser, run_cli
 

@@ -198,8 +198,8 @@ def profile_steps(step, optimizer, *, warmup: int, steps: int, barrier=lambda: N
 def _rank_main(rank, world, argv, steps, warmup, threads):
     import logging
     import torch
-    from hybrid.training.arguments import parse_args
-    from hybrid.training.setup import build_parallel_state, build_trainer
+    from pretrain.arguments import parse_args
+    from pretrain.setup import build_parallel_state, build_trainer
     logging.disable(logging.INFO)
     torch.set_num_threads(threads)
     cfg, _ = parse_args(argv)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("steps", "threads"):
         if getattr(ours, flag) < 1:
             parser.error(f"--{flag} must be at least 1")
-    from hybrid.training.arguments import parse_args
+    from pretrain.arguments import parse_args
     cfg, _ = parse_args(trainer_argv)   # bad trainer flags fail here, before any rank starts
     world = cfg.parallel.world_size or cfg.parallel.tensor_model_parallel_size
     from tests.multirank import run_on_ranks

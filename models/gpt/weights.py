@@ -80,7 +80,7 @@ def _model_config(reader: CheckpointReader) -> dict:
     config = reader.metadata.get("model_config")
     if config is None:
         raise CheckpointError(f"{reader.directory} stores no model_config; it was not written by "
-                              f"a training run of this framework (hybrid.training.resume)")
+                              f"a training run of this framework (pretrain.resume)")
     return config
 
 

@@ -13,7 +13,7 @@ Global batch = micro batch x DP x accumulation steps; each DP rank reads its sli
 from a sampler driven by the consumed-samples count, which the checkpoint stores, so a resumed run
 continues at exactly the next sample.
 
-With pipeline parallelism (:mod:`hybrid.training.pipeline_stage`) the accumulation steps are the
+With pipeline parallelism (:mod:`pretrain.pipeline_stage`) the accumulation steps are the
 pipeline's m micro-batches: a step is one run of the schedule over them, the loss comes from the last
 stage (shared with every rank by the step's agreement all-reduce), evaluation runs the forward-only
 schedule, and each log line adds the measured bubble and the PP bytes per step.
@@ -36,10 +36,10 @@ import torch
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.links import describe_collectives
-from hybrid.training import resume
-from hybrid.training.resume import TrainState
-from hybrid.training.exit import ExitCondition
-from hybrid.training.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
+from pretrain import resume
+from pretrain.resume import TrainState
+from pretrain.exit import ExitCondition
+from pretrain.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
 from hybrid.zero.results import StepResult
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Trainer:
                  metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
                  train_state: TrainState | None = None, pipeline=None, compile_clock=None):
         """``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank;
-        ``pipeline``: this rank's :class:`~hybrid.training.pipeline_stage.PipelineStage` (PP > 1);
+        ``pipeline``: this rank's :class:`~pretrain.pipeline_stage.PipelineStage` (PP > 1);
         ``compile_clock``: the :class:`~models.gpt.compile.CompileClock` of a --compile run."""
         self.cfg, self.state, self.model, self.optimizer = cfg, state, model, optimizer
         self.schedule, self.make_loader, self.metrics = schedule, make_loader, metrics
@@ -140,7 +140,7 @@ class Trainer:
     def _pipeline_losses(self, loader) -> tuple[float, bool]:
         """One run of the pipeline schedule over the step's m micro-batches: (this rank's mean
         loss, 0 off the last stage; whether it is non-finite); measures the step's bubble."""
-        from hybrid.training.pipeline_stage import micro_batches, pipeline_bubble
+        from pretrain.pipeline_stage import micro_batches, pipeline_bubble
         output = self.pipeline.runner.step(micro_batches(loader, self.accum, self.state.device))
         self._step_bubble = pipeline_bubble(self.pipeline, output, self.state)
         loss = output.loss if output.loss is not None else 0.0
@@ -201,7 +201,7 @@ class Trainer:
         loader = self.make_loader("valid", self.ts.consumed_valid_samples)
         total, n = 0.0, self.cfg.training.eval_iters * self.accum
         if self.pipeline is not None:   # the forward-only schedule, m micro-batches at a time
-            from hybrid.training.pipeline_stage import micro_batches
+            from pretrain.pipeline_stage import micro_batches
             for _ in range(self.cfg.training.eval_iters):
                 loss = self.pipeline.runner.forward_only(
                     micro_batches(loader, self.accum, self.state.device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import get_args, get_type_hints
 
-from hybrid.training.sections import TrainConfigError
+from pretrain.sections import TrainConfigError
 
 _EXAMPLES = {bool: "true", int: "8", float: "0.001", str: "a string"}
 

@@ -13,7 +13,7 @@ partition (2Ψ/h in bf16) is a model-state row of its own (:mod:`hybrid.zero.hos
 ``--zero-quantized-weights`` (qwZ) the all-gathers from the primary partition and with
 ``--zero-quantized-gradients`` (qgZ) the reduce-scatter's two all-to-alls (inside the host, then
 across hosts) carry int8 blocks with an fp32 scale each. The DP bytes are listed per group and op
-(:mod:`hybrid.training.traffic`: the start-up report's formulas too).
+(:mod:`pretrain.traffic`: the start-up report's formulas too).
 
 With pipeline parallelism the rank holds its stage's model chunks only (their parameters are counted
 from the meta-built chunks), the activations of the micro-batches its schedule keeps in flight
@@ -32,20 +32,20 @@ from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import model_state_bytes, stage_with_pipeline
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
-from hybrid.training.config import TrainConfig, TrainConfigError
-from hybrid.training.traffic import expected_dp_collectives
+from pretrain.config import TrainConfig, TrainConfigError
+from pretrain.traffic import expected_dp_collectives
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     """Everything --dry-run prints, as numbers (also used by tests)."""
-    from hybrid.training.setup import gpt_config
+    from pretrain.setup import gpt_config
     from models.gpt.model import GPTModel
     world = cfg.parallel.world_size
     if world is None:
         raise TrainConfigError("--dry-run needs the GPU count the config is meant for; set "
-                               "--world-size (presets in launch/presets/ set it)")
+                               "--world-size (presets in pretrain/presets/ set it)")
     cfg.validate_for_world(world)
     p, m, o = cfg.parallel, cfg.model, cfg.optimizer
     topology = Topology(world, p.tensor_model_parallel_size, gpus_per_node=p.gpus_per_node,
@@ -212,7 +212,7 @@ def format_report(r: dict) -> str:
 
 
 def _pipeline_lines(r: dict) -> list[str]:
-    from hybrid.training.setup import pipeline_report
+    from pretrain.setup import pipeline_report
     return [pipeline_report(r["pipeline"], r["pp_rank"]),
             f"PP rank {r['pp_rank']} in {_span(r['pp_group'])}; activations of "
             f"{r['micro_batches_held']:g} micro-batch(es) held at the peak; PP traffic sent per "
@@ -268,6 +268,6 @@ def _auto_plan_mode(cfg, gcfg, state) -> str:
     """The most memory-saving mode of the ``--recompute auto`` plan, for the layer-uniform
     estimate of :func:`hybrid.perf.memory.device_memory` (conservative: every layer gets it)."""
     from hybrid.recompute.plan import MODES
-    from hybrid.training.setup import recompute_plan
+    from pretrain.setup import recompute_plan
     plan = recompute_plan(cfg, gcfg, state, device="cuda")
     return max(set(plan.modes), key=MODES.index)

@@ -3,8 +3,8 @@
 The ``model`` section is :class:`models.gpt.GPTConfig` itself, with the trainer's defaults
 (:data:`MODEL_DEFAULTS`); the other six are defined here. Every field name is the Megatron-LM command-line flag with dashes turned into underscores
 (``tensor_model_parallel_size`` <-> ``--tensor-model-parallel-size``); the ``help`` metadata is the
-flag's help text (hybrid.training.arguments generates the parser from these fields). Checks that
-need several sections or the world size live in :class:`hybrid.training.config.TrainConfig`.
+flag's help text (pretrain.arguments generates the parser from these fields). Checks that
+need several sections or the world size live in :class:`pretrain.config.TrainConfig`.
 """
 
 from __future__ import annotations

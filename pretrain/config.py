@@ -1,6 +1,6 @@
 """Training configuration: dataclasses that validate themselves (docs/design.md §9).
 
-One :class:`TrainConfig` groups the seven sections of :mod:`hybrid.training.sections` (the model
+One :class:`TrainConfig` groups the seven sections of :mod:`pretrain.sections` (the model
 section is :class:`models.gpt.GPTConfig`, validated by its own checks only). Every field
 name is the Megatron-LM flag with dashes turned into underscores (``tensor_model_parallel_size`` <->
 ``--tensor-model-parallel-size``), so a YAML/TOML preset, the command line and a checkpoint's stored
@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from hybrid.training.sections import (SECTIONS, CheckpointSection, DataSection, LoggingSection,
+from pretrain.sections import (SECTIONS, CheckpointSection, DataSection, LoggingSection,
                                       OptimizerSection, ParallelSection, TrainConfigError,
                                       TrainingSection, build_model_config)
-from hybrid.training.config_values import coerce_section
+from pretrain.config_values import coerce_section
 from models.gpt.config import ConfigError, GPTConfig
 
 __all__ = ["SECTIONS", "TrainConfig", "TrainConfigError"]

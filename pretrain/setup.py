@@ -26,15 +26,15 @@ from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import describe_collectives, describe_group, nodes_of
 from hybrid.processes import keep_freed_memory
-from hybrid.training.config import TrainConfig
-from hybrid.training.exit import SetupSignals
-from hybrid.training.liveness import Liveness
-from hybrid.training.lr_schedule import build_lr_schedule
-from hybrid.training.metrics import MetricsWriter, ThroughputModel
-from hybrid.training.resume import TrainState, fresh_run_id
-from hybrid.training.resume import load as load_checkpoint
-from hybrid.training.traffic import expected_dp_collectives
-from hybrid.training.trainer import Trainer
+from pretrain.config import TrainConfig
+from pretrain.exit import SetupSignals
+from pretrain.liveness import Liveness
+from pretrain.lr_schedule import build_lr_schedule
+from pretrain.metrics import MetricsWriter, ThroughputModel
+from pretrain.resume import TrainState, fresh_run_id
+from pretrain.resume import load as load_checkpoint
+from pretrain.traffic import expected_dp_collectives
+from pretrain.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def build_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
 
 
 def build_stage_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
-    """(model, RNG tracker, :class:`~hybrid.training.pipeline_stage.PipelineStage` or None)."""
+    """(model, RNG tracker, :class:`~pretrain.pipeline_stage.PipelineStage` or None)."""
     from hybrid.tensor_parallel import RNGTracker
     from models.gpt.model import GPTModel
     rng = RNGTracker(cfg.training.seed, state.tp_rank, state.device)
@@ -124,7 +124,7 @@ def build_stage_model(cfg: TrainConfig, state: ParallelState, vocab_size: int):
     gcfg.validate_for_tp(state.tp_size)
     pcfg = cfg.pipeline_config(state.world_size)
     if pcfg is not None:
-        from hybrid.training.pipeline_stage import build_stage
+        from pretrain.pipeline_stage import build_stage
         stage = build_stage(pcfg, gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
                             device=state.device, rng=rng, plan=recompute_plan(cfg, gcfg, state),
                             seed=cfg.training.seed)
@@ -279,7 +279,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     if state.rank == 0 and state.dp_size > 1:   # the layout is checked: the engine is built
         log.info("%s", expected_dp_report(cfg, state, optimizer.num_local_params))
     if stage is not None:
-        from hybrid.training.pipeline_stage import attach_runner
+        from pretrain.pipeline_stage import attach_runner
         attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,
                       micro_batch=cfg.data.micro_batch_size, seq_length=cfg.model.seq_length,
                       hidden=cfg.model.hidden_size, sequence_parallel=cfg.parallel.sequence_parallel)
@@ -310,11 +310,11 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
 
 
 def build_roofline(cfg: TrainConfig, state: ParallelState, models: list) -> float | None:
-    """This rank's GEMM-bound seconds per iteration (hybrid.training.roofline) for ``models`` (the
+    """This rank's GEMM-bound seconds per iteration (pretrain.roofline) for ``models`` (the
     model, or this pipeline stage's chunks), None with --no-roofline."""
     if not cfg.logging.roofline:
         return None
-    from hybrid.training.roofline import gemm_bound_time, run_gemms
+    from pretrain.roofline import gemm_bound_time, run_gemms
     gemms = run_gemms(cfg, state.tp_size, cfg.grad_accumulation_steps(state.world_size), models)
     return gemm_bound_time(gemms, cfg.optimizer.precision, state.device, cfg.data.data_cache_dir)
 
@@ -390,7 +390,7 @@ def claim_save(cfg: TrainConfig, state: ParallelState):
 def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     """The whole pretraining program in the launcher's job ``env`` (default: this process's
     environment); returns the finished trainer. A collective that fails because other ranks are
-    gone raises :class:`~hybrid.training.liveness.PeersLostError` naming them (and their host)
+    gone raises :class:`~pretrain.liveness.PeersLostError` naming them (and their host)
     instead of gloo's address and port."""
     env = env if env is not None else LaunchEnv.from_environ()
     keep_freed_memory()   # steps reuse their temporaries' pages instead of faulting them in
@@ -442,7 +442,7 @@ def link_report(state: ParallelState, cfg: TrainConfig | None = None) -> str:
 
 def expected_dp_report(cfg: TrainConfig, state: ParallelState, psi: int) -> str:
     """Start-up report: the DP bytes per rank per step ZeRO's formulas expect for this rank's
-    ``psi`` parameters, per group and op, inside hosts and across them (hybrid.training.traffic,
+    ``psi`` parameters, per group and op, inside hosts and across them (pretrain.traffic,
     the dry run's formulas, as NCCL rings); the trainer logs the measured bytes of every group
     after the first logged step."""
     param_bytes = 4 if cfg.optimizer.precision == "fp32" else 2

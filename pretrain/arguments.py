@@ -1,7 +1,7 @@
 """Command line of ``launch/pretrain_gpt.py``: a YAML/TOML config file plus Megatron-named overrides.
 
 Precedence: dataclass defaults < ``--config FILE`` (YAML or TOML, nested by section) < flags.
-Every flag is generated from a field of :mod:`hybrid.training.config` (``--tensor-model-parallel-size``
+Every flag is generated from a field of :mod:`pretrain.config` (``--tensor-model-parallel-size``
 sets ``parallel.tensor_model_parallel_size``), so there is no flag without a field behind it and no
 field that cannot be set. Booleans take ``--flag`` / ``--no-flag`` so a flag can undo a preset.
 An unknown flag is an error that suggests the nearest known one.
@@ -19,9 +19,9 @@ from typing import get_args, get_type_hints
 
 import yaml
 
-from hybrid.training.config import SECTIONS, TrainConfig, TrainConfigError
+from pretrain.config import SECTIONS, TrainConfig, TrainConfigError
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "launch" / "presets"
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
 
 @dataclass
@@ -61,7 +61,7 @@ def _parse_config_text(path: Path):
 
 
 def resolve_preset(name_or_path: str) -> Path:
-    """A file path, or the name of a preset in launch/presets/ (``tiny-cpu`` -> tiny-cpu.yaml)."""
+    """A file path, or the name of a preset in pretrain/presets/ (``tiny-cpu`` -> tiny-cpu.yaml)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml", ".toml"):
         return path
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining with tensor parallelism x ZeRO data parallelism.")
-    parser.add_argument("--config", help="YAML/TOML config file or a preset name in launch/presets/")
+    parser.add_argument("--config", help="YAML/TOML config file or a preset name in pretrain/presets/")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the layout at its full GPU count on this machine, no communication")
     parser.add_argument("--dry-run-rank", type=int, default=0, help="which rank --dry-run reports")

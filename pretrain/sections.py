@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid.data.tokenizer_types import MEGATRON_TOKENIZER_TYPES
 from models.gpt.config import ConfigError, GPTConfig
 
 
@@ -255,6 +256,12 @@ class DataSection:
     eod_mask_loss: bool = _help("no loss where the input token is end-of-document", default=False)
     tokenizer_model: str | None = _help("sentencepiece .model or tokenizer.json (default: the embedded corpus's)",
                                         default=None)
+    tokenizer_type: str | None = _help("Megatron's tokenizer name: GPT2BPETokenizer (--vocab-file, "
+                                       "--merge-file), HuggingFaceTokenizer, SentencePieceTokenizer "
+                                       "(--tokenizer-model), NullTokenizer (--vocab-size)",
+                                       default=None)
+    vocab_file: str | None = _help("GPT-2's vocab.json (GPT2BPETokenizer)", default=None)
+    merge_file: str | None = _help("GPT-2's merges.txt (GPT2BPETokenizer)", default=None)
     data_cache_dir: str = _help("where the embedded corpus and sample indices are cached",
                                 default="data-cache")
 
@@ -264,6 +271,9 @@ class DataSection:
         if isinstance(self.data_path, str):
             self.data_path = self.data_path.split()
         self.weighted_data_paths()  # validates
+        if self.tokenizer_type is not None and self.tokenizer_type not in MEGATRON_TOKENIZER_TYPES:
+            raise TrainConfigError(f"--tokenizer-type {self.tokenizer_type!r} is not supported; "
+                                   f"choose one of {', '.join(MEGATRON_TOKENIZER_TYPES)}")
         parts = self.split.split(",")
         try:
             weights = [float(p) for p in parts]

@@ -62,9 +62,14 @@ class DataBundle:
 
 def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     """Datasets from --data-path/--split, or the embedded default corpus (built once, by rank 0)."""
-    from hybrid.data import Tokenizer, build_gpt_datasets, ensure_default_dataset
+    from hybrid.data import build_gpt_datasets, build_tokenizer, ensure_default_dataset
     d = cfg.data
     data_path, tokenizer_model = list(d.data_path), d.tokenizer_model
+    megatron_tokenizer = d.tokenizer_type or d.vocab_file or d.merge_file
+    if not data_path and megatron_tokenizer:
+        raise ValueError("--tokenizer-type/--vocab-file/--merge-file need --data-path: the embedded "
+                         "corpus is tokenized with its own tokenizer; pass the --data-path prefix "
+                         "tools/preprocess_data.py wrote with this tokenizer")
     if not data_path:
         vocab = cfg.model.vocab_size or 4096
         if state.rank == 0:
@@ -72,10 +77,12 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
         comm.barrier(state.world)
         prefix, default_tokenizer = ensure_default_dataset(d.data_cache_dir, vocab)
         data_path, tokenizer_model = [prefix], tokenizer_model or default_tokenizer
-    if tokenizer_model is None:
-        raise ValueError("--data-path was given without --tokenizer-model; pass the tokenizer "
-                         "(.model or tokenizer.json) the data was tokenized with")
-    tokenizer = Tokenizer(tokenizer_model)
+    if tokenizer_model is None and not megatron_tokenizer:
+        raise ValueError("--data-path was given without --tokenizer-model or --tokenizer-type; pass "
+                         "the tokenizer (.model or tokenizer.json, or Megatron's --tokenizer-type with "
+                         "its files) the data was tokenized with")
+    tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                model=tokenizer_model, vocab_size=cfg.model.vocab_size)
     t = cfg.training
     global_batch = cfg.global_batch(state.world_size)
     evals = t.train_iters // t.eval_interval + 1

@@ -1,6 +1,6 @@
 """Text / JSONL -> Megatron indexed dataset (the preprocessing step of Megatron-LM's pipeline).
 
-Every document is tokenized, followed by the end-of-document id, and stored as one sequence of a
+Every document is tokenized, followed by the end-of-document id (unless ``append_eod`` is off), and stored as one sequence of a
 ``prefix.bin`` / ``prefix.idx`` pair (see :mod:`hybrid.data.indexed_dataset`). Tokenization runs in
 a pool of worker processes (spawned: a script calling :func:`preprocess` with ``workers > 1`` needs
 the usual ``if __name__ == "__main__":`` guard); results are consumed in input order, so the
@@ -24,6 +24,7 @@ import numpy as np
 
 from hybrid.data.indexed_dataset import IndexedDatasetWriter, best_token_dtype
 from hybrid.data.tokenizer import Tokenizer
+from hybrid.data.tokenizer_types import NullTokenizer, TokenizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +60,19 @@ def _json_text(line: str, key: str, path: Path, lineno: int) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _processor(model_path: str) -> Tokenizer:
-    # one loaded model per process and path; workers load it on their first batch
-    return Tokenizer(model_path)
+def _processor(spec: TokenizerSpec) -> Tokenizer | NullTokenizer:
+    # one loaded model per process and spec; workers load it on their first batch
+    return spec.build()
 
 
 @dataclass(frozen=True)
 class _BatchEncoder:
-    """Picklable encoder: only the model path crosses the process boundary."""
-    model_path: str
+    """Picklable encoder: only the tokenizer's spec crosses the process boundary."""
+    spec: TokenizerSpec
     append_eod: bool
 
     def __call__(self, docs: list[str]) -> list[np.ndarray]:
-        tok = _processor(self.model_path)
+        tok = _processor(self.spec)
         out = []
         for ids in tok.encode_batch(docs):
             if self.append_eod:
@@ -100,20 +101,22 @@ class PreprocessStats:
     dtype: str
 
 
-def preprocess(paths: Sequence[str | Path], output_prefix: str | Path, tokenizer_model: str | Path,
-               *, workers: int = 1, json_key: str = "text", append_eod: bool = True,
-               batch_docs: int = 64, token_dtype: str | None = None,
-               log_interval: int = 10_000) -> PreprocessStats:
-    """Tokenize ``paths`` into ``output_prefix.bin/.idx``. Tokens are ``token_dtype`` if given,
-    else uint16 when the vocab fits and int32 otherwise."""
+def preprocess(paths: Sequence[str | Path], output_prefix: str | Path,
+               tokenizer_model: str | Path | TokenizerSpec, *, workers: int = 1,
+               json_key: str = "text", append_eod: bool = True, batch_docs: int = 64,
+               token_dtype: str | None = None, log_interval: int = 10_000) -> PreprocessStats:
+    """Tokenize ``paths`` into ``output_prefix.bin/.idx`` with ``tokenizer_model`` (a model file, or a
+    :class:`TokenizerSpec` of Megatron's tokenizer flags). Tokens are ``token_dtype`` if given, else
+    uint16 when the vocab fits and int32 otherwise."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    model = str(tokenizer_model)
-    tok = _processor(model)   # a readable tokenizer, or TokenizerError naming the file
+    spec = (tokenizer_model if isinstance(tokenizer_model, TokenizerSpec)
+            else TokenizerSpec(model=str(tokenizer_model)))
+    tok = _processor(spec)   # a readable tokenizer, or TokenizerError naming the file
     vocab = tok.vocab_size
     if append_eod:
         _ = tok.eod   # ValueError naming the file when the tokenizer has no end-of-document id
-    encoder = _BatchEncoder(model, append_eod)
+    encoder = _BatchEncoder(spec, append_eod)
     batches = _batches(read_documents(paths, json_key), batch_docs)
     t0, docs, tokens = time.perf_counter(), 0, 0
     dtype = np.dtype(token_dtype) if token_dtype else best_token_dtype(vocab)

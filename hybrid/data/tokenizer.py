@@ -1,4 +1,4 @@
-"""The tokenizer of the GPT data pipeline: one interface over two kinds of model files.
+"""The tokenizer of the GPT data pipeline: one interface over sentencepiece and Hugging Face models.
 
 - a sentencepiece BPE model with byte fallback (``.model``, tools/train_tokenizer.py --type
   sentencepiece). Byte fallback means any UTF-8 text encodes (unknown characters become their bytes)
@@ -12,8 +12,9 @@
 
 The kind is chosen by the file: a ``*.json`` file is a ``tokenizer.json``, any other file a
 sentencepiece model, and a directory stands for the ``tokenizer.json`` (else ``tokenizer.model``)
-inside it. The preprocessing tool appends ``eod`` after every document, as Megatron does. Special
-tokens written in a document's text are encoded as text, never as their special ids.
+inside it. GPT-2's separate ``vocab.json`` + ``merges.txt`` and Megatron's ``--tokenizer-type``
+names are built by :func:`hybrid.data.tokenizer_types.build_tokenizer`. Special tokens written in a
+document's text are encoded as text, never as their special ids.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ BPE_EOD = "<|endoftext|>"      # the end-of-document token of tools/train_tokeni
 # end-of-document tokens of common pretrained tokenizer.json files (GPT-2, Llama-3, Llama-2, Gemma)
 EOD_TOKENS = (BPE_EOD, "<|end_of_text|>", "</s>", "<eos>")
 HF_FILE, SENTENCEPIECE_FILE = "tokenizer.json", "tokenizer.model"
+GPT2_FILES_FIX = ("for GPT-2's vocab.json + merges.txt pass --tokenizer-type GPT2BPETokenizer "
+                  "--vocab-file vocab.json --merge-file merges.txt")
 TOKENIZER_TYPES = ("sentencepiece", "bpe")
 
 
@@ -63,8 +66,9 @@ def resolve_tokenizer_file(model_path: str | Path) -> str:
 
 
 class Tokenizer:
-    """encode/decode, vocab_size and eod over a sentencepiece model or a ``tokenizer.json``;
-    ``kind`` is "sentencepiece" or "tokenizer.json"."""
+    """encode/decode, vocab_size and eod over a sentencepiece model or a Hugging Face ``tokenizers``
+    object; ``kind`` is "sentencepiece", "tokenizer.json" or "gpt2-bpe" (GPT-2's vocab/merges,
+    :meth:`from_hf`)."""
 
     def __init__(self, model_path: str | Path):
         path = resolve_tokenizer_file(model_path)
@@ -74,63 +78,74 @@ class Tokenizer:
             self._hf = _load_tokenizer_json(path)
             self._eod = _hf_eod(self._hf, path)
             return
+        self._hf = None
         try:
             self._sp = spm.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as err:   # sentencepiece: "could not parse ModelProto"
             raise TokenizerError(
                 f"tokenizer model {path!r} is not a sentencepiece model ({' '.join(str(err).split())}); "
-                f"pass a sentencepiece .model or a Hugging Face tokenizer.json (GPT-2 vocab/merges "
-                f"files are not supported)") from None
+                f"pass a sentencepiece .model or a Hugging Face tokenizer.json; {GPT2_FILES_FIX}") from None
+
+    @classmethod
+    def from_hf(cls, hf: HFTokenizer, eod: int | None, source: str, kind: str) -> "Tokenizer":
+        """A tokenizer over an in-memory ``tokenizers`` object (``source`` names its files in
+        messages); special tokens in the text stay text, as for a tokenizer.json."""
+        tok = cls.__new__(cls)
+        tok.model_path, tok.kind, tok._hf, tok._eod = source, kind, hf, eod
+        hf.encode_special_tokens = True
+        return tok
 
     @property
     def vocab_size(self) -> int:
-        if self.kind == "tokenizer.json":
+        if self._hf is not None:
             return self._hf.get_vocab_size(with_added_tokens=True)
         return self._sp.vocab_size()
 
     @property
     def eod(self) -> int:
-        eos = self._eod if self.kind == "tokenizer.json" else self._sp.eos_id()
+        eos = self._eod if self._hf is not None else self._sp.eos_id()
         if eos is None or eos < 0:
             fix = ("name its end-of-document token as eos_token in a tokenizer_config.json beside it"
-                   if self.kind == "tokenizer.json" else "retrain it with tools/train_tokenizer.py")
+                   if self._hf is not None else "retrain it with tools/train_tokenizer.py")
             raise ValueError(f"tokenizer {self.model_path!r} defines no end-of-document id; {fix}")
         return eos
 
     def special_tokens(self) -> dict[str, tuple[str, int] | None]:
         """``bos`` / ``eos`` / ``unk``: (token, id), or None where the model has none (a
         tokenizer.json's eos is its end-of-document token)."""
-        if self.kind == "tokenizer.json":
+        if self._hf is not None:
             eos = (self._hf.id_to_token(self._eod), self._eod) if self._eod is not None else None
             return {"bos": None, "eos": eos, "unk": None}
         return {name: (self._sp.id_to_piece(i), i) if i >= 0 else None for name, i in
                 (("bos", self._sp.bos_id()), ("eos", self._sp.eos_id()), ("unk", self._sp.unk_id()))}
 
     def encode(self, text: str) -> list[int]:
-        if self.kind == "tokenizer.json":
+        if self._hf is not None:
             return self._hf.encode(text, add_special_tokens=False).ids
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.kind == "tokenizer.json":
+        if self._hf is not None:
             return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
         return self._sp.encode(texts)
 
     def decode(self, ids: Iterable[int]) -> str:
-        if self.kind == "tokenizer.json":
+        if self._hf is not None:
             return self._hf.decode([int(i) for i in ids])
         return self._sp.decode([int(i) for i in ids])
 
     def id_to_piece(self, i: int) -> str:
-        if self.kind == "tokenizer.json":
+        if self._hf is not None:
             return self._hf.id_to_token(int(i))
         return self._sp.id_to_piece(int(i))
 
     def to_tokenizer_json(self) -> HFTokenizer:
-        """This tokenizer as a Hugging Face ``tokenizers`` object (a sentencepiece model converted
-        by hybrid.data.sentencepiece_convert)."""
+        """This tokenizer as a fresh Hugging Face ``tokenizers`` object (a sentencepiece model
+        converted by hybrid.data.sentencepiece_convert)."""
         if self.kind == "tokenizer.json":
             return HFTokenizer.from_file(self.model_path)
+        if self._hf is not None:
+            return HFTokenizer.from_str(self._hf.to_str())
         from hybrid.data.sentencepiece_convert import convert_sentencepiece
         return convert_sentencepiece(self.model_path)
 
@@ -141,7 +156,8 @@ def _load_tokenizer_json(path: str) -> HFTokenizer:
     except Exception as err:   # tokenizers raises a bare Exception for malformed files
         raise TokenizerError(
             f"tokenizer model {path!r} is not a sentencepiece model nor a Hugging Face tokenizer.json "
-            f"({' '.join(str(err).split())[:200]}); pass a .model or tokenizer.json file") from None
+            f"({' '.join(str(err).split())[:200]}); pass a .model or tokenizer.json file; "
+            f"{GPT2_FILES_FIX}") from None
     tok.encode_special_tokens = True   # "<|endoftext|>" inside a document is text, not eod
     return tok
 

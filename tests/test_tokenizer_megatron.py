@@ -240,3 +240,15 @@ def test_training_run_builds_gpt2_tokenizer_from_megatron_flags(gpt2_files, tmp_
                                          str(tmp_path / "ckpt"))]
     assert entry.main(argv) == 2
     assert "--merge-file is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--tokenizer-type", "BertWordPieceCase"], "--tokenizer-type 'BertWordPieceCase' is not supported"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"], "need --data-path"),
+])
+def test_training_refuses_bad_tokenizer_flags(tmp_path, capsys, flags, expected):
+    argv = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--train-iters", "1", "--data-cache-dir", str(tmp_path), *flags]
+    assert load_entry().main(argv) == 2
+    assert expected in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())   # the embedded corpus was not built

@@ -1,10 +1,12 @@
 """Text / JSONL -> Megatron indexed dataset (the preprocessing step of Megatron-LM's pipeline).
 
-Every document is tokenized, followed by the end-of-document id (unless ``append_eod`` is off), and stored as one sequence of a
-``prefix.bin`` / ``prefix.idx`` pair (see :mod:`hybrid.data.indexed_dataset`). Tokenization runs in
-a pool of worker processes (spawned: a script calling :func:`preprocess` with ``workers > 1`` needs
-the usual ``if __name__ == "__main__":`` guard); results are consumed in input order, so the
-output bytes do not depend on the number of workers.
+Every document is tokenized, followed by the end-of-document id (unless ``append_eod`` is off),
+and stored as one sequence of a ``prefix.bin`` / ``prefix.idx`` pair (see
+:mod:`hybrid.data.indexed_dataset`). The tokenizer is a model file or a
+:class:`~hybrid.data.tokenizer_types.TokenizerSpec` of Megatron's flags. Tokenization runs in a
+pool of worker processes (spawned: a script calling :func:`preprocess` with ``workers > 1`` needs
+the usual ``if __name__ == "__main__":`` guard); results are consumed in input order, so the output
+bytes do not depend on the number of workers.
 """
 
 from __future__ import annotations

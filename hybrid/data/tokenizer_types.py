@@ -195,7 +195,6 @@ class NullTokenizer:
                                  f"ids, end of document included: at least 2), got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.eod = vocab_size - 1
-        self.model_path = None
 
     def encode(self, text: str) -> list[int]:
         try:

@@ -2,7 +2,8 @@
 like transformers' GPT2TokenizerFast from the same files (in the test-only venv of tests/hf_env.py)
 and like the tokenizer.json they were saved from; NullTokenizer; one clear error for each bad
 combination of flags or files; tools/preprocess_data.py with Megatron's command line (its output
-names and EOD default); and a tiny training run with --tokenizer-type GPT2BPETokenizer."""
+names and EOD default); and a tiny training run with --tokenizer-type GPT2BPETokenizer whose
+checkpoint generates with that tokenizer."""
 
 import json
 import subprocess
@@ -18,7 +19,7 @@ from hybrid.data.tokenizer import BPE_EOD, Tokenizer, TokenizerError, train_toke
 from hybrid.data.tokenizer_types import NullTokenizer
 from tests.reliability_helpers import ROOT, load_entry, tiny_cli
 from tests.test_hf_transformers import hf_python  # noqa: F401 (fixture)
-from tools import preprocess_data
+from tools import generate, preprocess_data
 from tools._cli import run_cli
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -234,6 +235,12 @@ def test_training_run_builds_gpt2_tokenizer_from_megatron_flags(gpt2_files, tmp_
     saved = json.loads(metadata.read_text())
     assert saved["model_config"]["vocab_size"] == _gpt2(gpt2_files).vocab_size == 400
     assert saved["config"]["data"]["tokenizer_type"] == "GPT2BPETokenizer"
+    # generation finds the run's tokenizer from those flags
+    capsys.readouterr()
+    assert generate.main(["--load", str(tmp_path / "ckpt"), "--prompt", "def wrap(",
+                          "--max-new-tokens", "3", "--temperature", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prompt"] == _gpt2(gpt2_files).encode("def wrap(")
     # the same run without the merge file (and checkpoint): one error line, exit status 2
     capsys.readouterr()
     argv = [a for a in argv if a not in ("--merge-file", gpt2_files["merges"], "--save",

@@ -39,7 +39,7 @@ from hybrid import comm  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
 from models.gpt.weights import load_model  # noqa: E402
 from tools._cli import ArgumentParser, ToolError, require, run_cli  # noqa: E402
-from tools.generate import (default_corpus, parallel_state_from_env, resolve_tokenizer,  # noqa: E402
+from tools.generate import (default_corpus, load_tokenizer, parallel_state_from_env,  # noqa: E402
                             training_run_config)
 
 SPLITS = {"train": 0, "valid": 1, "test": 2}
@@ -153,11 +153,10 @@ def run(args: argparse.Namespace, state: ParallelState) -> EvalResult:
     data_path, split, seed, cache_dir = data_settings(args, state)
     eod = None
     if args.eod_mask_loss:
-        from hybrid.data import Tokenizer
-        tok = resolve_tokenizer(args.load, args.tokenizer_model)
+        tok = load_tokenizer(args.load, args.tokenizer_model)
         if tok is None:
             raise ToolError("--eod-mask-loss needs the tokenizer: pass --tokenizer-model")
-        eod = Tokenizer(tok).eod
+        eod = tok.eod
     dataset, num_samples = eval_dataset(args, state, data_path, split, seq, seed, config.vocab_size,
                                         cache_dir)
     return evaluate_perplexity(model, dataset, state, num_samples=num_samples,

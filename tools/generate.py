@@ -8,7 +8,8 @@
 directory (tools/export_hf.py output) or a canonical .safetensors file. The model is sharded for the
 TP degree of this job; the sampling loop is :func:`hybrid.generation.generate`. The tokenizer is
 ``--tokenizer-model``, else the one stored with the weights (HF directory) or the one the training
-run used (checkpoint config). Rank 0 prints the completions.
+run used (checkpoint config: its tokenizer file, or Megatron's --tokenizer-type flags). Rank 0 prints
+the completions.
 """
 
 from __future__ import annotations
@@ -76,6 +77,21 @@ def resolve_tokenizer(load: str, explicit: str | None) -> str | None:
                                                   else default_corpus(run)[1])
 
 
+def load_tokenizer(load: str, explicit: str | None):
+    """The tokenizer for ``load`` (:func:`resolve_tokenizer`'s file, else the one the training run
+    built from Megatron's --tokenizer-type / --vocab-file / --merge-file), or None."""
+    from hybrid.data import Tokenizer, build_tokenizer
+    path = resolve_tokenizer(load, explicit)
+    if path is not None:
+        return Tokenizer(path)
+    run = training_run_config(load)
+    d = run["data"] if run else {}
+    if not (d.get("tokenizer_type") or d.get("vocab_file")):
+        return None
+    return build_tokenizer(d["tokenizer_type"], vocab_file=d.get("vocab_file"),
+                           merge_file=d.get("merge_file"), vocab_size=run["model"].get("vocab_size"))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint dir, HF GPT-2 dir or canonical .safetensors")
@@ -123,11 +139,7 @@ def run(args: argparse.Namespace, state: ParallelState) -> list[dict]:
     """Generate for every prompt; returns ``[{"prompt", "ids", "text"}]`` (same on every rank)."""
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     model = load_model(args.load, state, kind=args.weights)
-    tok_path = resolve_tokenizer(args.load, args.tokenizer_model)
-    tokenizer = None
-    if tok_path is not None:
-        from hybrid.data import Tokenizer
-        tokenizer = Tokenizer(tok_path)
+    tokenizer = load_tokenizer(args.load, args.tokenizer_model)
     if args.prompt_ids is not None:
         prompts = parse_prompt_ids(args.prompt_ids, model.config.vocab_size)
     elif tokenizer is None:

@@ -77,7 +77,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
         states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
     dp_ops = expected_dp_collectives(p, state, float(psi_rank), param_bytes, topology.gpus_per_node,
-                                     micro_batches=cfg.grad_accumulation_steps(world))
+                                     micro_batches=cfg.grad_accumulation_steps(world), model=gcfg)
     comm_bytes, dp_cross = sum(c[2] for c in dp_ops), sum(c[3] for c in dp_ops)
     global_batch = cfg.global_batch(world)
     arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...

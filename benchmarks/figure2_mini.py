@@ -214,7 +214,8 @@ def run(rates_mbit, iters: int, work: Path) -> dict:
     from tools.netns_cluster import NetnsCluster
     corpus = build_corpus(work / "corpus")
     calibration = json.loads(CALIBRATION.read_text())
-    rates = {tp: component_rates(tp, corpus["vocab"]) for _, tp, _, _ in LAYOUTS}
+    # keyed by str(tp), as the JSON round trip keys them, so a fresh result and a loaded one read alike
+    rates = {str(tp): component_rates(tp, corpus["vocab"]) for _, tp, _, _ in LAYOUTS}
     with NetnsCluster(HOSTS, RANKS_PER_HOST, rate_mbit=None) as cluster:
         unlimited = {tp: measure(cluster, corpus, work, tp, stage, iters, f"unshaped_tp{tp}")["measured_s"]
                      for _, tp, _, stage in LAYOUTS}
@@ -232,7 +233,7 @@ def run(rates_mbit, iters: int, work: Path) -> dict:
                 job = f"r{int(rate)}_tp{tp}"
                 load = os.getloadavg()[0]
                 measured = measure(cluster, corpus, work, tp, stage, iters, job)
-                predicted = predict(tp, dp, stage, corpus["vocab"], link, rates[tp], calibration,
+                predicted = predict(tp, dp, stage, corpus["vocab"], link, rates[str(tp)], calibration,
                                     unlimited[tp], burst_s)
                 error = predicted["predicted_s"] / measured["measured_s"] - 1
                 rows.append({"layout": name, "tp": tp, "dp": dp, "stage": stage,

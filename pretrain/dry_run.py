@@ -77,7 +77,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
         states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
     dp_ops = expected_dp_collectives(p, state, float(psi_rank), param_bytes, topology.gpus_per_node,
-                                     micro_batches=cfg.grad_accumulation_steps(world))
+                                     micro_batches=cfg.grad_accumulation_steps(world), model=gcfg)
     comm_bytes, dp_cross = sum(c[2] for c in dp_ops), sum(c[3] for c in dp_ops)
     global_batch = cfg.global_batch(world)
     arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...
@@ -127,6 +127,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "recompute": mode, "activations_per_rank": activations,
             "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
             "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
+            "precision": o.precision,
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
 
@@ -187,8 +188,9 @@ def format_report(r: dict) -> str:
              f"{r['dp_rank']} in {_span(r['dp_group'])}"
              + ("  (WARNING: TP groups cross nodes)" if r["tp_crosses_nodes"] else ""),
              f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
-             f"model states per rank: 16-bit params {s['params_16bit']}, grads {s['grads_16bit']}, "
-             f"fp32 master {s['master_fp32']}, Adam moments {s['adam_moments']}"
+             f"model states per rank: {r['precision']} params {s['params_16bit']}, "
+             f"{r['precision']} grads {s['grads_16bit']}, "
+             f"fp32 master {s['master_fp32']}, fp32 Adam moments {s['adam_moments']}"
              + (f", hpZ secondary params {s['params_16bit_secondary']}"
                 if "params_16bit_secondary" in s else "") + f", total {s['total']}",
              f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "

@@ -225,11 +225,11 @@ def console_line(m: dict[str, float], iteration: int, train_iters: int, eta_seco
              f"loss scale {m['loss-scale']:.0f}",
              f"grad norm {m['grad-norm']:.3f}",
              f"skipped {int(m['skipped-iterations'])}",
-             f"mem {mem / 2**20:.0f} MB",
+             f"mem {mem / 2**20:.0f} MiB",
              f"ETA {format_duration(eta_seconds)}"]
     if "pipeline/bubble-fraction" in m:   # pipeline parallelism: before the ETA
         parts[-1:-1] = [f"bubble {m['pipeline/bubble-fraction']:.3f}",
-                        f"pp {m['comm/pp-bytes-per-step'] / 2**20:.2f} MB/step"]
+                        f"pp {m['comm/pp-bytes-per-step'] / 2**20:.2f} MiB/step"]
     return " | ".join(parts)
 
 

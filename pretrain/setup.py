@@ -284,7 +284,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
         log.info("resuming from %s: --init-from-hf is not used", cfg.checkpoint.load)
     optimizer = build_optimizer(cfg, model, state, None if resume else init_from_hf(cfg, model))
     if state.rank == 0 and state.dp_size > 1:   # the layout is checked: the engine is built
-        log.info("%s", expected_dp_report(cfg, state, optimizer.num_local_params))
+        log.info("%s", expected_dp_report(cfg, state, optimizer.num_local_params,
+                                          gpt_config(cfg, data.vocab_size)))
     if stage is not None:
         from pretrain.pipeline_stage import attach_runner
         attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,
@@ -447,7 +448,7 @@ def link_report(state: ParallelState, cfg: TrainConfig | None = None) -> str:
     return "\n".join(lines)
 
 
-def expected_dp_report(cfg: TrainConfig, state: ParallelState, psi: int) -> str:
+def expected_dp_report(cfg: TrainConfig, state: ParallelState, psi: int, model_cfg=None) -> str:
     """Start-up report: the DP bytes per rank per step ZeRO's formulas expect for this rank's
     ``psi`` parameters, per group and op, inside hosts and across them (pretrain.traffic,
     the dry run's formulas, as NCCL rings); the trainer logs the measured bytes of every group
@@ -455,7 +456,8 @@ def expected_dp_report(cfg: TrainConfig, state: ParallelState, psi: int) -> str:
     param_bytes = 4 if cfg.optimizer.precision == "fp32" else 2
     ops = expected_dp_collectives(cfg.parallel, state, float(psi), param_bytes,
                                   state.ledger.ranks_per_node,
-                                  micro_batches=cfg.grad_accumulation_steps(state.world_size))
+                                  micro_batches=cfg.grad_accumulation_steps(state.world_size),
+                                  model=model_cfg)
     return "\n".join(["DP bytes per rank per step, expected (ZeRO's formulas over NCCL rings):",
                       *describe_collectives(ops)])
 

@@ -209,3 +209,35 @@ def test_expected_dp_bytes_count_the_micro_batches_of_stages_2_and_3(accum):
         expected = zero_dp_collectives(psi * param_bytes, stage, [0, 1], 2, micro_batches=accum)
         assert {(g, op): pytest.approx(v, rel=0.02) for g, op, v, _ in expected} == {
             k: v for k, v in measured.items() if k[0].startswith("dp")}, (stage, accum)
+
+
+def _stage3_untied_bytes(rank, world_size):
+    import dataclasses
+    from hybrid.zero import ZeroConfig, build_zero_optimizer
+    from tests.test_zero_stages import GPTTask, train
+    task = GPTTask()
+    task.config = dataclasses.replace(task.config, untie_embeddings_and_output_weights=True)
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    model = task.model(state)
+    engine = build_zero_optimizer(model, state, ZeroConfig(stage=3, bucket_size=2048), task.adamw,
+                                  seed=11)
+    train(task, state, engine, model, task.data(steps=1), 1)
+    return engine.comm_report().by_group_op, engine.num_local_params, engine.param_bytes, task.config
+
+
+def test_stage3_expected_gathers_leave_out_the_untied_embeddings_backward():
+    """An untied word embedding is gathered in forward only (its backward reads no weight), so
+    ZeRO-3 gathers less than 2Ψ per step: the start-up report and the dry run (pretrain.traffic
+    with the model config) expect exactly what the ledger measures; 2Ψ would overstate it."""
+    from hybrid.perf.links import zero_dp_collectives
+    from pretrain.traffic import forward_only_parameters
+    measured, psi, param_bytes, config = run_on_ranks(_stage3_untied_bytes, 2)[0]
+    once = forward_only_parameters(config, 1)
+    assert once == (config.padded_vocab_size(1) + config.max_position_embeddings) * config.hidden_size
+    gathered = measured[("dp", "all_gather")]
+    corrected = zero_dp_collectives(psi * param_bytes, 3, [0, 1], 2,
+                                    backward_gather_bytes=(psi - once) * param_bytes)
+    plain = zero_dp_collectives(psi * param_bytes, 3, [0, 1], 2)
+    assert dict(((g, op), v) for g, op, v, _ in corrected)[("dp", "all_gather")] == \
+        pytest.approx(gathered, rel=0.02)
+    assert dict(((g, op), v) for g, op, v, _ in plain)[("dp", "all_gather")] > gathered * 1.03

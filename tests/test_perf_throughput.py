@@ -2,6 +2,7 @@
 anchor (Megatron-LM 2019, one V100) and its own topology logic; the paper-tables tool end to end."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +103,10 @@ def test_paper_tables_tool_writes_every_output(tmp_path, capsys):
                  "table1.csv", "table2.csv", "table3.csv", "table5.csv", "table6.csv", "table10.csv",
                  "assumptions.csv", "predictions.csv"):
         assert (tmp_path / name).stat().st_size > 100, name
+    committed = Path(__file__).resolve().parents[1] / "docs" / "paper"
+    stale = [p.name for p in sorted(tmp_path.glob("*")) if p.suffix in (".md", ".csv")
+             and p.read_text() != (committed / p.name).read_text()]
+    assert not stale, f"docs/paper is stale: {stale}; regenerate with python -m tools.paper_tables"
     text = (tmp_path / "predictions.md").read_text()
     assert "known miss" in text and "up to 10x" in text
     capsys.readouterr()

@@ -298,7 +298,7 @@ def test_console_line_has_every_field():
     line = console_line(m, 8, 100, 3725)
     for part in ("iteration      8/100", "consumed samples 64", "ms/iter 250.0", "tokens/s 4096",
                  "TFLOP/s/rank 0.5000", "MFU 0.400%", "lr 1.000e-03", "lm loss 5.5000",
-                 "loss scale 65536", "grad norm 1.250", "skipped 1", "mem 300 MB", "ETA 1:02:05"):
+                 "loss scale 65536", "grad norm 1.250", "skipped 1", "mem 300 MiB", "ETA 1:02:05"):
         assert part in line, part
     assert "GEMM-bound" not in line                     # --no-roofline: no fraction
     assert "MFU 0.400% | GEMM-bound 62.5% | lr" in console_line(

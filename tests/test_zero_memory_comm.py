@@ -72,7 +72,7 @@ def test_stage2_bf16_numbers_are_the_papers():
     model = TASK.model(state)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=2, precision="bf16"), TASK.adamw)
     text = str(opt.memory_report())
-    assert "master32" in text and "paper MB" in text
+    assert "master32" in text and "paper MiB" in text
 
 
 def _overlap(rank, world_size):

@@ -1,9 +1,9 @@
 """Predictions of hybrid.perf's models beside the ZeRO paper's stated figures (ZeRO §3.2, §6, §10).
 
 Each :class:`Claim` pairs a figure the paper states with the model's prediction. A claim is "ok"
-when the prediction is within :data:`TOLERANCE` (20%) of the paper's figure ("about X"), at most 20%
-below it ("over X"), strictly above it ("more than X", e.g. superlinear scaling) or not above it
-("under X"); otherwise it must be listed in :data:`KNOWN_MISSES` with the reason
+when the prediction is within :data:`TOLERANCE` (20%) of the paper's figure ("about X"), strictly
+above it (the paper's "over X" and "more than X" are bounds: "over 38" is not met by 37.9, nor by
+35.3) or not above it ("under X"); otherwise it must be listed in :data:`KNOWN_MISSES` with the reason
 the model cannot reproduce it - the test asserts each claim's documented status, so a model change
 that silently moves a claim in or out of tolerance fails.
 """
@@ -21,6 +21,20 @@ from tools.paper_numbers import TABLE3_BATCH, table2, table3, table5, table6, ta
 TOLERANCE = 0.20
 
 KNOWN_MISSES = {
+    "zero-100B-tflops":
+        "A bound the model misses by 7%: its compute alone runs at 41.8 TFLOP/s (the efficiency "
+        "curve gives 0.40 x 0.94 x 0.89 = 33% of the V100's 125 at b s = 32,768 tokens and h/t = 512 "
+        "columns), then the 16-way TP all-reduces (5.5 s of the 47.8 s step at the node's NVSwitch "
+        "share) and the exposed part of the DP traffic (1.9 s) bring it to 35.3. Over 38 needs under "
+        "10% of the step in communication; we keep the documented link assumptions rather than fit "
+        "them to this point.",
+    "zero-100B-pflops":
+        "The same step as zero-100B-tflops on 400 GPUs: 400 x 35.3 TFLOP/s = 14.1 PFLOP/s.",
+    "table10-average-tflops":
+        "Table 10's nine models range from 41.8 TFLOP/s (1.5B, batch 24) down to 16.9 (13B, batch "
+        "2): the model's efficiency falls with the micro-batch (2,048 tokens halve it) while the 2Ψ "
+        "of DP traffic per step grows with the model, so the average is 32.3; the paper's 'over 40' "
+        "implies full efficiency at every batch size (see table10-13B-tflops).",
     "baseline-40B-tflops":
         "The model charges each GPU's whole TP ring volume (6 all-reduces of b s h per layer with "
         "recompute) to its 1/16 share of the node's 8 EDR links (6.25 GB/s), which puts the 2-node "
@@ -69,7 +83,7 @@ class Claim:
     paper: float
     predicted: float
     unit: str
-    kind: str = "about"   # about: within 20% | over: >= 80% of it | more_than: > | under: <=
+    kind: str = "about"   # about: within 20% | more_than: > (the paper's "over X") | under: <=
 
     @property
     def ratio(self) -> float:
@@ -77,8 +91,7 @@ class Claim:
 
     @property
     def within_tolerance(self) -> bool:
-        checks = {"about": abs(self.ratio - 1) <= TOLERANCE, "over": self.ratio >= 1 - TOLERANCE,
-                  "more_than": self.predicted > self.paper, "under": self.predicted <= self.paper}
+        checks = {"about": abs(self.ratio - 1) <= TOLERANCE, "more_than": self.predicted > self.paper, "under": self.predicted <= self.paper}
         return checks[self.kind]
 
     @property
@@ -107,9 +120,9 @@ def _throughput_claims() -> list[Claim]:
     mid = [rows[f"table5-zero-{s}"]["pflops"] for s in ("8B", "40B", "60B", "80B", "100B")]
     return [
         Claim("zero-100B-tflops", "ZeRO 100B, TFLOP/s per GPU (over 38)", 38,
-              zero100["tflops_per_gpu"], "TFLOP/s", kind="over"),
+              zero100["tflops_per_gpu"], "TFLOP/s", kind="more_than"),
         Claim("zero-100B-pflops", "ZeRO 100B, aggregate PFLOP/s on 400 GPUs (over 15)", 15,
-              zero100["pflops"], "PFLOP/s", kind="over"),
+              zero100["pflops"], "PFLOP/s", kind="more_than"),
         Claim("zero-8B-100B-average", "ZeRO 8B-100B, average aggregate PFLOP/s", 15,
               sum(mid) / len(mid), "PFLOP/s"),
         Claim("baseline-40B-tflops", "Megatron 40B (MP 32, two DGX-2 nodes), TFLOP/s per GPU", 5,
@@ -140,9 +153,9 @@ def _data_parallel_claims() -> list[Claim]:
         Claim("table10-fits", "Table 10: every model up to 13B fits 32 GB with ZeRO-DP alone, MP 1 "
               "(1 = yes)", 1, float(all(r["fits_32gb"] for r in rows.values())), "bool"),
         Claim("table10-average-tflops", "Table 10: ZeRO-DP only on 128 GPUs, average TFLOP/s per GPU "
-              "(over 40)", 40, average, "TFLOP/s", kind="over"),
+              "(over 40)", 40, average, "TFLOP/s", kind="more_than"),
         Claim("table10-13B-tflops", "Table 10: 13B with ZeRO-DP only, TFLOP/s per GPU (over 40)", 40,
-              rows["13B"]["tflops_per_gpu"], "TFLOP/s", kind="over"),
+              rows["13B"]["tflops_per_gpu"], "TFLOP/s", kind="more_than"),
         Claim("plain-dp-largest", "Plain data parallel (MP 1) tops out at 1.4B on 32 GB (largest "
               "with activations and buffers)", 1.4e9, table2()[0]["estimate_params"][0], "params"),
     ]

@@ -115,8 +115,8 @@ def predictions_intro(data: dict) -> str:
     preds = data["predictions"]
     ok = sum(p["status"] == "ok" for p in preds)
     return (f"{ok} of {len(preds)} of the paper's stated figures are reproduced by hybrid.perf's "
-            f"models (within 20% for \"about X\", at most 20% below for \"over X\", strictly above "
-            f"for \"more than X\", not above for \"under X\"); the {len(preds) - ok} known misses "
+            f"models (within 20% for \"about X\"; strictly above for \"over X\" and \"more than X\", "
+            f"which are bounds; not above for \"under X\"); the {len(preds) - ok} known misses "
             f"give the reason the model cannot reproduce them. The claims and reasons live in "
             f"`tools/paper_claims.py`; `tests/test_perf_throughput.py` asserts each claim's "
             f"documented status, so a model change that moves a claim in or out of tolerance fails. "

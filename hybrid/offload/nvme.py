@@ -89,7 +89,7 @@ class NVMeOptimizerState:
         self._grad_writes: list[Future | None] = [None, None]   # last write out of each buffer
         self._grad_turn = 0
         self.step = 0
-        log.info("NVMe optimizer state: %s (%.1f MB), 2 buffers of %d elements", self.path,
+        log.info("NVMe optimizer state: %s (%.1f MiB), 2 buffers of %d elements", self.path,
                  3 * self.numel * ITEM / 2**20, n)
 
     # ---- file I/O ---------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class NVMeParamStore:
         self._recording: list[int] = []
         self._cursor, self._clock = 0, 0
         self.trace: list[tuple[str, int]] = []   # ("read" | "hit" | "miss" | "write", unit)
-        log.info("NVMe parameter store: %s (%.1f MB), %d buffers of %d elements", self.path,
+        log.info("NVMe parameter store: %s (%.1f MiB), %d buffers of %d elements", self.path,
                  sum(self.sizes) * self.item / 2**20, buffers, max(self.sizes))
 
     # ---- raw I/O (runs on the I/O thread) ---------------------------------------------------

@@ -91,8 +91,8 @@ def describe_collectives(collectives: list[tuple[str, str, float, float]]) -> li
 def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_node: int | None,
                         *, intra: list[int] | None = None, inter: list[int] | None = None,
                         hybrid_shard: bool = False, hpz: bool = False, weight_ratio: float = 1.0,
-                        gradient_ratio: float | None = None,
-                        micro_batches: int = 1) -> list[tuple[str, str, float, float]]:
+                        gradient_ratio: float | None = None, micro_batches: int = 1,
+                        backward_gather_bytes: float | None = None) -> list[tuple[str, str, float, float]]:
     """(group, op, bytes, cross-host bytes) per rank per step of ZeRO's DP collectives over NCCL
     rings, summed per group and op as the ledger sums them, for ``psi_bytes`` 16-bit parameter
     bytes (ZeRO §7: 2Ψ stages 0-2, 3Ψ stage 3), plainly over the DP group ``dp`` (group "dp"), or
@@ -113,6 +113,11 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
     With ``micro_batches`` k > 1 (gradient accumulation), stage 2 reduces in each of the k backwards
     (it keeps no full gradient) and stage 3 also gathers in each forward and backward; stages 0-1
     communicate once, after the last.
+
+    ``backward_gather_bytes`` (stage 3; default ``psi_bytes``): the bytes the backward gathers
+    again. A unit whose backward reads no parameter value (an untied word embedding: its gradient
+    is a scatter-add of the output gradient) is gathered in forward only (hybrid.zero.stage3_hooks),
+    so 3Ψ is an upper bound that the untied models' embedding lowers.
     """
     groups = {"dp": dp, "dp_intra_host": intra, "dp_inter_host": inter}
 
@@ -133,8 +138,9 @@ def zero_dp_collectives(psi_bytes: float, stage: int, dp: list[int], ranks_per_n
     gather = psi_bytes * (weight_ratio if stage == 3 else 1.0)
     out = [run(shards, "all_gather", gather)]              # stage 3's forward, stages 1-2's update
     if stage == 3:                                         # the backward's
-        out.append(run("dp_intra_host", "all_gather", psi_bytes) if hpz
-                   else run(shards, "all_gather", gather))
+        again = psi_bytes if backward_gather_bytes is None else backward_gather_bytes
+        out.append(run("dp_intra_host", "all_gather", again) if hpz
+                   else run(shards, "all_gather", again * weight_ratio))
     if gradient_ratio is not None:
         out += [run("dp_intra_host", "all_to_all", psi_bytes * gradient_ratio),
                 run("dp_inter_host", "all_to_all", psi_bytes * gradient_ratio / len(intra))]

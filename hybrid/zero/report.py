@@ -80,7 +80,7 @@ class MemoryReport:
     def __str__(self) -> str:
         rows = [f"ZeRO stage {self.stage} model states per rank ({self.precision}, DP {self.dp}, "
                 f"TP {self.tp}, psi = {self.psi:,} params on this TP rank)",
-                f"  {'category':<14}{'measured MB':>14}{'paper MB':>14}"]
+                f"  {'category':<14}{'measured MiB':>14}{'paper MiB':>14}"]
         for c in CATEGORIES:
             paper = f"{self.formula[c] / 2**20:14.3f}" if c in self.formula else f"{'-':>14}"
             rows.append(f"  {c:<14}{self.measured[c] / 2**20:14.3f}{paper}")
@@ -121,10 +121,10 @@ class CommReport:
         rows = [f"communication per rank per optimizer step (stage {self.stage}, DP {self.dp})"]
         for (g, op), v in sorted(self.by_group_op.items()):
             cross = self.cross_host_by_group_op.get((g, op), 0.0)
-            rows.append(f"  {g:<6}{op:<16}{v / 2**20:12.3f} MB, {cross / 2**20:.3f} MB across hosts")
-        rows.append(f"  DP total {self.dp_bytes / 2**20:.3f} MB, paper "
+            rows.append(f"  {g:<6}{op:<16}{v / 2**20:12.3f} MiB, {cross / 2**20:.3f} MiB across hosts")
+        rows.append(f"  DP total {self.dp_bytes / 2**20:.3f} MiB, paper "
                     f"{dp_communication_elements(1, self.stage):g}psi(n-1)/n = "
-                    f"{self.expected_dp_bytes / 2**20:.3f} MB")
+                    f"{self.expected_dp_bytes / 2**20:.3f} MiB")
         return "\n".join(rows)
 
 

@@ -1,4 +1,5 @@
-"""Multi-rank test bed: run a function on N CPU ranks with gloo, re-raising each rank's failure.
+"""The multi-rank test harness (public: tests and benchmarks use it): run a function on N CPU ranks
+with gloo, re-raising each rank's failure.
 
     def check(rank, world_size, tp):             # module-level, so spawn can pickle it
         state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size))

@@ -44,7 +44,7 @@ def test_stage3_moves_three_halves_of_stage1_and_all_of_it_across_hosts(tmp_path
     """ZeRO §7 on the shaped test bed, from the ledger: TP 2 inside each host, DP 2 across, one
     micro-batch per step. Stage 3 (Pos+g+p) moves 3Ψ(n-1)/n, stage 1 (Pos) 2Ψ(n-1)/n; every DP
     byte crosses hosts, no TP byte does."""
-    from tests.reliability_helpers import build_corpus
+    from hybrid.testing.corpus import build_corpus
     from tools.netns_cluster import NetnsCluster
     corpus = build_corpus(tmp_path / "corpus")
     try:

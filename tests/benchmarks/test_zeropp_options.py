@@ -25,7 +25,7 @@ import pytest
 
 from benchmarks import zeropp_options as bench
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 VARIANTS = {"plain": [], "hpz": ["--zero-hpz"], "hsdp": ["--zero-hybrid-shard"],
             "qwz": ["--zero-quantized-weights"], "qgz": ["--zero-quantized-gradients"],
             "zeropp": ["--zero-hpz", "--zero-quantized-weights", "--zero-quantized-gradients"]}

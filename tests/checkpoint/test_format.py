@@ -221,7 +221,7 @@ def _save_with_a_failing_rank(rank, world_size, root):
 
 
 def test_a_failing_rank_fails_the_save_on_every_rank(tmp_path):
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     messages = run_on_ranks(_save_with_a_failing_rank, 2, args=(str(tmp_path),), timeout=120)
     assert "writing the rank file failed on rank 1" in messages[0]
     assert "failed on this rank: two pieces with key" in messages[1]

@@ -22,7 +22,9 @@ from hybrid.checkpoint import CheckpointError, CheckpointReader
 from hybrid.checkpoint.format import LATEST_FILE, MANIFEST_FILE, Piece, rank_file_name
 from hybrid.checkpoint.writer import save_checkpoint
 from hybrid.parallel_state import ParallelState
-from tests.reliability_helpers import ENTRY, ROOT, build_corpus, child_env, tiny_cli
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import ENTRY, ROOT, tiny_cli
 
 
 def _edit_piece_index(path: Path) -> None:

@@ -29,8 +29,9 @@ from hybrid.checkpoint.lock import LOCK_FILE, SaveDirLock, check_fresh_run
 from hybrid.checkpoint.manifest import file_entry, header_entry
 from hybrid.checkpoint.writer import prune_checkpoints, save_checkpoint
 from hybrid.parallel_state import ParallelState
-from tests.reliability_helpers import (ENTRY, ROOT, build_corpus, child_env, tiny_cli, torchrun,
-                                       tree_hashes)
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import ENTRY, ROOT, tiny_cli, torchrun, tree_hashes
 
 
 def _save(root: Path, iteration: int, run_id: str | None, keep_last: int = 5, **kw) -> Path:

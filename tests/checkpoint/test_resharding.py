@@ -12,10 +12,10 @@ the exported canonical weights, loaded into the single-device reference GPT, giv
 import numpy as np
 import torch
 
+from hybrid.testing.multirank import run_on_ranks
 from models.gpt.config import GPTConfig
 from models.gpt.reference import ReferenceGPT
 from models.gpt.weights import canonical_state_dict
-from tests.multirank import run_on_ranks
 from tests.training_helpers import IndexedSamples, make_trainer, tiny_args
 
 SAVE_LAYOUT = dict(tp=2, zero=3)

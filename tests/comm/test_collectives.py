@@ -4,8 +4,8 @@ import torch
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 
 def test_single_process_state_needs_no_process_group():
@@ -87,7 +87,7 @@ def _raises(rank, world_size):
 
 def test_failing_rank_is_reported_not_hung():
     import pytest
-    from tests.multirank import RankFailure
+    from hybrid.testing.multirank import RankFailure
     with pytest.raises(RankFailure, match="(?s)rank 1 of 2 failed.*boom on purpose"):
         run_on_ranks(_raises, 2, timeout=60)
 

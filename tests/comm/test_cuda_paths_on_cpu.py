@@ -13,8 +13,8 @@ import torch
 
 from hybrid.parallel_state import ParallelState, concrete_device
 from hybrid.recompute import ActivationMeter, Arena
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 
 def test_cuda_devices_get_their_index(monkeypatch):

@@ -13,8 +13,8 @@ import torch
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.links import cross_host_fraction, describe_group, nodes_of, ring_crossings, split_bytes
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 
 def test_ring_crossings_count_neighbour_pairs_on_different_hosts():
@@ -183,7 +183,7 @@ def test_start_up_report_gives_each_dp_group_and_op_its_bytes(options):
 
 def _engine_bytes_with_accumulation(rank, world_size, accum):
     from hybrid.zero import ZeroConfig, build_zero_optimizer
-    from tests.test_zero_stages import GPTTask, train
+    from tests.zero.test_stages import GPTTask, train
     task = GPTTask()
     state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
     rows = {}

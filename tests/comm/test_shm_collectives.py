@@ -15,8 +15,8 @@ import torch
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 RING_BYTES = 4096   # reserve makes a region of twice this: many collectives wrap it
 

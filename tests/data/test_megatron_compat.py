@@ -1,7 +1,7 @@
 """Cross-check against Megatron-LM itself, when megatron-core is importable (skipped otherwise).
 
     pip download megatron-core==0.16.1 --no-deps -d /tmp/mc && python -m zipfile -e /tmp/mc/*.whl /tmp/mc/ex
-    PYTHONPATH=/tmp/mc/ex python -m pytest -q tests/test_data_megatron_compat.py
+    PYTHONPATH=/tmp/mc/ex python -m pytest -q tests/data/test_megatron_compat.py
 
 Checks that our .bin/.idx files are byte-identical to Megatron's IndexedDatasetBuilder output and
 that our GPTDataset serves exactly Megatron's GPTDataset samples for the same seed.

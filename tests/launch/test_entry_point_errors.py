@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 from hybrid.data.indexed_dataset import IndexedDatasetWriter
-from tests.reliability_helpers import ROOT, build_corpus, child_env, load_entry, tiny_cli, tree_hashes
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import ROOT, load_entry, tiny_cli, tree_hashes
 
 PY = sys.executable
 ENTRY_POINTS = {

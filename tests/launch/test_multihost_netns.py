@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 
 from hybrid.checkpoint import read_latest
-from tests.reliability_helpers import build_corpus, child_env, tiny_cli
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import tiny_cli
 from tools.netns_cluster import NetnsCluster, NetnsUnavailable
 
 pytestmark = pytest.mark.slow

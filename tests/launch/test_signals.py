@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from hybrid.processes import child_pids, process_gone
-from tests.reliability_helpers import FAULT_ENTRY, ROOT, build_corpus, child_env, tiny_cli
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import FAULT_ENTRY, ROOT, tiny_cli
 
 LOCAL_SH = ROOT / "launch" / "local.sh"
 

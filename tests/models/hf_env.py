@@ -3,7 +3,7 @@
 transformers is installed into its own venv (``--system-site-packages`` plus a .pth file, so it reuses
 this interpreter's torch and safetensors) under ``$HYBRID_CACHE/hf-venv-<key>`` (default
 ./data-cache; one per parent interpreter). Building it downloads packages, so the default test suite
-never does: ``launch/run_tests.sh`` builds it before pytest runs (``python -m tests.hf_env``), and a
+never does: ``launch/run_tests.sh`` builds it before pytest runs (``python -m tests.models.hf_env``), and a
 test that needs it and finds no environment is skipped with the command that builds it.
 """
 

@@ -22,16 +22,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan
+from hybrid.testing.multirank import run_on_ranks
+from hybrid.testing.subprocesses import child_env
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.compile import compile_layers
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
-from tests.reliability_helpers import ROOT, child_env
-from tests.test_zero_stages import GPTTask
+from tests.reliability_helpers import ROOT
 from tests.training_helpers import SEQ, make_trainer, tiny_args
+from tests.zero.test_stages import GPTTask
 
 STEPS, INIT_SEED = 5, 11
 BF16_RTOL = 2e-2          # bf16 keeps 8 mantissa bits: fused vs unfused rounding differs by ulps

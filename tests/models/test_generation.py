@@ -14,11 +14,11 @@ import torch
 
 from hybrid.generation import SamplingParams, generate, sample_next, top_k_filter, top_p_filter
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.reference import ReferenceGPT
 from models.gpt.weights import build_model, save_canonical
-from tests.multirank import run_on_ranks
-from tests.test_hf_export import CONFIG, random_canonical
+from tests.models.test_hf_export import CONFIG, random_canonical
 
 NEG = float("-inf")
 SAMPLED = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11)

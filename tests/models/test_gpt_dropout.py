@@ -19,10 +19,10 @@ from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import RecomputePlan
 from hybrid.tensor_parallel import RNGTracker
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
 
 SEED = 99
 BOTH = GPTConfig(2, 64, 4, vocab_size=300, seq_length=16, make_vocab_size_divisible_by=1,

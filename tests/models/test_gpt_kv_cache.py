@@ -9,10 +9,10 @@ import torch
 from hybrid.generation import SamplingParams, generate
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import gather_from_tp
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
-from tests.test_gpt_options import LLAMA, options_config
+from tests.models.test_gpt_options import LLAMA, options_config
 
 CASES = {"gpt2": {}, "llama": LLAMA}
 PROMPT = [[5, 17, 99], [42, 0, 250]]

@@ -1,6 +1,6 @@
 """The Llama-family options of GPTConfig on one rank: validation messages, parameter counts tensor by
 tensor, and TP-1 parity with the independent single-device oracle (logits, loss, every gradient) for
-each option alone and all together. Multi-rank parity: tests/test_gpt_options_parity.py."""
+each option alone and all together. Multi-rank parity: tests/models/test_gpt_options_parity.py."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from models.gpt.config import ConfigError, GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT, rotary_frequencies
 from models.gpt.rotary import inverse_frequencies
-from tests.test_gpt_parity import SEED, _check_against_reference, _run
+from tests.models.test_gpt_parity import SEED, _check_against_reference, _run
 
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=1)
 ROPE_SCALED = dict(position_embedding_type="rope", use_rope_scaling=True, rope_scaling_factor=8.0,

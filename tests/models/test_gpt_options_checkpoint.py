@@ -10,6 +10,7 @@ import torch
 
 from hybrid.checkpoint.format import CheckpointError
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from pretrain import resume
 from pretrain.arguments import parse_args
@@ -17,10 +18,9 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.sharding import unshard_state_dict
 from models.gpt.weights import canonical_state_dict
-from tests.multirank import run_on_ranks
-from tests.test_gpt_options_zero import INIT_SEED, LlamaTask
-from tests.test_zero_stages import train
+from tests.models.test_gpt_options_zero import INIT_SEED, LlamaTask
 from tests.training_helpers import tiny_args
+from tests.zero.test_stages import train
 
 SAVE = (2, 3)                  # (tp, zero stage)
 RESUME = [(1, 1), (4, 2)]

@@ -13,11 +13,11 @@ import torch
 from torch.utils._pytree import tree_map
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt import sharding
-from tests.multirank import run_on_ranks
-from tests.test_gpt_options import OPTIONS, options_config
-from tests.test_gpt_parity import SEED, _assert_close, _check_against_reference, _run
+from tests.models.test_gpt_options import OPTIONS, options_config
+from tests.models.test_gpt_parity import SEED, _assert_close, _check_against_reference, _run
 
 DEFAULT_CASES = [("llama", 251)]
 SLOW_CASES = [("llama", 256)] + [(name, vocab) for name in OPTIONS if name not in ("llama", "mqa")

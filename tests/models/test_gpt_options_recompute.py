@@ -5,11 +5,11 @@ and gradients of the run without recompute bit for bit, TP 1, and TP 2 with sequ
 import torch
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
-from tests.multirank import run_on_ranks
-from tests.test_gpt_options import LLAMA
-from tests.test_recompute_gpt import _step
+from tests.models.test_gpt_options import LLAMA
+from tests.recompute.test_gpt import _step
 
 CONFIG = GPTConfig(2, 64, 8, vocab_size=128, seq_length=16, ffn_hidden_size=96, hidden_dropout=0.1,
                    attention_dropout=0.1, **LLAMA)

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
-from tests.multirank import run_on_ranks
-from tests.test_gpt_options import LLAMA, NO_DROPOUT
-from tests.test_zero_stages import GPTTask, assert_matches_reference, reference_run, train
+from tests.models.test_gpt_options import LLAMA, NO_DROPOUT
+from tests.zero.test_stages import GPTTask, assert_matches_reference, reference_run, train
 from models.gpt.config import GPTConfig
 
 INIT_SEED = 11

@@ -11,12 +11,12 @@ import torch
 from torch.utils._pytree import tree_map
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt import sharding
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
-from tests.multirank import run_on_ranks
 
 SEED, BATCH = 1234, 2
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=1)

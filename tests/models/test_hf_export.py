@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import RNGTracker
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
 from models.gpt.hf import (HFConversionError, from_hf_state_dict, gpt_config_from_hf, hf_config,
@@ -26,7 +27,6 @@ from models.gpt.reference import ReferenceGPT
 from models.gpt.model import GPTModel
 from models.gpt.weights import (build_model, init_from_pretrained, load_canonical, load_model,
                                 pretrained_init_fn, save_canonical)
-from tests.multirank import run_on_ranks
 
 CONFIG = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, seq_length=16,
                    hidden_dropout=0.0, attention_dropout=0.0)
@@ -187,7 +187,7 @@ def test_checkpoint_to_hf_via_tools(tmp_path):
     """A TP 2 training checkpoint (F's format) -> tools/export_hf.py -> the same canonical tensors;
     tools/import_hf.py -> canonical file -> equal again."""
     from models.gpt.weights import canonical_state_dict
-    from tests.test_evaluate import write_training_checkpoint
+    from tests.tools.test_evaluate import write_training_checkpoint
     from tools import export_hf, import_hf
     ckpt = write_training_checkpoint(tmp_path / "ckpt", tp=2, iters=1)
     expected, _ = canonical_state_dict(ckpt)

@@ -1,7 +1,7 @@
 """Hugging Face LlamaForCausalLM export/import (models/gpt/hf_llama.py through models/gpt/hf.py):
 round trips of random Llama weights (GQA, untied, rope scaling; biases on and off), refusal of
 option mixtures no HF class computes, the rotary permutation of Meta's interleaved layout checked
-against an interleaved rotation, and - in transformers' own venv (tests/test_hf_transformers.py) -
+against an interleaved rotation, and - in transformers' own venv (tests/models/test_hf_transformers.py) -
 our export loaded by LlamaForCausalLM gives our logits within 1e-4."""
 
 import json
@@ -16,9 +16,9 @@ from models.gpt.hf import HFConversionError, load_hf_directory, save_hf_director
 from models.gpt.hf_llama import HFLlamaError, permute_for_rotate_half
 from models.gpt.reference import apply_rotary
 from models.gpt.weights import build_model
-from tests.test_gpt_options import LLAMA, options_config
-from tests.test_hf_export import random_canonical
-from tests.test_hf_transformers import hf_python  # noqa: F401 (fixture)
+from tests.models.test_gpt_options import LLAMA, options_config
+from tests.models.test_hf_export import random_canonical
+from tests.models.test_hf_transformers import hf_python  # noqa: F401 (fixture)
 
 LLAMA_HF = {**LLAMA, "norm_epsilon": 1e-6}
 
@@ -127,7 +127,7 @@ def _import_tp2(rank, world_size, hf_dir, tokens):
 
 
 def test_random_transformers_llama_imports_at_tp2(tmp_path, hf_python):  # noqa: F811
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     tokens = torch.randint(0, 251, (2, 16), generator=torch.Generator().manual_seed(1)).tolist()
     hf_dir = str(tmp_path / "hf")
     run = subprocess.run([hf_python, "-c", MAKE_RANDOM, hf_dir, json.dumps(tokens)],

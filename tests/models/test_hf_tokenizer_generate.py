@@ -1,4 +1,4 @@
-"""In transformers' own venv (tests/hf_env.py, as tests/test_hf_transformers.py): exports write a
+"""In transformers' own venv (tests/models/hf_env.py, as tests/models/test_hf_transformers.py): exports write a
 ``tokenizer.json`` that ``AutoTokenizer`` loads with sentencepiece blocked and that encodes and
 decodes like our tokenizer - a byte-level BPE (GPT-2 and Llama exports) and a converted
 sentencepiece model - and greedy generation with our KV cache, on a random ``LlamaForCausalLM``
@@ -17,9 +17,9 @@ from hybrid.parallel_state import ParallelState
 from models.gpt.config import GPTConfig
 from models.gpt.hf import load_hf_directory
 from models.gpt.weights import build_model, save_canonical
-from tests.test_gpt_options import LLAMA
-from tests.test_hf_export import random_canonical
-from tests.test_hf_transformers import TEXTS, hf_python  # noqa: F401 (fixture)
+from tests.models.test_gpt_options import LLAMA
+from tests.models.test_hf_export import random_canonical
+from tests.models.test_hf_transformers import TEXTS, hf_python  # noqa: F401 (fixture)
 
 TOKENIZER_SCRIPT = r"""
 import json, sys
@@ -99,7 +99,7 @@ def _generate_on_ranks(rank, world_size, hf_dir, prompts, new):
 
 
 def test_greedy_generation_with_kv_cache_equals_transformers_generate(tmp_path, hf_python):  # noqa: F811
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     prompts = torch.randint(0, 203, (2, 6), generator=torch.Generator().manual_seed(3)).tolist()
     new = 20
     hf_dir = str(tmp_path / "hf")

@@ -1,7 +1,7 @@
 """Our HF export loads in Hugging Face transformers and gives our logits (tools/export_hf.py).
 
 transformers is not a project dependency: it lives in the test-only environment of
-:mod:`tests.hf_env` (built by ``launch/run_tests.sh`` before the suite, never inside it), and a small
+:mod:`tests.models.hf_env` (built by ``launch/run_tests.sh`` before the suite, never inside it), and a small
 script runs there. ``GPT2LMHeadModel.from_pretrained`` loads the export of a random model
 (non-trivial biases and LayerNorms, vocab padded at TP 1) and its fp32 logits must match our
 GPTModel's to 1e-4 (max abs); ``AutoTokenizer`` must encode and decode like our
@@ -20,8 +20,8 @@ from hybrid.data.tokenizer import Tokenizer, train_tokenizer
 from hybrid.parallel_state import ParallelState
 from models.gpt.config import GPTConfig
 from models.gpt.weights import build_model, save_canonical
-from tests import hf_env
-from tests.test_hf_export import random_canonical
+from tests.models import hf_env
+from tests.models.test_hf_export import random_canonical
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "  indented\n\nand blank lines", "héllo wörld 123",
          "import os\nprint(os.getcwd())"]
@@ -45,7 +45,7 @@ json.dump({"version": transformers.__version__, "ids": ids, "decoded": [tok.deco
 def hf_python() -> str:
     python = hf_env.ready_python()
     if python is None:
-        pytest.skip("the transformers test environment is not built: run `python -m tests.hf_env` "
+        pytest.skip("the transformers test environment is not built: run `python -m tests.models.hf_env` "
                     "(launch/run_tests.sh does before the suite)")
     return python
 

@@ -16,7 +16,7 @@ a budget fixes glibc's mmap threshold first, as the trainer does (hybrid.offload
   well the rank holds the gradients (4 B/param) and four parameter-store buffers, and its peak
   stays under the budget, with losses equal to the optimizer-only run's.
 
-Run one case by hand:  python -m tests.test_offload_budget --layers 9 --hidden 1024 --mode nvme
+Run one case by hand:  python -m tests.offload.test_budget --layers 9 --hidden 1024 --mode nvme
 --budget 1.5GiB --dir /tmp/offload [--stage 3 --params nvme]
 """
 
@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def vm_hwm_bytes() -> int:
@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def run_case(layers: int, hidden: int, mode: str, budget: str, directory: str, steps: int = 2,
              stage: int = 0, params: str = "none") -> dict:
-    cmd = [sys.executable, "-m", "tests.test_offload_budget", "--layers", str(layers), "--hidden",
+    cmd = [sys.executable, "-m", "tests.offload.test_budget", "--layers", str(layers), "--hidden",
            str(hidden), "--mode", mode, "--budget", budget, "--dir", directory, "--steps", str(steps),
            "--stage", str(stage), "--params", params]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -18,12 +18,12 @@ import torch
 
 from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from hybrid.zero.results import Fragment
-from tests.multirank import run_on_ranks
-from tests.test_zero_stages import GPTTask, train
+from tests.zero.test_stages import GPTTask, train
 
 
 def _params(opt, model) -> dict[str, torch.Tensor]:

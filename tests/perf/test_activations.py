@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybrid.perf.activations import activation_bytes_per_layer
-from tests.multirank import run_on_ranks
+from hybrid.testing.multirank import run_on_ranks
 
 B, S, H, A = 2, 64, 128, 4
 

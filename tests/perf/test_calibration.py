@@ -14,7 +14,7 @@ from benchmarks import calibrate_perf_model as cal
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.throughput import attention_core_flops_per_iteration
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "paper"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "paper"
 RATES = {"gemm_flops": 10e9, "attention_flops": 2e9, "elementwise_Bps": 5e9}
 
 

@@ -13,7 +13,7 @@ from hybrid.perf import (GPT2, Architecture, activation_bytes_per_layer, device_
 from hybrid.perf.flops import model_flops_per_iteration, recompute_flops_per_iteration
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
-from tests.test_gpt_options import OPTIONS, options_config
+from tests.models.test_gpt_options import OPTIONS, options_config
 
 
 @pytest.mark.parametrize("name", OPTIONS)
@@ -83,7 +83,7 @@ def test_activation_model_equals_measured_bytes(name, mode):
     accounting (``cpu_core``)."""
     from hybrid.recompute import ModelDims
     from hybrid.recompute.planner import mode_costs
-    from tests.test_recompute_gpt import _per_layer, _step
+    from tests.recompute.test_gpt import _per_layer, _step
     config = options_config(OPTIONS[name]).replace(hidden_dropout=0.1, attention_dropout=0.1,
                                                    seq_length=32, vocab_size=128)
     state = ParallelState.single_process()

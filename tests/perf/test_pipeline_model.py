@@ -80,7 +80,7 @@ def test_rank_layouts_verdicts_of_the_three_runs(capsys):
 
 
 def test_the_rank_layouts_file_is_current():
-    committed = Path(__file__).resolve().parents[1] / "docs" / "paper" / "rank_layouts.txt"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "paper" / "rank_layouts.txt"
     assert committed.read_text() == rank_layouts.render_presets()
 
 

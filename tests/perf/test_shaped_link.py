@@ -68,7 +68,7 @@ def test_figure2_mini_predictions_split_into_their_parts_and_the_page_is_current
     from pathlib import Path
 
     from benchmarks import figure2_mini as fig
-    paper = Path(__file__).resolve().parents[1] / "docs" / "paper"
+    paper = Path(__file__).resolve().parents[2] / "docs" / "paper"
     result = json.loads((paper / "figure2_mini.json").read_text())
     for run in result["runs"]:
         split = fig.parts(result, run)

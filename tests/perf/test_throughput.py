@@ -8,7 +8,7 @@ import pytest
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.throughput import (ThroughputAssumptions, estimate_iteration, sustained_efficiency,
                                     tp_ring_bytes_per_microbatch)
-from tests.multirank import run_on_ranks
+from hybrid.testing.multirank import run_on_ranks
 from tools import paper_claims, paper_tables
 
 RUN_100B = dict(layers=125, hidden=8192, seq=1024, vocab=50257, micro_batch=32, tp=16, dp=25, stage=2)

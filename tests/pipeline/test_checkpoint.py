@@ -12,12 +12,12 @@ import torch
 from hybrid.checkpoint.state import load_state, save_state
 from hybrid.parallel_state import ParallelState
 from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
-from tests.test_pipeline import PipeTask, _stage_chunks, _tied
-from tests.test_zero_stages import reference_run
+from tests.pipeline.test_pipeline import PipeTask, _stage_chunks, _tied
+from tests.zero.test_stages import reference_run
 
 MICRO_BATCHES = 2
 

@@ -1,5 +1,5 @@
 """Pipeline parallelism composed with the rest of the framework (issue 16, item 3), on CPU ranks
-against the single-device oracle (tests/test_pipeline.py's model, data and reference run):
+against the single-device oracle (tests/pipeline/test_pipeline.py's model, data and reference run):
 
 * fp16 with dynamic loss scaling: a non-finite gradient produced on the first stage of one DP (or
   TP) replica only makes every rank of every stage skip the step and lower its scale the same way;
@@ -23,13 +23,13 @@ from hybrid import comm
 from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
 from hybrid.zero.config import LossScaleConfig
 from models.gpt import sharding
-from tests.multirank import run_on_ranks
-from tests.test_pipeline import PipeTask, _pipeline_parity, _stage_chunks, _tied
-from tests.test_zero_stages import reference_run
+from tests.pipeline.test_pipeline import PipeTask, _pipeline_parity, _stage_chunks, _tied
+from tests.zero.test_stages import reference_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INITIAL_SCALE = 2.0 ** 12

@@ -14,12 +14,12 @@ import pytest
 
 from hybrid.parallel_state import ParallelState
 from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
 from hybrid.perf.model_states import stage_with_pipeline
 from hybrid.zero.optimizer import OptimizerStatePartitioning
-from tests.multirank import run_on_ranks
-from tests.test_pipeline import PipeTask, _stage_chunks, _tied
+from tests.pipeline.test_pipeline import PipeTask, _stage_chunks, _tied
 
 
 def _dp_bytes_per_step(rank, world_size, cases):

@@ -40,13 +40,13 @@ from hybrid.parallel_state import ParallelState
 from hybrid.pipeline import (PipelineConfig, PipelineConfigError, PipelineRunner, StageChunks,
                              TiedEmbedding, bubble_formula, build_schedule, simulate)
 from hybrid.recompute import RecomputePlan
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology, TopologyError
 from hybrid.zero import ZeroConfig, build_zero_optimizer
 from models.gpt import GPTConfig
 from models.gpt import sharding
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
-from tests.test_zero_stages import GPTTask, reference_run
+from tests.zero.test_stages import GPTTask, reference_run
 
 
 # ---- layouts -------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_batched_posting_runs_every_schedule():
     """The NCCL posting pattern (the runner's exchange groups: a group's sends batched with the next
     group's receives), exercised on gloo: every schedule completes with the same numbers, the
     interleaved one also in its steady state (m = 2p; one batch per action hung there,
-    tests/test_pipeline_posting.py)."""
+    tests/pipeline/test_posting.py)."""
     cases = [("gpipe", 1, 2, 0, None), ("1f1b", 1, 4, 0, None), ("interleaved", 2, 2, 1, None),
              ("interleaved", 2, 4, 2, None)]
     run_on_ranks(_pipeline_parity, 2, args=(1, 2, cases), kwargs={"prefetch": False}, timeout=600)
@@ -492,6 +492,6 @@ def _bf16_pipeline(rank, world_size):
 
 def test_bf16_pipeline_tracks_the_fp32_reference():
     """bf16 parameters, activations and p2p messages, fp32 master: the losses follow the fp32
-    oracle to 2e-2 relative (the bound of tests/test_zero_precision.py)."""
+    oracle to 2e-2 relative (the bound of tests/zero/test_precision.py)."""
     losses, ref = run_on_ranks(_bf16_pipeline, 2)[-1]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0)

@@ -12,7 +12,7 @@ from pretrain.dry_run import dry_run_report, format_report, total_bytes
 
 
 def _entry():
-    path = Path(__file__).resolve().parents[1] / "launch" / "pretrain_gpt.py"
+    path = Path(__file__).resolve().parents[2] / "launch" / "pretrain_gpt.py"
     spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -58,7 +58,7 @@ def test_every_table5_preset_fits_a_32gb_v100():
 
 def test_launch_scripts_are_valid_shell():
     import subprocess
-    launch = Path(__file__).resolve().parents[1] / "launch"
+    launch = Path(__file__).resolve().parents[2] / "launch"
     for name in ("main_job.sh", "local.sh", "multinode.sh", "slurm_dgx2.sbatch"):
         subprocess.run(["bash", "-n", str(launch / name)], check=True)
 

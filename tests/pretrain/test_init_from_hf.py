@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid.testing.multirank import run_on_ranks
 from models.gpt.config import GPTConfig
 from models.gpt.hf import save_hf_directory
 from models.gpt.reference import ReferenceGPT
-from tests.multirank import run_on_ranks
 from tests.training_helpers import SEQ, VOCAB, IndexedSamples, make_trainer, tiny_args
 
 # the dims tiny_args gives the trainer

@@ -14,12 +14,12 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from hybrid.testing.multirank import run_on_ranks
 from pretrain.arguments import parse_args
 from pretrain.config import TrainConfigError
 from pretrain.metrics import (CUDA_MEMORY_NAMES, HOST_MEMORY_NAMES, SCALAR_NAMES,
                                      VALIDATION_NAMES, claim_run_dir, console_line,
                                      cuda_memory_bytes, format_duration, host_memory_bytes)
-from tests.multirank import run_on_ranks
 from tests.training_helpers import SEQ, make_trainer, tiny_args
 
 CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "buffers")

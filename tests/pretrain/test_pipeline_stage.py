@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.multirank import run_on_ranks
+from hybrid.testing.multirank import run_on_ranks
 from tests.training_helpers import SEQ, make_trainer, tiny_args
 
 LAYERS = ["--num-layers", "4", "--lr-decay-iters", "4"]
@@ -176,7 +176,7 @@ def test_init_from_hf_fills_every_stage(tmp_path):
     embedding and the last stage's tied copy follows it; the first loss is the reference GPT's with
     those weights."""
     from models.gpt.hf import save_hf_directory
-    from tests.test_training_init_from_hf import CONFIG, _random_weights, _reference_loss
+    from tests.pretrain.test_init_from_hf import CONFIG, _random_weights, _reference_loss
     weights = _random_weights()
     hf_dir = str(save_hf_directory(tmp_path / "hf", CONFIG, weights))
     for loss, samples in run_on_ranks(_first_loss_from_hf, 2, args=(hf_dir,), timeout=300):

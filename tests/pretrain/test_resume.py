@@ -98,7 +98,7 @@ def test_sigterm_on_one_rank_stops_every_rank_together(tmp_path):
     in one process at stage 1 on the curve of an uninterrupted single-process run."""
     from safetensors import safe_open
 
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     iterations = run_on_ranks(_sigterm_on_rank_1, 2, args=(str(tmp_path),), timeout=300)
     assert iterations == [2, 2]
     reader = CheckpointReader(tmp_path)
@@ -141,7 +141,7 @@ def _load_corrupted_on_rank_1(rank, world_size, ckpt):
 def test_a_corrupted_checkpoint_fails_every_rank(tmp_path):
     """Loading a corrupted checkpoint at DP 2 fails both ranks with the reason (the ranks agree on
     the outcome before any training collective, so none is left waiting)."""
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     _losses(tiny_args(zero=0, extra=FIXED_SCHEDULE + ["--train-iters", "1", "--save", str(tmp_path)]))
     path = next(tmp_path.glob("iter_*")) / "rank_00000.safetensors"
     data = bytearray(path.read_bytes())

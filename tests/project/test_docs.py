@@ -8,7 +8,7 @@ machines, a web server, minutes of work) is only checked: every script it names 
 pass ``bash -n``, and -- for every block -- each ``--flag`` given to a script appears in that script's
 ``--help`` (flags of launch/*.sh and the sbatch script are pretrain_gpt.py's, which they forward).
 A block preceded by ``<!-- slow: reason -->`` runs only in the slow suite (``pytest -m slow
-tests/test_docs.py``, which runs every block); no fast block may depend on what a slow one makes.
+tests/project/test_docs.py``, which runs every block); no fast block may depend on what a slow one makes.
 The scalar names documented in docs/tensorboard.md are compared with the tags a real run wrote.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 # Dependency order: data.md makes $WORK/data, quickstart.md makes $WORK/ckpt and $WORK/runs.
 ORDER = ["README.md", "data.md", "quickstart.md", "launching.md", "choosing-parallelism.md",
@@ -41,7 +41,7 @@ PRETRAIN = "launch/pretrain_gpt.py"
 # Only CUDA ranks log these (docs/tensorboard.md documents both the CPU and the GPU memory names).
 GPU_ONLY_SCALARS = {"mem-allocated-bytes", "mem-max-allocated-bytes", "mem-reserved-bytes",
                     "mem-max-reserved-bytes", "mem-alloc-retries"}
-# Only pipeline-parallel runs log these (tests/test_training_pipeline.py reads them from a real run).
+# Only pipeline-parallel runs log these (tests/pretrain/test_pipeline_stage.py reads them from a real run).
 PIPELINE_ONLY_SCALARS = {"pipeline/bubble-fraction", "comm/pp-bytes-per-step",
                          "comm/pp-cross-host-bytes-per-step"}
 # Only --compile runs log these (the guides' logged runs do not compile).
@@ -118,7 +118,7 @@ def help_text(key: str) -> str:
 
 def test_every_guide_is_in_the_run_order():
     assert sorted(p.name for p in DOCS.glob("*.md")) == sorted(ORDER), \
-        "add the new guide to ORDER in tests/test_docs.py so its commands run"
+        "add the new guide to ORDER in tests/project/test_docs.py so its commands run"
 
 
 def test_guides_link_to_existing_files():

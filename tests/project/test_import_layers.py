@@ -8,6 +8,10 @@ the lazy ones inside functions: a lazy import hides a cycle from Python, not fro
 
 The graph is read from the source of ``hybrid/``, ``models/`` and ``pretrain/`` (nothing is imported), so a
 failure names the file, the line and the import statement that breaks the rule.
+
+The entry points above the layers (``benchmarks/``, ``tools/``, ``launch/``) never import ``tests``: what
+they share with the tests lives in the library (the multi-rank harness ``hybrid.testing``), and the
+framework itself never imports that harness.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("hybrid", "models", "pretrain")
+ENTRY_POINT_DIRS = ("benchmarks", "tools", "launch")
 
 # docs/design.md §Architecture: one row per layer, lowest first. Rows whose order matters (a package
 # may import only packages to its left) are lists; in a set the order is free (only no cycles).
@@ -27,7 +32,7 @@ LAYERS: list[tuple[str, list[str] | set[str]]] = [
                 "hybrid.adamw_config"}),
     ("1 communication", ["hybrid.comm", "hybrid.shm_collectives", "hybrid.parallel_state"]),
     ("2 parallelism", ["hybrid.tensor_parallel", "hybrid.recompute", "hybrid.offload", "hybrid.zero",
-                       "hybrid.pipeline", "hybrid.data", "hybrid.generation"]),
+                       "hybrid.pipeline", "hybrid.data", "hybrid.generation", "hybrid.testing"]),
     ("3 checkpoint", {"hybrid.checkpoint"}),
     ("4 models", {"models.gpt"}),
     ("5 application", {"pretrain"}),
@@ -277,6 +282,34 @@ def test_import_graph_is_layered_and_acyclic():
     assert not problems, "import rules of docs/design.md §Architecture broken:\n" + "\n".join(problems)
 
 
+def imports_of_tests(source: str, path: str) -> list[str]:
+    """``path:line: statement`` for every import of the ``tests`` package in one file's AST."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=path)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name.split(".")[0] == "tests" for name in names):
+            out.append(f"{path}:{node.lineno}: {' '.join(ast.get_source_segment(source, node).split())}")
+    return out
+
+
+def test_entry_points_never_import_tests():
+    problems = [problem for root in ENTRY_POINT_DIRS for path in sorted((REPO / root).rglob("*.py"))
+                for problem in imports_of_tests(path.read_text(), str(path.relative_to(REPO)))]
+    assert not problems, ("benchmarks/, tools/ and launch/ import from tests/; move what they need into "
+                          "the library (hybrid.testing):\n" + "\n".join(problems))
+
+
+def test_the_framework_never_imports_the_test_harness():
+    problems = [str(e) for e in import_edges()
+                if unit_of(e.dst) == "hybrid.testing" and unit_of(e.src) != "hybrid.testing"]
+    assert not problems, "the framework imports its test harness hybrid.testing:\n" + "\n".join(problems)
+
+
 # ---- the checker itself must be able to fail -------------------------------------------------
 def _edge(src: str, dst: str, line: int = 1) -> Edge:
     return Edge(src, dst, src.replace(".", "/") + ".py", line, f"from {dst} import x")
@@ -324,6 +357,17 @@ def test_checker_rejects_packages_outside_the_table():
     problems = check([_edge("hybrid.experimental.stage", "hybrid.comm")], set())
     assert problems == ["hybrid.experimental is in no layer: add it to LAYERS here and to docs/design.md "
                         "§Architecture"]
+
+
+def test_imports_of_tests_are_found_at_any_depth():
+    source = ("import json\n"
+              "from hybrid.testing.multirank import run_on_ranks\n"
+              "def run():\n"
+              "    from tests.reliability_helpers import tiny_cli\n"
+              "    import tests.fault_entry as fault\n")
+    assert imports_of_tests(source, "benchmarks/x.py") == [
+        "benchmarks/x.py:4: from tests.reliability_helpers import tiny_cli",
+        "benchmarks/x.py:5: import tests.fault_entry as fault"]
 
 
 def test_lazy_and_relative_imports_are_edges():

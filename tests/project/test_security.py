@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability_helpers import ROOT, build_corpus, load_entry, tiny_cli
+from hybrid.testing.corpus import build_corpus
+from tests.reliability_helpers import ROOT, load_entry, tiny_cli
 
 PICKLE_FREE_DIRS = ("hybrid/", "models/", "launch/", "tools/")
 SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader"}

@@ -11,9 +11,9 @@ import torch
 from hybrid.parallel_state import ParallelState
 from hybrid.recompute import ActivationMeter, Arena, RecomputePlan
 from hybrid.tensor_parallel import RNGTracker
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
-from tests.recompute_toy import ToyStack
+from tests.recompute.toy_stack import ToyStack
 
 S, B, H, HEADS, LAYERS, P = 8, 2, 16, 4, 3, 0.2
 PLANS = {

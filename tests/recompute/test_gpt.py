@@ -23,10 +23,10 @@ from hybrid.parallel_state import ParallelState
 from hybrid.recompute import ActivationMeter, ModelDims, RecomputePlan
 from hybrid.recompute.planner import mode_costs
 from hybrid.tensor_parallel import RNGTracker
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from hybrid.recompute import ActivationMeter, RecomputePlan
 from hybrid.recompute.planner import (ModelDims, estimate, layer_activation_bytes, mode_costs,
                                       plan_for_budget, plan_from_cli)
 from hybrid.tensor_parallel import RNGTracker
-from tests.recompute_toy import ToyStack
+from tests.recompute.toy_stack import ToyStack
 
 log = logging.getLogger(__name__)
 

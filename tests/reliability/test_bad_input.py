@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from hybrid.data.indexed_dataset import IndexedDatasetWriter
-from tests.reliability_helpers import (ENTRY, ROOT, build_corpus, child_env, load_entry, tiny_cli,
-                                       tree_hashes)
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import ENTRY, ROOT, load_entry, tiny_cli, tree_hashes
 
 DEADLINE_S = 60
 

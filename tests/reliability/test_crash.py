@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from hybrid.checkpoint import CheckpointReader, read_latest
-from tests.reliability_helpers import (FAULT_ENTRY, ROOT, build_corpus, child_env, tiny_cli,
-                                       torchrun)
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import FAULT_ENTRY, ROOT, tiny_cli, torchrun
 
 ITERS = 6
 SAVE = ["--save-interval", "2"]

@@ -32,9 +32,10 @@ import torch.distributed as dist
 import pretrain.setup  # noqa: F401
 import models.gpt.model  # noqa: F401
 import tests.fault_entry  # noqa: F401
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.multirank import free_port
 from pretrain.liveness import Liveness, Peer, PeersLostError, is_distributed_error
-from tests.multirank import free_port
-from tests.reliability_helpers import FAULT_ENTRY, build_corpus, tiny_cli
+from tests.reliability_helpers import FAULT_ENTRY, tiny_cli
 
 WORLD = 4
 TIMEOUT_MIN = 0.25       # --distributed-timeout-minutes: 15 s, a 1 s heartbeat

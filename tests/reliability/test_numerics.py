@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hybrid.checkpoint.format import CheckpointError
-from tests.multirank import run_on_ranks
+from hybrid.testing.multirank import run_on_ranks
 from tests.reliability_helpers import tree_hashes
 from tests.training_helpers import make_trainer, tiny_args
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from hybrid.processes import child_pids, process_gone
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
 from pretrain.liveness import LAUNCHER_CHECK
-from tests.reliability_helpers import ROOT, build_corpus, child_env, tiny_cli, torchrun
+from tests.reliability_helpers import ROOT, tiny_cli, torchrun
 
 SLACK = 1.0        # seconds a loaded 2-core machine may add to the detection bound
 GONE_WITHIN = 10   # seconds from the kill until every rank process must have ended

@@ -6,7 +6,7 @@ Checks: rank 0's resident memory is flat after warm-up in every launch (growth <
 step, per save or per log line); the iterations of the three launches join without a gap or a repeat;
 no loss jump at a resume exceeds the largest step-to-step change inside a launch; the loss falls.
 
-    SOAK_MINUTES=30 python -m pytest -q -s -m slow tests/test_soak.py     # default 30 minutes
+    SOAK_MINUTES=30 python -m pytest -q -s -m slow tests/reliability/test_soak.py     # default 30 minutes
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from hybrid.checkpoint import read_latest
-from tests.reliability_helpers import FAULT_ENTRY, ROOT, build_corpus, child_env, tiny_cli, torchrun
+from hybrid.testing.corpus import build_corpus
+from hybrid.testing.subprocesses import child_env
+from tests.reliability_helpers import FAULT_ENTRY, ROOT, tiny_cli, torchrun
 
 pytestmark = pytest.mark.slow
 MINUTES = float(os.environ.get("SOAK_MINUTES", "30"))

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import cross_entropy
 from hybrid.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 ROWS, PADDED = 37, 96          # 37 rows: blocks of a few rows end with a partial one
 BLOCK_ELEMENTS = 200           # rows per block: 2 at width 96, 4 at width 48

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import grad_fusion
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import AdamWConfig, ZeroConfig, build_zero_optimizer
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
 
 TIED = "embedding.word.weight"
 

@@ -16,8 +16,8 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RowParallel
                                     VocabParallelEmbedding, full_init, gather_from_sequence,
                                     gather_from_tp, reduce_scatter_to_sequence, scatter_to_sequence,
                                     scatter_to_tp, shard, vocab_parallel_cross_entropy)
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 S, B, H = 8, 2, 8          # sequence, micro-batch, hidden: divisible by every TP degree tested
 TOL = dict(rtol=1e-5, atol=1e-6)

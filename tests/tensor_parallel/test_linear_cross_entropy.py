@@ -1,7 +1,7 @@
 """The output layer fused with the vocab-parallel cross-entropy
 (hybrid/tensor_parallel/linear_cross_entropy.py) against the separate path it replaces
 (``column_parallel_linear`` then ``vocab_parallel_cross_entropy``, itself checked against fp64
-``F.cross_entropy`` in tests/test_cross_entropy_blocks.py) and against fp64 directly.
+``F.cross_entropy`` in tests/tensor_parallel/test_cross_entropy_blocks.py) and against fp64 directly.
 
 - Per-token gradients that are powers of two (a mean over 2^k tokens, a loss scale): the row scale
   is exact, so the loss and the input and weight gradients must be BIT-EQUAL to the separate path's
@@ -23,8 +23,8 @@ from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import cross_entropy
 from hybrid.tensor_parallel import (column_parallel_linear, linear_cross_entropy,
                                     vocab_parallel_cross_entropy)
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
-from tests.multirank import run_on_ranks
 
 S, B, H, PADDED = 12, 3, 16, 96     # 36 tokens: blocks of 2 rows end with a full one, 4 with a partial
 BLOCK_ELEMENTS = 200

@@ -1,5 +1,5 @@
 """RNGTracker on one process (Megatron-LM §3 random streams); the cross-rank properties - forked masks
-differ across TP ranks, default masks agree - are checked in tests/test_tensor_parallel.py."""
+differ across TP ranks, default masks agree - are checked in tests/tensor_parallel/test_layers.py."""
 
 import pytest
 import torch

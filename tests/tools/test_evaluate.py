@@ -15,10 +15,10 @@ import torch
 
 from hybrid.data import IndexedDatasetWriter, build_gpt_datasets
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from models.gpt.reference import ReferenceGPT
 from models.gpt.weights import load_canonical, load_model
-from tests.multirank import run_on_ranks
 
 VOCAB, EOD, SAMPLES = 200, 2, 12
 
@@ -99,7 +99,7 @@ def test_eod_mask_and_bad_sample_count(tmp_path):
     from tools import evaluate
     from models.gpt.config import GPTConfig
     from models.gpt.weights import build_model
-    from tests.test_hf_export import random_canonical
+    from tests.models.test_hf_export import random_canonical
     config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=VOCAB,
                        seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
     state = ParallelState.single_process()
@@ -119,7 +119,7 @@ def test_evaluate_cli_prints_json(tmp_path, capsys):
     from tools import evaluate
     from models.gpt.config import GPTConfig
     from models.gpt.weights import save_canonical
-    from tests.test_hf_export import random_canonical
+    from tests.models.test_hf_export import random_canonical
     config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=VOCAB,
                        seq_length=16)
     weights = save_canonical(tmp_path / "w.safetensors", random_canonical(config), config)

@@ -15,14 +15,14 @@ import torch
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import adamw_compiled
 from hybrid.zero.adamw import fused_adamw_step
 from hybrid.zero.adamw_compiled import compiled_adamw_step, decay_masks
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
-from tests.multirank import run_on_ranks
-from tests.test_zero_stages import GPTTask, train
+from tests.zero.test_stages import GPTTask, train
 
 SCALE = LossScaleConfig(initial_scale=2.0 ** 8)
 CONFIG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -17,13 +17,13 @@ import torch
 from hybrid.adamw_config import AdamWConfig
 from hybrid.checkpoint.state import load_state, save_state
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology, TopologyError
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.model import GPTModel
 from models.gpt.sharding import canonical_init, shard_tensor
-from tests.multirank import run_on_ranks
-from tests.test_zero_stage3 import ADAMW, CONFIG, SEED, data, train_step
+from tests.zero.test_stage3 import ADAMW, CONFIG, SEED, data, train_step
 
 WORLD, PER_HOST, STEPS = 4, 2, 3   # STEPS: the checkpoint case's; parity runs TRAIN_STEPS
 TRAIN_STEPS = 2

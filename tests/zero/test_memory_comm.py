@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
-from tests.multirank import run_on_ranks
-from tests.test_zero_stages import MLPTask, train
+from tests.zero.test_stages import MLPTask, train
 
 TASK = MLPTask(hidden=64, ffn=512)   # Ψ = 66,240 at TP 1
 

@@ -19,11 +19,11 @@ leaves parameters, master and moments bit-equal, keeps the scale for the first o
 import torch
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
-from tests.multirank import run_on_ranks
-from tests.test_zero_stages import MLPTask, reference_run, train
+from tests.zero.test_stages import MLPTask, reference_run, train
 
 TASK = MLPTask()
 TRAJECTORY_BOUND = {"bf16": 0.10, "fp16": 0.02}   # measured 4.7% and 0.24%

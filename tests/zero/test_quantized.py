@@ -19,6 +19,7 @@ import torch
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
@@ -26,8 +27,7 @@ from hybrid.zero.quantize import BLOCK, dequantize, pack, packed_numel, quantize
 from hybrid.zero.quantized_collectives import hierarchical_reduce_scatter, quantized_all_gather
 from models.gpt.model import GPTModel
 from models.gpt.sharding import canonical_init, shard_tensor
-from tests.multirank import run_on_ranks
-from tests.test_zero_stage3 import ADAMW, CONFIG, SEED, build, data, train_step
+from tests.zero.test_stage3 import ADAMW, CONFIG, SEED, build, data, train_step
 
 WORLD, PER_HOST, STEPS = 4, 2, 4
 # int8 blocks perturb each weight (qwZ) or gradient (qgZ) by at most 1/254 of its block's largest
@@ -345,7 +345,7 @@ def test_quantized_runs_keep_exact_masters():
 # scale is its largest magnitude, which differs between TP ranks where the block holds sharded
 # values, so the replicated values come back rounded differently on each TP rank and the replicas
 # drift apart (about 1e-5 after 4 steps; the exact run keeps them bit-equal). A checkpoint keeps TP
-# rank 0's copy, so TP rank 1 changes on resume (tests/test_zero_quantized_training.py, TP 2).
+# rank 0's copy, so TP rank 1 changes on resume (tests/zero/test_quantized_training.py, TP 2).
 @pytest.mark.parametrize("case", ["tp2_s3", "tp2_s3_both"])
 def test_tp_replicated_parameters_stay_equal_on_every_tp_rank(case):
     """TP-replicated parameters (LayerNorm, row-parallel biases, position embeddings) share

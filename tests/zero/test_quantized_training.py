@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from hybrid.checkpoint import CheckpointReader
-from tests.multirank import run_on_ranks
+from hybrid.testing.multirank import run_on_ranks
 from tests.training_helpers import make_trainer, tiny_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = ["--zero-quantized-weights", "--zero-quantized-gradients"]
 TWO_HOSTS = ["--gpus-per-node", "2", "--dp-transport", "gloo", "--lr-decay-iters", "4"]
-LOSS_GAP = 0.02   # per step, as tests/test_zero_quantized.py argues
+LOSS_GAP = 0.02   # per step, as tests/zero/test_quantized.py argues
 # After 200 steps (benchmarks/zeropp_convergence.py; the runs are deterministic) the exact run in
 # another layout differs by 5e-4 (bf16 rounding: the noise floor), qgZ by 0.009 and qwZ by 0.033
 # (0.6% of the loss: the forward computes with int8-rounded weights all along). The bound is about

@@ -21,11 +21,11 @@ import torch
 
 from hybrid import comm
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import DataParallel, ZeroConfig, build_zero_optimizer
 from models.gpt.model import GPTModel
-from tests.multirank import run_on_ranks
-from tests.test_zero_stages import GPTTask, train
+from tests.zero.test_stages import GPTTask, train
 
 TASK = GPTTask()
 SEED = 11

@@ -4,7 +4,7 @@ torch.optim.AdamW on the same global batch: 5 steps of losses and the final para
 TP in {1, 2} x DP in {1, 2, 4} x gradient accumulation in {1, 2}.
 
 One spawn per world size runs every layout of that size, plus the memory / communication / prefetch
-measurements that tests/test_zero_stage3_memory.py checks (``world_results`` caches them per process).
+measurements that tests/zero/test_stage3_memory.py checks (``world_results`` caches them per process).
 
 AdamW eps is 1e-6 on both sides: the key part of the QKV bias has an exactly zero true gradient, and
 with eps 1e-8 Adam would blow its rounding noise (1e-10) up to lr-sized, layout-dependent steps.
@@ -19,6 +19,7 @@ import torch
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.stage3 import ParameterPartitioning
@@ -28,7 +29,6 @@ from models.gpt.reference import ReferenceGPT
 from models.gpt.sharding import canonical_init, shard_tensor, unshard_state_dict
 from hybrid.recompute import checkpoint
 from hybrid.tensor_parallel import vocab_parallel_cross_entropy
-from tests.multirank import run_on_ranks
 
 CONFIG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=50, seq_length=8,
                    make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
@@ -84,7 +84,7 @@ def parity_case(state: ParallelState, accum: int, clip: float) -> dict:
 
 
 def _rank_main(rank: int, world: int) -> dict:
-    from tests.test_zero_stage3_memory import measurements   # same spawn, no extra start-up
+    from tests.zero.test_stage3_memory import measurements   # same spawn, no extra start-up
     out = {"parity": {}}
     for tp, accum, clip in PARITY_CASES[world]:
         state = ParallelState.initialize(Topology(world, tp, gpus_per_node=world))
@@ -97,7 +97,7 @@ def _rank_main(rank: int, world: int) -> dict:
 def world_results(world: int) -> list[dict]:
     if world == 1:
         state = ParallelState.single_process()
-        from tests.test_zero_stage3_memory import measurements
+        from tests.zero.test_stage3_memory import measurements
         return [{"parity": {(1, a, c): parity_case(state, a, c) for _, a, c in PARITY_CASES[1]},
                  "measure": measurements(1)}]
     return run_on_ranks(_rank_main, world, timeout=600)

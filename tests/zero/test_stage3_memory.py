@@ -7,7 +7,7 @@
 * the next unit's all-gather is issued before the current unit's forward finishes (prefetch);
 * fp16: an overflowed step is skipped and changes neither parameters nor optimizer state.
 
-Measured inside the spawns of tests/test_zero_stage3.py (one per world size).
+Measured inside the spawns of tests/zero/test_stage3.py (one per world size).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.results import Fragment
-from tests.test_zero_stage3 import build, data, reference, train_step, world_results
+from tests.zero.test_stage3 import build, data, reference, train_step, world_results
 
 PERSIST = 64   # elements: with hidden 16 the biases and LayerNorm weights stay whole
 

@@ -19,7 +19,7 @@ from hybrid.zero import stage3_build as build
 from hybrid.zero.stage3_unit import ShardedUnit
 from models.gpt.model import GPTModel
 from models.gpt.sharding import canonical_init, shard_tensor
-from tests.test_zero_stage3 import CONFIG, SEED
+from tests.zero.test_stage3 import CONFIG, SEED
 
 DP = 4
 

@@ -16,6 +16,7 @@ from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.layers import ColumnParallelLinear, LayerNorm, RowParallelLinear
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
@@ -24,7 +25,6 @@ from models.gpt import sharding
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
-from tests.multirank import run_on_ranks
 
 STEPS = 5
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -17,6 +17,7 @@ framework itself never imports that harness.
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,12 +109,13 @@ def edges_of_source(module: str, source: str, path: str, known: set[str], *,
     return sorted(edges, key=lambda e: (e.line, e.dst))
 
 
-def import_edges() -> list[Edge]:
+@functools.cache   # parsed once for the tests that read it (a tuple: nobody changes it)
+def import_edges() -> tuple[Edge, ...]:
     files = module_files()
     known = set(files)
-    return [e for module, path in files.items()
-            for e in edges_of_source(module, path.read_text(), str(path.relative_to(REPO)), known,
-                                     is_package=path.name == "__init__.py")]
+    return tuple(e for module, path in files.items()
+                 for e in edges_of_source(module, path.read_text(), str(path.relative_to(REPO)), known,
+                                          is_package=path.name == "__init__.py"))
 
 
 def unit_of(module: str) -> str:

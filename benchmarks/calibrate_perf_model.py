@@ -317,7 +317,7 @@ def calibration_status(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help=f"timed rounds (+{WARMUP} warm-up)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage")
     args = parser.parse_args()
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache_dir:
         runs = {start: _merge(run_on_ranks(_ranks, 2, args=(args.stage, args.steps, cache_dir),

@@ -187,7 +187,7 @@ def measure(cluster, corpus: dict, work: Path, tp: int, stage: int, iters: int, 
     """Train the layout on the test bed; seconds per iteration and cross-host bytes per step.
     ``extra_args``: more trainer flags (benchmarks/zeropp_options.py's variants)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tests.reliability_helpers import child_env
+    from hybrid.testing.subprocesses import child_env
     tb_dir = work / f"tb_{job}"
     args = train_args(corpus, work / "cache", tb_dir, tp, stage, iters, global_batch) + list(extra_args)
     codes = cluster.run_job(args, work, job, timeout=600, env=child_env(PYTHON=sys.executable))
@@ -210,7 +210,8 @@ def measure(cluster, corpus: dict, work: Path, tp: int, stage: int, iters: int, 
 
 
 def run(rates_mbit, iters: int, work: Path) -> dict:
-    from tests.reliability_helpers import build_corpus, child_env
+    from hybrid.testing.corpus import build_corpus
+    from hybrid.testing.subprocesses import child_env
     from tools.netns_cluster import NetnsCluster
     corpus = build_corpus(work / "corpus")
     calibration = json.loads(CALIBRATION.read_text())

@@ -236,7 +236,7 @@ def main() -> None:
         parser.error("--repeats must be >= 1")
     if args.link_mbit is not None and args.link_mbit <= 0:
         parser.error("--link-mbit must be positive")
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     names = args.only or list(VARIANTS)
     step_ms, cpu_ms = {n: [] for n in names}, {n: [] for n in names}
     first_loss = {}

@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     from hybrid.parallel_state import ParallelState
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     rows = _rows(ParallelState.single_process(), 1, args.steps)
     rows += run_on_ranks(_tp_ranks, 2, args=(args.steps,), timeout=1800)[0]
     print("| TP | variant | kept after forward: device (MiB) | host tier (MiB) | peak over fwd+bwd (MiB) "

@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="run a subset")
     args = parser.parse_args()
     reexec_in_peer_env({"megatron.core": "megatron-core==0.16.1"})
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     names = args.only or list(VARIANTS)
     per_rank = run_on_ranks(_worker, 2, args=(names, args.steps + 2), timeout=3600)
     rows = {}

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         if ranks == 1:
             results = [run_trainer(cli, args.warmup)]
         else:
-            from tests.multirank import run_on_ranks
+            from hybrid.testing.multirank import run_on_ranks
             results = run_on_ranks(_rank, ranks, args=(cli, args.warmup), timeout=1800)
         layout = ("1 rank (TP1 DP1)" if ranks == 1 else "4 ranks (TP2 x DP2)") + (
             ", log every iteration" if extra else "")

@@ -44,7 +44,7 @@ def main() -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     from benchmarks.step_roofline import SIZES, gemm_bound_ms
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     from tools.step_breakdown import report
     result = run_on_ranks(_rank, 2, args=(args.size, args.stage, args.precision, args.compile,
                                           args.steps), timeout=1800)[0]

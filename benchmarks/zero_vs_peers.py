@@ -365,7 +365,7 @@ def main() -> None:
     bound_ms = {p: gemm_bound_ms(dims, p) for p in ("fp32", "bf16")}
     setup = {"peer_model": args.peer_model, "dp_transport": args.dp_transport, "dims": dims,
              "deepspeed": deepspeed}
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     if sequential:   # each variant in fresh processes: freed memory goes back to the OS
         per_rank = [{}, {}]
         for name in names:

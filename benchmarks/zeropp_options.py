@@ -122,7 +122,7 @@ def expected_bytes(train_argv: list[str], vocab: int) -> dict[str, float]:
 # ---- measurement -----------------------------------------------------------------------------
 def run(variants: list[tuple[str, list[str]]], rate: float, iters: int, work: Path,
         bf16: bool = False) -> dict:
-    from tests.reliability_helpers import build_corpus
+    from hybrid.testing.corpus import build_corpus
     from tools.netns_cluster import NetnsCluster
     corpus = build_corpus(work / "corpus")
     precision = ["--bf16"] if bf16 else []

@@ -6,6 +6,8 @@ whether the store is the agent's). :meth:`LaunchEnv.from_environ` is the one par
 variables: entry points build it once and pass it down (to
 :meth:`hybrid.parallel_state.ParallelState.from_launch_env` and the liveness watch); nothing else in
 the framework reads them. A malformed value is a :class:`LaunchEnvError` naming the variable.
+:func:`without_launcher_variables` removes them from the environment of a child process that is
+not a rank of the job.
 
 Without any of them a program runs as one process (``world_size`` 1, not :attr:`distributed`).
 """
@@ -67,6 +69,16 @@ class LaunchEnv:
     def under_torchrun(self) -> bool:
         """Started by a torchrun agent, which stays this process's parent for the job's lifetime."""
         return self.run_id is not None
+
+
+# The launcher's variables are the names that start with one of these (MASTER_ADDR, LOCAL_RANK, ...).
+_LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC")
+
+
+def without_launcher_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the launcher's variables: the environment of a child process (a tool, another
+    torchrun job) that must not take itself for a rank of this one."""
+    return {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_PREFIXES)}
 
 
 def _int(env: Mapping[str, str], name: str, default):

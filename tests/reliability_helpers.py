@@ -1,25 +1,17 @@
-"""Shared pieces of the reliability tests (docs/design.md §10): a tiny real corpus (sentencepiece
-tokenizer + Megatron .bin/.idx) built once, the CLI of a tiny GPT run on it, the entry point
-``launch/pretrain_gpt.py`` loaded in-process, tree hashes to prove checkpoints are untouched, and a
-torchrun command line."""
+"""Shared pieces of the reliability tests (docs/design.md §10): the CLI of a tiny GPT run on the
+corpus of :func:`hybrid.testing.corpus.build_corpus`, the entry point ``launch/pretrain_gpt.py`` loaded
+in-process, tree hashes to prove checkpoints are untouched, and a torchrun command line."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
-
-import numpy as np
-
-from hybrid.data.indexed_dataset import IndexedDatasetWriter
-from hybrid.data.tokenizer import Tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "launch" / "pretrain_gpt.py"
 FAULT_ENTRY = Path(__file__).resolve().parent / "fault_entry.py"
-STDLIB = Path(os.__file__).parent
 
 
 def load_entry():
@@ -28,20 +20,6 @@ def load_entry():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def build_corpus(root: Path) -> dict[str, str]:
-    """Tokenizer (vocab ~400) and a 60-document corpus of random in-vocab ids; returns paths."""
-    root.mkdir(parents=True, exist_ok=True)
-    texts = [(STDLIB / n).read_text() for n in ("textwrap.py", "bisect.py", "heapq.py")]
-    model = train_tokenizer(texts, root / "tok", vocab_size=400)
-    vocab = Tokenizer(model).vocab_size
-    rng = np.random.default_rng(0)
-    prefix = root / "corpus"
-    with IndexedDatasetWriter(prefix, np.uint16) as w:
-        for _ in range(60):
-            w.add_document(rng.integers(3, vocab, int(rng.integers(20, 80))))
-    return {"tokenizer": model, "prefix": str(prefix), "vocab": vocab, "root": str(root)}
 
 
 def tiny_cli(corpus: dict, cache: Path, iters: int = 2, extra: list[str] = ()) -> list[str]:
@@ -72,11 +50,3 @@ def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, entry: Path 
                                                    f"127.0.0.1:{port}"]
     return [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nnodes", "1",
             "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), str(entry), *args]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_",
-                                                                     "LOCAL_", "TORCHELASTIC"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}, **extra)
-    return env

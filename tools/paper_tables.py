@@ -118,7 +118,7 @@ def predictions_intro(data: dict) -> str:
             f"models (within 20% for \"about X\"; strictly above for \"over X\" and \"more than X\", "
             f"which are bounds; not above for \"under X\"); the {len(preds) - ok} known misses "
             f"give the reason the model cannot reproduce them. The claims and reasons live in "
-            f"`tools/paper_claims.py`; `tests/test_perf_throughput.py` asserts each claim's "
+            f"`tools/paper_claims.py`; `tests/perf/test_throughput.py` asserts each claim's "
             f"documented status, so a model change that moves a claim in or out of tolerance fails. "
             f"The model's assumptions are listed in `tables.md`.")
 

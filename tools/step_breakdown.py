@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.arguments import parse_args
     cfg, _ = parse_args(trainer_argv)   # bad trainer flags fail here, before any rank starts
     world = cfg.parallel.world_size or cfg.parallel.tensor_model_parallel_size
-    from tests.multirank import run_on_ranks
+    from hybrid.testing.multirank import run_on_ranks
     results = run_on_ranks(_rank_main, world, args=(trainer_argv, ours.steps, ours.warmup,
                                                     ours.threads), timeout=1800)
     print(json.dumps(results[0], indent=2) if ours.json else report(results[0]))

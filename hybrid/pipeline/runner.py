@@ -16,7 +16,7 @@ waited for until the end of the step. How receives are posted (``prefetch``):
   when every message in it is matched, so a receive posted ahead of a send the peer is waiting for
   could deadlock; the groups make neighbouring stages' batches match. One group per action
   deadlocks the interleaved schedule's steady state (m > p): two neighbours each wait on a batch
-  whose send the other receives only in its next batch. ``tests/test_pipeline.py`` checks every
+  whose send the other receives only in its next batch. ``tests/pipeline/test_pipeline.py`` checks every
   schedule's groups under rendezvous semantics.
 
 Per step and stage boundary the schedule moves m activations forward and m gradients back (m v of

@@ -127,6 +127,6 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     # Always eager, a graph break under torch.compile (of a whole model; --compile compiles the
     # layers only): AOT autograd's functionalization of the in-place passes over row blocks of
     # the logits (fp32 writes exp(z - m) over z through its split views) gave wrong losses and
-    # gradients once there were several blocks (tests/test_linear_cross_entropy.py)
+    # gradients once there were several blocks (tests/tensor_parallel/test_linear_cross_entropy.py)
     return apply_eagerly(_LinearCrossEntropy, x, weight, target, group, sequence_parallel,
                          vocab_size)

@@ -18,13 +18,13 @@ from hybrid import comm
 from hybrid.parallel_state import ParallelState
 from hybrid.topology import Topology
 from hybrid.zero.factory import build_zero_optimizer
-from tests.test_zero_stages import micro_batches
+from tests.zero.test_stages import micro_batches
 
 # CUDA against the CPU oracle, fp32 with TF32 off: the same math in another summation order (cuBLAS,
 # SDPA's fused kernels). One forward/backward agrees to ~1e-6 relative; five AdamW steps (eps 1e-4,
 # lr 1e-2) move parameters by ~5e-2, so 1e-4 relative / 1e-5 absolute leaves room for rounding only.
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 1e-5
-INIT_SEED = 11   # tests.test_zero_stages.GPTTask initialises model and reference with it
+INIT_SEED = 11   # tests.zero.test_stages.GPTTask initialises model and reference with it
 
 
 def _tf32_switches() -> list[tuple[object, str, object]]:
@@ -95,7 +95,7 @@ def build_engine(task, state, zero_config, adamw, offload=None):
 
 
 def train_on_device(task, state, opt, model, data, accum: int = 1):
-    """``tests.test_zero_stages.train`` with every micro-batch moved to ``state.device``:
+    """``tests.zero.test_stages.train`` with every micro-batch moved to ``state.device``:
     (DP-mean losses, StepResults)."""
     losses, results = [], []
     for batch in data:

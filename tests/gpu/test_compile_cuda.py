@@ -2,9 +2,9 @@
 inductor's Triton kernels) trains like eager, and the one-pass AdamW kernel
 (hybrid/zero/adamw_compiled.py) gives torch's fused update on GPU tensors.
 
-The CPU suite checks both with inductor's C++ kernels (tests/test_compile_layers.py,
-tests/test_adamw_compiled.py); these are the same comparisons on the GPU: fp32 (TF32 off) within
-1e-5 over 5 steps, 16-bit within tests/test_compile_layers.py's bf16 bounds (docs/compile.md).
+The CPU suite checks both with inductor's C++ kernels (tests/models/test_compile_layers.py,
+tests/zero/test_adamw_compiled.py); these are the same comparisons on the GPU: fp32 (TF32 off) within
+1e-5 over 5 steps, 16-bit within tests/models/test_compile_layers.py's bf16 bounds (docs/compile.md).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.compile import compile_layers
 from models.gpt.model import GPTModel
 from tests.gpu.cuda_helpers import INIT_SEED, ieee_fp32
-from tests.test_adamw_compiled import five_steps_against_fused
-from tests.test_compile_layers import CompileTask, _assert_16bit_parameters_close
+from tests.models.test_compile_layers import CompileTask, _assert_16bit_parameters_close
+from tests.zero.test_adamw_compiled import five_steps_against_fused
 
 STEPS = 5
 

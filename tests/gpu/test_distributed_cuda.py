@@ -20,15 +20,15 @@ import torch
 from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import RNGTracker
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.zero.config import ZeroConfig
 from models.gpt.model import GPTModel
 from tests.gpu.cuda_helpers import (bitwise_reproducible, build_engine, compare_with_reference,
                                     ieee_fp32, nccl_reason, rank_state, train_on_device,
                                     trained_params)
 from tests.gpu.test_model_cuda import DROPOUT_CONFIG, tokens_and_labels
-from tests.multirank import run_on_ranks
-from tests.test_recompute_gpt import MODES, _plan
-from tests.test_zero_stages import GPTTask, reference_run
+from tests.recompute.test_gpt import MODES, _plan
+from tests.zero.test_stages import GPTTask, reference_run
 
 STAGES = (0, 1, 2, 3)
 

@@ -27,7 +27,7 @@ from hybrid.zero.factory import build_zero_optimizer
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from tests.gpu.cuda_helpers import INIT_SEED, build_engine, train_on_device
-from tests.test_zero_stages import GPTTask
+from tests.zero.test_stages import GPTTask
 
 STEPS = 50
 CONFIG = GPTConfig(6, 512, 8, vocab_size=2048, seq_length=256, hidden_dropout=0.0,

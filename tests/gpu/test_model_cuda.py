@@ -1,7 +1,7 @@
 """The GPT on one GPU: fp32 parity with the CPU oracle (TF32 off), bf16 / fp16 training with loss
 scaling, and every activation-recompute mode bit-equal to no recompute on CUDA (docs/design.md §4).
 
-The recompute check is the CPU one (tests/test_recompute_gpt.py) on the GPU's kernels: dropout 0.1
+The recompute check is the CPU one (tests/recompute/test_gpt.py) on the GPU's kernels: dropout 0.1
 draws from the CUDA generator (RNGTracker on cuda), selective recompute reruns SDPA, Pa+cpu's
 checkpoints go to pinned host memory on a side stream and come back ahead of the recompute.
 """
@@ -21,14 +21,14 @@ from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
 from tests.gpu.cuda_helpers import bitwise_reproducible, ieee_fp32, train_on_device
-from tests.test_recompute_gpt import MODES, _plan
-from tests.test_zero_stages import GPTTask, reference_run
+from tests.recompute.test_gpt import MODES, _plan
+from tests.zero.test_stages import GPTTask, reference_run
 
 PARITY_CONFIG = GPTConfig(2, 64, 4, vocab_size=101, seq_length=64, hidden_dropout=0.0,
                           attention_dropout=0.0, make_vocab_size_divisible_by=4)
 DROPOUT_CONFIG = GPTConfig(3, 96, 8, vocab_size=128, seq_length=32, hidden_dropout=0.1,
                            attention_dropout=0.1)
-# bf16 keeps 8 significant bits, fp16 11 (tests/test_zero_precision.py derives these bounds on CPU)
+# bf16 keeps 8 significant bits, fp16 11 (tests/zero/test_precision.py derives these bounds on CPU)
 LOSS_RTOL = {"bf16": 2e-2, "fp16": 2e-2}
 TRAJECTORY_BOUND = {"bf16": 0.10, "fp16": 0.02}
 

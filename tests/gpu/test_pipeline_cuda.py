@@ -1,9 +1,9 @@
 """Pipeline parallelism on NCCL (hybrid/pipeline; issue 16) against the CPU oracle, fp32 with TF32
-off: PP 2 on two GPUs (rank r on GPU r), 5 steps of tests/test_pipeline.py's 4-layer GPT with each
+off: PP 2 on two GPUs (rank r on GPU r), 5 steps of tests/pipeline/test_pipeline.py's 4-layer GPT with each
 schedule - GPipe (ZeRO 0), 1F1B over 4 micro-batches (ZeRO 1), interleaved with v 2 at m = p and
 in its steady state at m = 2p (ZeRO 2) - and the tied embedding synchronised over NCCL. The runner
 uses NCCL's batched posting (its exchange groups: a group's sends in one ``batch_isend_irecv`` with
-the next group's receives; tests/test_pipeline_posting.py models it). Skipped with the reason
+the next group's receives; tests/pipeline/test_posting.py models it). Skipped with the reason
 where the machine has fewer than 2 GPUs or torch has no NCCL.
 """
 
@@ -14,13 +14,13 @@ import torch
 
 from hybrid.parallel_state import ParallelState
 from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
 from models.gpt import sharding
 from tests.gpu.cuda_helpers import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, ieee_fp32, nccl_reason
-from tests.multirank import run_on_ranks
-from tests.test_pipeline import PipeTask, _stage_chunks, _tied
-from tests.test_zero_stages import reference_run
+from tests.pipeline.test_pipeline import PipeTask, _stage_chunks, _tied
+from tests.zero.test_stages import reference_run
 
 CASES = [("gpipe", 1, 2, 0), ("1f1b", 1, 4, 1), ("interleaved", 2, 2, 2),
          ("interleaved", 2, 4, 2)]   # schedule, v, m, ZeRO

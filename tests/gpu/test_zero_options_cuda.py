@@ -7,7 +7,7 @@
   hybrid sharding, qwZ, qgZ and hpZ + qwZ + qgZ for 3 steps, fp32 with TF32 off. Plain stage 3
   against the same run on 4 CPU gloo ranks (losses rtol 1e-5, parameters the CUDA suite's
   tolerances); hpZ and hybrid sharding equal plain (exact algorithms, rtol 1e-5); the quantized ones
-  within tests/test_zero_quantized.py's loss bound of plain and not equal to it; every option sends
+  within tests/zero/test_quantized.py's loss bound of plain and not equal to it; every option sends
   fewer bytes across hosts than plain by the ledger. Skipped below 4 GPUs, with that reason.
 """
 
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from hybrid.parallel_state import ParallelState
+from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.quantize import BLOCK, pack, unpack
 from tests.gpu.cuda_helpers import PARAM_ATOL, PARAM_RTOL, ieee_fp32, nccl_reason
-from tests.multirank import run_on_ranks
-from tests.test_zero_quantized import LOSS_GAP
-from tests.test_zero_stage3 import build, data, train_step
+from tests.zero.test_quantized import LOSS_GAP
+from tests.zero.test_stage3 import build, data, train_step
 
 WORLD, PER_HOST, STEPS = 4, 2, 3
 VARIANTS = {"plain": {}, "hpz": {"hpz": True}, "hsdp": {"hybrid_shard": True},

@@ -18,7 +18,7 @@ from hybrid.data import IndexedDataset, build_tokenizer
 from hybrid.data.tokenizer import BPE_EOD, Tokenizer, TokenizerError, train_tokenizer
 from hybrid.data.tokenizer_types import NullTokenizer
 from tests.reliability_helpers import ROOT, load_entry, tiny_cli
-from tests.test_hf_transformers import hf_python  # noqa: F401 (fixture)
+from tests.models.test_hf_transformers import hf_python  # noqa: F401 (fixture)
 from tools import generate, preprocess_data
 from tools._cli import run_cli
 

@@ -84,7 +84,8 @@ class ParallelSection:
     sequence_parallel: bool = _help("shard LayerNorm/dropout activations along the sequence",
                                     default=False)
     zero_stage: int = _help("ZeRO-DP stage: 0 baseline, 1 Pos, 2 Pos+g, 3 Pos+g+p", default=1)
-    zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)", default=DEFAULT_BUCKET_ELEMENTS)
+    zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)",
+                                  default=DEFAULT_BUCKET_ELEMENTS)
     zero_hybrid_shard: bool = _help("ZeRO stages 1-3 partition inside each host and replicate across "
                                     "hosts (FSDP2 HSDP, MiCS): parameters gathered inside the host, "
                                     "gradient shards all-reduced across", default=False)
@@ -210,7 +211,8 @@ class OptimizerSection:
     bf16: bool = _help("bf16 params/grads with fp32 master weights", default=False)
     fp16: bool = _help("fp16 params/grads with fp32 master weights and dynamic loss scaling",
                        default=False)
-    initial_loss_scale: float = _help("fp16: starting loss scale", default=LossScaleConfig.initial_scale)
+    initial_loss_scale: float = _help("fp16: starting loss scale",
+                                      default=LossScaleConfig.initial_scale)
     min_loss_scale: float = _help("fp16: lowest loss scale", default=LossScaleConfig.min_scale)
     loss_scale_window: int = _help("fp16: clean steps before the scale grows",
                                    default=LossScaleConfig.growth_interval)

@@ -1,5 +1,6 @@
-"""The one place that reads the ZeRO stage number: ``ZeroConfig.stage`` and the layout -> the engine
-class (the layout rules: :mod:`hybrid.zero_policy`, which the perf model and the config checks read too).
+"""The one place that reads the ZeRO stage number: ``ZeroConfig.stage`` and the layout -> the
+engine class (the layout rules: :mod:`hybrid.zero_policy`, which the perf model and the config
+checks read too).
 
 Each stage is a class named after what the ZeRO paper (§5) partitions across the data-parallel
 group; the engines never branch on the stage number themselves:

@@ -108,7 +108,7 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
     work = it.compute_s + it.tp_comm_s + it.memory_s + it.overhead_s
     bubble = work * (p - 1) / (v * m)
     crosses = t * d >= cluster.gpus_per_node
-    bandwidth = cluster.inter_node_ring_bandwidth if crosses else cluster.intra_node_ring_bandwidth
+    bandwidth = cluster.ring_bandwidth(crosses)
     sent = p2p_bytes_per_step(pp=p, virtual=v, micro_batches=m, micro_batch=b, seq=seq, hidden=hidden,
                               tp=t, sequence_parallel=layout.sequence_parallel)
     p2p = sent / bandwidth + (2 * m * v * cluster.collective_latency if p > 1 else 0.0)

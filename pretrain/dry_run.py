@@ -20,7 +20,7 @@ from the meta-built chunks), the activations of the micro-batches its schedule k
 (1F1B: p - stage, GPipe: m, interleaved: the schedule's chunk count / v; hybrid.pipeline.schedules)
 through its L / p layers, and the logits on the last stage only; its point-to-point bytes are the
 activations and gradients it sends per step. ZeRO stage 2 with PP is counted as stage 1, which the
-engine runs instead (:func:`hybrid.perf.model_states.stage_with_pipeline`).
+engine runs instead (:func:`hybrid.zero_policy.stage_with_pipeline`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from hybrid.parallel_state import ParallelState
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
-from hybrid.perf.model_states import model_state_bytes, stage_with_pipeline
+from hybrid.perf.model_states import model_state_bytes
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
+from hybrid.zero_policy import stage_with_pipeline
+from models.gpt.presets import GPT2_VOCAB_SIZE
 from pretrain.config import TrainConfig, TrainConfigError
 from pretrain.traffic import expected_dp_collectives
 
@@ -52,7 +54,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                         allow_tp_across_nodes=p.allow_tp_across_nodes,
                         pipeline_parallel_size=p.pipeline_model_parallel_size)
     state = ParallelState.dry_run(topology, rank)
-    gcfg = gpt_config(cfg, m.vocab_size or 50257)
+    gcfg = gpt_config(cfg, m.vocab_size or GPT2_VOCAB_SIZE)
     gcfg.validate_for_tp(state.tp_size)
     pcfg = cfg.pipeline_config(world)
     stage_layers = m.num_layers // state.pp_size

@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybrid.adamw_config import AdamWConfig
 from hybrid.data.tokenizer_types import MEGATRON_TOKENIZER_TYPES
+from hybrid.parallel_state import DEFAULT_TIMEOUT, DP_TRANSPORTS
+from hybrid.perf.hardware import Cluster
+from hybrid.pipeline.config import SCHEDULES, default_schedule
+from hybrid.topology import Topology
+from hybrid.zero.config import LossScaleConfig
+from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS, layout_refusal
 from models.gpt.config import ConfigError, GPTConfig
 
 
@@ -78,7 +85,8 @@ class ParallelSection:
     sequence_parallel: bool = _help("shard LayerNorm/dropout activations along the sequence",
                                     default=False)
     zero_stage: int = _help("ZeRO-DP stage: 0 baseline, 1 Pos, 2 Pos+g, 3 Pos+g+p", default=1)
-    zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)", default=5_000_000)
+    zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)",
+                                  default=DEFAULT_BUCKET_ELEMENTS)
     zero_hybrid_shard: bool = _help("ZeRO stages 1-3 partition inside each host and replicate across "
                                     "hosts (FSDP2 HSDP, MiCS): parameters gathered inside the host, "
                                     "gradient shards all-reduced across", default=False)
@@ -87,7 +95,7 @@ class ParallelSection:
                            default=False)
     world_size: int | None = _help("GPUs the preset is meant for (checked at launch; used by --dry-run)",
                                    default=None)
-    gpus_per_node: int = _help("GPUs per node (16 on a DGX-2)", default=16)
+    gpus_per_node: int = _help("GPUs per node (16 on a DGX-2)", default=Topology.gpus_per_node)
     allow_tp_across_nodes: bool = _help("accept TP groups larger than a node", default=False)
     offload_optimizer: str = _help("where fp32 master + Adam moments live: none | cpu (ZeRO-Offload) | "
                                    "nvme (ZeRO-Infinity)", default="none")
@@ -97,10 +105,11 @@ class ParallelSection:
     offload_nvme_path: str | None = _help("directory for --offload-optimizer nvme", default=None)
     host_memory_budget: str | None = _help("host memory for offloaded state, e.g. 8GiB", default=None)
     distributed_timeout_minutes: float = _help("a collective waiting longer than this for a lost rank "
-                                               "fails (process-group timeout)", default=10.0)
+                                               "fails (process-group timeout)",
+                                               default=DEFAULT_TIMEOUT.total_seconds() / 60)
     dp_transport: str = _help("DP collectives of CPU ranks on one host: auto (shared memory where "
                               "every rank can map it, else gloo) | shm (shared memory or an error) | "
-                              "gloo", default="auto")
+                              "gloo", default=DP_TRANSPORTS[0])
     zero_quantized_weights: bool = _help("ZeRO++ qwZ: stage 3 all-gathers parameters as block-wise "
                                          "int8 (256-element blocks, fp32 scales); masters stay exact",
                                          default=False)
@@ -119,7 +128,7 @@ class ParallelSection:
         if not self.distributed_timeout_minutes > 0:
             raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
                                    f"{self.distributed_timeout_minutes}")
-        if self.dp_transport not in ("auto", "shm", "gloo"):
+        if self.dp_transport not in DP_TRANSPORTS:
             raise TrainConfigError(f"--dp-transport must be auto, shm or gloo, got {self.dp_transport!r}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise TrainConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
@@ -137,14 +146,12 @@ class ParallelSection:
 
     @property
     def schedule(self) -> str:
-        """The pipeline schedule: --pipeline-schedule, else interleaved with virtual stages, else 1f1b."""
-        if self.pipeline_schedule is not None:
-            return self.pipeline_schedule
-        return "interleaved" if self.num_layers_per_virtual_pipeline_stage is not None else "1f1b"
+        """The pipeline schedule: --pipeline-schedule, else hybrid.pipeline's default (interleaved
+        with virtual stages, else 1f1b)."""
+        return self.pipeline_schedule or default_schedule(self.num_layers_per_virtual_pipeline_stage)
 
     def _check_pipeline(self) -> None:
         """The PP checks that need this section only (layers and micro-batches: TrainConfig)."""
-        from hybrid.pipeline.config import SCHEDULES
         pp = self.pipeline_model_parallel_size
         if self.pipeline_schedule is not None and self.pipeline_schedule not in SCHEDULES:
             raise TrainConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
@@ -159,14 +166,9 @@ class ParallelSection:
                 "--pipeline-schedule interleaved and --num-layers-per-virtual-pipeline-stage go "
                 "together: the interleaved schedule runs several model chunks per stage; set both, "
                 "or neither for 1f1b / gpipe")
-        if pp > 1 and self.zero_stage == 3:
-            raise TrainConfigError(
-                "--zero-stage 3 with --pipeline-model-parallel-size > 1 is not supported: stage 3 "
-                "all-gathers a stage's parameters over DP in every micro-batch's forward and again "
-                "in its backward, so m micro-batches per step cost 2m gathers instead of 2 (m x the "
-                "3-Psi volume of ZeRO section 7), or the gathered parameters stay resident through "
-                "the schedule and the saving is gone (DeepSpeed refuses it too); use --zero-stage 1 "
-                "or 2 with pipeline parallelism")
+        refusal = layout_refusal(self.zero_stage, pp)   # the engine's rule and message
+        if refusal is not None:
+            raise TrainConfigError(refusal)
 
     def zero_config_options(self) -> dict:
         """The topology-aware fields of hybrid.zero.ZeroConfig (hybrid sharding, ZeRO++ hpZ, qwZ,
@@ -201,18 +203,22 @@ class OptimizerSection:
     lr_warmup_iters: int = _help("linear warm-up iterations", default=0)
     lr_decay_iters: int | None = _help("decay length (default: train iters)", default=None)
     lr_decay_style: str = _help("cosine | linear | constant", default="cosine")
-    weight_decay: float = _help("AdamW decoupled weight decay (not on norms/biases)", default=0.01)
-    adam_beta1: float = _help("Adam beta1", default=0.9)
+    weight_decay: float = _help("AdamW decoupled weight decay (not on norms/biases)",
+                                default=AdamWConfig.weight_decay)
+    adam_beta1: float = _help("Adam beta1", default=AdamWConfig.betas[0])
     adam_beta2: float = _help("Adam beta2", default=0.95)
-    adam_eps: float = _help("Adam epsilon", default=1e-8)
+    adam_eps: float = _help("Adam epsilon", default=AdamWConfig.eps)
     clip_grad: float = _help("max global grad norm (0 = off)", default=1.0)
     bf16: bool = _help("bf16 params/grads with fp32 master weights", default=False)
     fp16: bool = _help("fp16 params/grads with fp32 master weights and dynamic loss scaling",
                        default=False)
-    initial_loss_scale: float = _help("fp16: starting loss scale", default=2.0 ** 16)
-    min_loss_scale: float = _help("fp16: lowest loss scale", default=1.0)
-    loss_scale_window: int = _help("fp16: clean steps before the scale grows", default=1000)
-    hysteresis: int = _help("fp16: overflows tolerated before the scale shrinks", default=2)
+    initial_loss_scale: float = _help("fp16: starting loss scale",
+                                      default=LossScaleConfig.initial_scale)
+    min_loss_scale: float = _help("fp16: lowest loss scale", default=LossScaleConfig.min_scale)
+    loss_scale_window: int = _help("fp16: clean steps before the scale grows",
+                                   default=LossScaleConfig.growth_interval)
+    hysteresis: int = _help("fp16: overflows tolerated before the scale shrinks",
+                            default=LossScaleConfig.hysteresis)
     on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss or gradient skips the step or stops "
                               "the run, before any update (fp16: the loss scaler skips)",
                               default="skip")
@@ -379,7 +385,7 @@ class LoggingSection:
                                  "the start time, e.g. 20261123-231500); a name that exists is "
                                  "appended to", default=None)
     peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
-                               default=125.0)
+                               default=Cluster.peak_flops / 1e12)
     roofline: bool = _help("measure this machine's GEMM rate at the run's shapes (once, cached in "
                            "--data-cache-dir) and log each step as a fraction of its GEMM-bound "
                            "time (perf/gemm-bound-fraction)", default=True)

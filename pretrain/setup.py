@@ -347,14 +347,10 @@ def check_save_dir(cfg: TrainConfig) -> None:
     if not cfg.checkpoint.save:
         return
     save = Path(cfg.checkpoint.save)
-    try:
-        save.mkdir(mode=0o755, parents=True, exist_ok=True)
-        probe = save / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise CheckpointError(f"cannot write checkpoints to --save {str(save)!r} ({err.strerror}); "
-                              f"choose a writable directory") from None
+    problem = writable_dir_problem(save)
+    if problem:
+        raise CheckpointError(f"cannot write checkpoints to --save {str(save)!r} ({problem}); "
+                              f"choose a writable directory")
 
 
 def check_output_dirs(cfg: TrainConfig) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.links import zero_dp_collectives
 from hybrid.perf.zeropp import ZeroOptions
-from hybrid.perf.model_states import stage_with_pipeline
+from hybrid.zero_policy import stage_with_pipeline
 
 
 def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_bytes: int,
@@ -23,7 +23,7 @@ def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_by
     ``param_bytes`` bytes on this rank, with ``micro_batches`` backwards per step. The host-split
     options need the state's host groups (their layout is checked where the engine or the dry run
     builds them). Stage 2 with pipeline parallelism counts as the stage 1 it runs as
-    (:func:`hybrid.perf.model_states.stage_with_pipeline`). With ``model`` (the run's GPTConfig,
+    (:func:`hybrid.zero_policy.stage_with_pipeline`). With ``model`` (the run's GPTConfig,
     vocab resolved), stage 3's backward gather leaves out the parameters gathered in forward only
     (:func:`forward_only_parameters`), as the engine does."""
     quantized = ZeroOptions()   # int8 blocks (hybrid.zero.quantize)

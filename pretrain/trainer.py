@@ -155,11 +155,8 @@ class Trainer:
         t = torch.tensor([0.0 if nonfinite or not adds else loss, float(nonfinite)],
                          dtype=torch.float64, device=self.state.device)
         world = self.state.world
-        enabled, world.ledger.enabled = world.ledger.enabled, False
-        try:
+        with comm.unrecorded(world):
             comm.all_reduce(t, world)
-        finally:
-            world.ledger.enabled = enabled
         return float(t[0].item()) / (world.size // self.state.pp_size), bool(t[1].item() > 0)
 
     def _on_nonfinite(self, what: str) -> None:

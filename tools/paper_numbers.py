@@ -16,6 +16,7 @@ from hybrid.perf.flops import gpt_param_count, pad_vocab
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import GB, STAGE_NAMES, model_state_bytes, paper_table2_params
 from hybrid.perf.throughput import estimate_iteration
+from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
 from models.gpt.presets import PAPER_RUNS, PaperRun
 
 DEVICE_BYTES = 32e9
@@ -101,7 +102,7 @@ def _largest_with_overheads(stage: int, dp: int, mp: int, device_bytes: float) -
         layers = (lo + hi + 1) // 2
         mem = device_memory(layers=layers, hidden=hidden, heads=heads, seq=1024, vocab=50257,
                             micro_batch=8, tp=mp, dp=dp, stage=stage,
-                            bucket_elements=None if stage == 0 else 200_000_000)
+                            bucket_elements=None if stage == 0 else DEFAULT_BUCKET_ELEMENTS)
         lo, hi = (layers, hi) if mem.fits(device_bytes) else (lo, layers - 1)
     return gpt_param_count(lo, hidden, pad_vocab(50257, mp), 1024)
 
@@ -132,7 +133,7 @@ def run_memory(run: PaperRun, *, partition: bool, cpu: bool):
     return device_memory(layers=c.num_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
                          seq=c.seq_length, vocab=c.vocab_size, micro_batch=run.micro_batch, tp=run.tp,
                          dp=run.dp, stage=2 if run.zero else 0, partition_activations=partition,
-                         cpu_offload=cpu, bucket_elements=200_000_000 if run.zero else None)
+                         cpu_offload=cpu, bucket_elements=DEFAULT_BUCKET_ELEMENTS if run.zero else None)
 
 
 def run_layout(run: PaperRun, device_bytes: float = DEVICE_BYTES) -> tuple[str, bool, bool]:

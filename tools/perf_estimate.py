@@ -17,15 +17,17 @@ import sys
 from hybrid.perf.memory import device_memory
 from hybrid.perf.model_states import GB
 from hybrid.perf.throughput import estimate_iteration
+from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
 from models.gpt.config import GPTConfig
+from models.gpt.presets import GPT2_VOCAB_SIZE, PAPER_SEQ_LENGTH
 from tools._cli import ArgumentParser, require, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     for flag, default in (("--num-layers", None), ("--hidden-size", None),
-                          ("--num-attention-heads", None), ("--seq-length", 1024),
-                          ("--vocab-size", 50257), ("--micro-batch-size", 1),
+                          ("--num-attention-heads", None), ("--seq-length", PAPER_SEQ_LENGTH),
+                          ("--vocab-size", GPT2_VOCAB_SIZE), ("--micro-batch-size", 1),
                           ("--tensor-model-parallel-size", 1), ("--data-parallel-size", 1),
                           ("--gradient-accumulation-steps", 1), ("--zero-stage", 0)):
         p.add_argument(flag, type=int, default=default, required=default is None)
@@ -59,7 +61,7 @@ def estimate(args: argparse.Namespace) -> dict:
                         sequence_parallel=args.sequence_parallel,
                         partition_activations=args.partition_activations,
                         cpu_offload=args.cpu_offload_activations,
-                        bucket_elements=None if args.fused_gradient_buffer else 200_000_000)
+                        bucket_elements=None if args.fused_gradient_buffer else DEFAULT_BUCKET_ELEMENTS)
     it = estimate_iteration(**dims, grad_accumulation=args.gradient_accumulation_steps,
                             recompute=args.recompute,
                             partition_activations=args.partition_activations)

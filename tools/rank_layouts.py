@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid.perf.flops import model_flops_per_iteration  # noqa: E402
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster  # noqa: E402
 from hybrid.perf.pipeline import Layout, LayoutEstimate, estimate_layout  # noqa: E402
+from hybrid.zero_policy import runnable_stages  # noqa: E402
+from models.gpt.presets import GPT2_VOCAB_SIZE, PAPER_SEQ_LENGTH  # noqa: E402
 from tools._cli import check_output_files  # noqa: E402
 
 A100_80GB = Cluster(name="DGX A100 80GB", gpus_per_node=8, peak_flops=312e12, memory_bytes=80e9,
@@ -87,9 +89,7 @@ def candidates(layers, hidden, heads, gpus, global_batch, gpus_per_node):
                     m = global_batch // (b * dp)
                     if virtual > 1 and (m < pp or m % pp):
                         continue
-                    # with PP, stage 2 would be estimated as the stage 1 it runs as
-                    # (hybrid.perf.model_states.stage_with_pipeline); stage 3 is refused
-                    for stage in ((0, 1) if pp > 1 else (0, 1, 2, 3)):
+                    for stage in runnable_stages(pp):   # the engine's, as hybrid.zero_policy says
                         for recompute in RECOMPUTE:
                             yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1)
 
@@ -188,8 +188,8 @@ def main(argv=None) -> int:
                         help="every preset, one report after the other")
     for name in ("layers", "hidden", "heads", "gpus", "global-batch"):
         parser.add_argument(f"--{name}", type=int)
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--seq-length", type=int, default=PAPER_SEQ_LENGTH)
+    parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -88,6 +88,7 @@ class Cluster:
         return node / self.gpus_per_node
 
     def ring_bandwidth(self, crosses_nodes: bool) -> float:
+        """Bytes/s per GPU of a ring inside its node or across nodes."""
         return self.inter_node_ring_bandwidth if crosses_nodes else self.intra_node_ring_bandwidth
 
     def link(self, crosses_nodes: bool, algorithm: str = "ring") -> tuple[float, float]:

@@ -16,9 +16,9 @@ from hybrid.perf import activations as act
 from hybrid.perf.architecture import GPT2, Architecture
 from hybrid.perf.flops import gpt_param_count, layer_param_count, pad_vocab
 from hybrid.perf.model_states import ModelStateBytes, model_state_bytes
+from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
 
 DEFAULT_RESERVED_BYTES = 1.0e9   # CUDA context + allocator slack per GPU (an assumption, not measured)
-DEFAULT_BUCKET_ELEMENTS = 200_000_000  # ZeRO-R constant buffer: 2e8 elements per bucket
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
     """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
 
     ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
-    an integer models ZeRO-R's constant buffers (CB) of that many elements. Stage 3 also holds the
+    an integer models ZeRO-R's constant buffers (CB) of that many elements (default: the engine's,
+    :data:`hybrid.zero_policy.DEFAULT_BUCKET_ELEMENTS`). Stage 3 also holds the
     gathered 16-bit parameters of two layers (the one running and the prefetched next one).
     ``arch``: the model's options (GQA, SwiGLU, untied output layer, ...); GPT-2 by default.
     """

@@ -113,18 +113,3 @@ def _check(num_params: float, stage: int, dp: int, mp: int) -> None:
     if not num_params > 0 or math.isinf(num_params):
         raise ValueError(f"parameter count must be a positive finite number, got {num_params!r}")
 
-
-def stage_with_pipeline(stage: int, pp_size: int) -> int:
-    """The stage an engine runs under pipeline parallelism: stage 2 runs as stage 1 when
-    ``pp_size > 1``.
-
-    With PP a stage's parameters get m (m v when interleaved) backwards per step, and gradients
-    must be reduced once per step, after the last of them, across DP only (Megatron's distributed
-    optimizer; ``torch.distributed.pipelining`` syncs FSDP2's gradients in the last backward only).
-    Stage 2 (ZeRO §5.2) keeps no full-size gradient, so it could only reduce in every backward: m
-    times its DP volume. Accumulating over the micro-batches needs the full-size gradient stage 1
-    keeps, so stage 2 becomes stage 1 (same 2Ψ DP volume, once per step; the gradient memory of
-    stage 1). DeepSpeed refuses ZeRO-2 with pipeline parallelism instead. Stages 0, 1 and 3 are
-    unchanged (stage 3 with PP is refused by ``hybrid.zero.factory.build_zero_optimizer``).
-    """
-    return 1 if stage == 2 and pp_size > 1 else stage

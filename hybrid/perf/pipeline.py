@@ -6,7 +6,9 @@ A layout is (TP t, PP p, virtual stages v, DP d, ZeRO stage, recompute, micro-ba
 m = global batch / (b d) micro-batches per step. The stage modelled is the last one: L / p layers
 plus the output layer and loss (the embedding's parameters too, as on the first stage), so it is the
 slowest stage and holds the most model states. Its iteration on t x d GPUs is
-:func:`~hybrid.perf.throughput.estimate_iteration` of L / p layers and m micro-batches; then
+:func:`~hybrid.perf.throughput.estimate_iteration` of L / p layers and m micro-batches, under the
+ZeRO stage the engine runs (:func:`hybrid.zero_policy.check_layout`: stage 2 as stage 1; stage 3 with
+PP is refused with the engine's message); then
 
     pipelined work  = (compute + TP comm + memory-bound + host overhead) x (1 + (p - 1) / (v m))
     p2p             = 2 m v messages of b s h (/ t with sequence parallelism) 16-bit elements per
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.memory import device_memory
-from hybrid.perf.model_states import stage_with_pipeline
 from hybrid.perf.throughput import ThroughputAssumptions, estimate_iteration
+from hybrid.zero_policy import check_layout
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,14 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
         raise ValueError(f"{layout.describe()}: {layers} layers or batch {global_batch} do not split")
     m = global_batch // (b * d)
     stage_layers = layers // p
-    zero_stage = stage_with_pipeline(layout.stage, p)   # the stage the engine runs
+    zero_stage = check_layout(layout.stage, p)   # the stage the engine runs (ValueError: refused)
     it = estimate_iteration(layers=stage_layers, hidden=hidden, seq=seq, vocab=vocab, micro_batch=b,
                             tp=t, dp=d, stage=zero_stage, grad_accumulation=m,
                             recompute=layout.recompute, cluster=cluster, assumptions=assumptions)
     work = it.compute_s + it.tp_comm_s + it.memory_s + it.overhead_s
     bubble = work * (p - 1) / (v * m)
     crosses = t * d >= cluster.gpus_per_node
-    bandwidth = cluster.inter_node_ring_bandwidth if crosses else cluster.intra_node_ring_bandwidth
+    bandwidth = cluster.ring_bandwidth(crosses)
     sent = p2p_bytes_per_step(pp=p, virtual=v, micro_batches=m, micro_batch=b, seq=seq, hidden=hidden,
                               tp=t, sequence_parallel=layout.sequence_parallel)
     p2p = sent / bandwidth + (2 * m * v * cluster.collective_latency if p > 1 else 0.0)

@@ -73,7 +73,7 @@ class ThroughputAssumptions:
     # exp + sum, the target gather, softmax - one-hot (r 1 w 1) and the output GEMM's input copy.
     logit_passes: float = 6.0
     # DP collective calls per micro-batch, each paying the cluster's collective_latency: with one
-    # gradient bucket (hybrid.zero's default 50M elements) stage 0 all-reduces once, stages 1-2
+    # gradient bucket (hybrid.zero_policy.DEFAULT_BUCKET_ELEMENTS) stage 0 all-reduces once, stages 1-2
     # reduce-scatter and all-gather once; stage 3 gathers every unit in forward and in backward and
     # reduce-scatters it: 3 x (layers + the embedding and final-LayerNorm units).
     dp_calls_stage0: int = 1

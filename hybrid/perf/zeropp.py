@@ -56,9 +56,7 @@ from hybrid.perf.links import cross_host_fraction
 from hybrid.perf.model_states import model_state_bytes
 from hybrid.perf.throughput import IterationEstimate, ThroughputAssumptions, estimate_iteration
 from hybrid.topology import Topology
-
-QUANT_BLOCK = 256         # elements per quantization block (hybrid.zero's block-wise int8)
-QUANT_SCALE_BYTES = 4     # one fp32 scale per block
+from hybrid.zero_policy import QUANT_BLOCK, QUANT_SCALE_BYTES   # hybrid.zero's block-wise int8
 
 
 @dataclass(frozen=True)

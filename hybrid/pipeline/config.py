@@ -12,6 +12,11 @@ from dataclasses import dataclass
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
+def default_schedule(layers_per_virtual_stage: int | None) -> str:
+    """The schedule when none is named: interleaved with virtual stages, else 1F1B."""
+    return "1f1b" if layers_per_virtual_stage is None else "interleaved"
+
+
 class PipelineConfigError(ValueError):
     """An invalid pipeline layout; the message says what to change."""
 
@@ -21,7 +26,7 @@ class PipelineConfig:
     num_stages: int                 # p, --pipeline-model-parallel-size
     num_micro_batches: int          # m per step and DP rank
     num_layers: int                 # L of the whole model
-    schedule: str = "1f1b"
+    schedule: str = default_schedule(None)
     num_model_chunks: int = 1       # v: L / (p * --num-layers-per-virtual-pipeline-stage)
 
     def __post_init__(self) -> None:
@@ -56,15 +61,16 @@ class PipelineConfig:
                                       layers_per_virtual_stage: int | None,
                                       schedule: str | None = None) -> "PipelineConfig":
         """Megatron's flags: ``--num-layers-per-virtual-pipeline-stage`` sets v = L / (p x that)."""
+        schedule = schedule or default_schedule(layers_per_virtual_stage)
         if layers_per_virtual_stage is None:
-            return cls(num_stages, num_micro_batches, num_layers, schedule or "1f1b")
+            return cls(num_stages, num_micro_batches, num_layers, schedule)
         if layers_per_virtual_stage < 1 or num_layers % (num_stages * layers_per_virtual_stage):
             raise PipelineConfigError(
                 f"{num_layers} layers are not a whole number of {num_stages} stages x "
                 f"{layers_per_virtual_stage} layers per virtual stage; choose a divisor of "
                 f"{num_layers // num_stages}")
         v = num_layers // (num_stages * layers_per_virtual_stage)
-        return cls(num_stages, num_micro_batches, num_layers, schedule or "interleaved", v)
+        return cls(num_stages, num_micro_batches, num_layers, schedule, v)
 
     @property
     def layers_per_chunk(self) -> int:

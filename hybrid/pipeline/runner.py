@@ -27,7 +27,7 @@ Gradients: the ZeRO engine (stages 0-2) is told each backward with ``engine.back
 them (``gradient_accumulation_steps`` must be m v, the backwards of this stage per step) and reduces
 over DP once per step, in the step's last backward, as it does for gradient accumulation (stage 2
 runs as stage 1 under pipeline parallelism:
-:func:`hybrid.perf.model_states.stage_with_pipeline`). The
+:func:`hybrid.zero_policy.stage_with_pipeline`). The
 last virtual stage's backward starts from its loss (multiplied by the loss scale), every other from
 the received gradient (already scaled). The tied embedding's gradient goes from the last stage to
 the first before the first stage's last backward (:mod:`hybrid.pipeline.tied`), sent from a hook as

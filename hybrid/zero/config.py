@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -56,7 +58,7 @@ class ZeroConfig:
     parameters all-gathered, one bucket at a time. ``gradient_accumulation_steps`` tells stages 0
     and 1 which ``backward`` is the last micro-batch (they communicate only then); stage 2 reduces
     every micro-batch, as it keeps no full gradient (with pipeline parallelism it runs as stage 1:
-    :func:`hybrid.perf.model_states.stage_with_pipeline`). How the DP collectives travel is the
+    :func:`hybrid.zero_policy.stage_with_pipeline`). How the DP collectives travel is the
     parallel state's choice (``--dp-transport``, :mod:`hybrid.parallel_state`), not the engine's.
 
     Topology-aware options (past the paper; :mod:`hybrid.zero.host_groups`): ``hybrid_shard``
@@ -67,7 +69,7 @@ class ZeroConfig:
 
     stage: int = 0
     precision: str = "fp32"
-    bucket_size: int = 50_000_000
+    bucket_size: int = DEFAULT_BUCKET_ELEMENTS
     overlap_communication: bool = True
     gradient_accumulation_steps: int = 1
     clip_grad: float = 0.0

@@ -1,4 +1,6 @@
-"""The one place that reads the ZeRO stage number: ``ZeroConfig.stage`` -> the engine class.
+"""The one place that reads the ZeRO stage number: ``ZeroConfig.stage`` and the layout -> the
+engine class (the layout rules: :mod:`hybrid.zero_policy`, which the perf model and the config
+checks read too).
 
 Each stage is a class named after what the ZeRO paper (§5) partitions across the data-parallel
 group; the engines never branch on the stage number themselves:
@@ -22,11 +24,11 @@ from torch import nn
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
-from hybrid.perf.model_states import stage_with_pipeline
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.optimizer import DataParallel, GradientPartitioning, OptimizerStatePartitioning
 from hybrid.zero.stage3 import ParameterPartitioning
+from hybrid.zero_policy import STAGE2_AS_STAGE1_NOTE, check_layout
 
 ENGINES: dict[int, type[ZeroEngine]] = {0: DataParallel, 1: OptimizerStatePartitioning,
                                         2: GradientPartitioning, 3: ParameterPartitioning}
@@ -36,27 +38,17 @@ log = logging.getLogger(__name__)
 
 def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                          adamw_config: AdamWConfig, offload=None, **stage3_options) -> ZeroEngine:
-    """The engine for ``zero_config.stage`` (stage 2 under pipeline parallelism: stage 1, see
-    :func:`hybrid.perf.model_states.stage_with_pipeline`). ``stage3_options`` (``init_fn``/``seed``
+    """The engine for ``zero_config.stage`` under ``state``'s layout, as
+    :func:`hybrid.zero_policy.check_layout` decides it (stage 2 under pipeline parallelism runs as
+    stage 1; stage 3 under it is refused, ValueError). ``stage3_options`` (``init_fn``/``seed``
     for a meta-built model) apply to stage 3 only; ``offload``: a
     :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
-    stage = stage_with_pipeline(zero_config.stage, state.pp_size)
+    stage = check_layout(zero_config.stage, state.pp_size)
     if stage != zero_config.stage:
         if state.rank == 0:
-            log.warning("ZeRO stage 2 with pipeline parallelism runs as stage 1: the gradients of "
-                        "the step's micro-batches accumulate in a full-size buffer and are "
-                        "reduce-scattered once, after the last backward (stage 2 would reduce in "
-                        "each of the m backwards, m times the DP traffic)")
+            log.warning(STAGE2_AS_STAGE1_NOTE)
         zero_config = dataclasses.replace(zero_config, stage=stage)
     engine = ENGINES[stage]
-    if engine is ParameterPartitioning and state.pp_size > 1:
-        raise ValueError(
-            "ZeRO stage 3 with pipeline parallelism is not supported: stage 3 all-gathers every "
-            "layer's parameters over DP in each forward and again in each backward, so with m "
-            "micro-batches per step a stage would gather its parameters 2m times instead of twice "
-            "(m x the 3-Psi volume of ZeRO section 7), or hold them gathered across the whole "
-            "schedule and lose the memory saving (DeepSpeed refuses it too); use ZeRO stage 1 or 2 "
-            "with pipeline parallelism")
     if engine is ParameterPartitioning:
         return engine(model, state, zero_config, adamw_config, offload=offload, **stage3_options)
     if stage3_options:

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 256          # elements per quantization block (ZeRO++ uses a few hundred to a few thousand)
+from hybrid.zero_policy import QUANT_BLOCK as BLOCK, QUANT_SCALE_BYTES as SCALE_BYTES
+
 QMAX = 127           # symmetric int8 range [-127, 127]
-SCALE_BYTES = 4      # one fp32 scale per block
 
 
 def num_blocks(numel: int) -> int:

@@ -5,7 +5,7 @@ Each stage's parameters get m backwards per step (m v when interleaved). The led
 one optimizer step must equal one step's volume of ZeRO §7 for the stage's own parameters (2Ψ(n-1)/n
 per rank, Ψ in bytes: all-reduce at stage 0, reduce-scatter + all-gather at stages 1-2), not m times
 it. Stage 2 keeps no full-size gradient, so with PP it runs as stage 1
-(:func:`hybrid.perf.model_states.stage_with_pipeline`); the test would see m x the volume otherwise.
+(:func:`hybrid.zero_policy.stage_with_pipeline`); the test would see m x the volume otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
 from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
-from hybrid.perf.model_states import stage_with_pipeline
+from hybrid.zero_policy import stage_with_pipeline
 from hybrid.zero.optimizer import OptimizerStatePartitioning
 from tests.pipeline.test_pipeline import PipeTask, _stage_chunks, _tied
 

@@ -214,7 +214,7 @@ def test_expected_dp_bytes_count_the_micro_batches_of_stages_2_and_3(accum):
 def _stage3_untied_bytes(rank, world_size):
     import dataclasses
     from hybrid.zero import ZeroConfig, build_zero_optimizer
-    from tests.test_zero_stages import GPTTask, train
+    from tests.zero.test_stages import GPTTask, train
     task = GPTTask()
     task.config = dataclasses.replace(task.config, untie_embeddings_and_output_weights=True)
     state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))

@@ -173,6 +173,46 @@ def test_legacy_pipeline_stages(written, tmp_path, kind):
         assert torch.equal(imported[name], t), name
 
 
+def _legacy_with_args(written: Path, kind: str, out: Path, **changes) -> Path:
+    """Megatron's legacy files of ``kind`` with ``args`` changed (``args=None``: removed)."""
+    source = written / kind / "legacy" / "iter_0000007"
+    for t in range(TP):
+        state = load_torch(source / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+        if changes.get("args", True) is None:
+            del state["args"]
+        else:
+            state["args"] = argparse.Namespace(**{**vars(state["args"]), **changes})
+        (out / f"mp_rank_{t:02d}").mkdir(parents=True)
+        torch.save(state, out / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+    return out
+
+
+def test_vocab_size_flag_drops_padding_rows(written, tmp_path):
+    save = _import(written / "llama" / "torch_dist", tmp_path / "ours", "--vocab-size", "90")
+    imported, config = canonical_state_dict(save, kind="model")
+    expected = _expected(written, "llama")
+    assert config["vocab_size"] == 90
+    for name in ("embedding.word.weight", "output_layer.weight"):
+        assert torch.equal(imported[name], expected[name][:90])
+
+
+def test_checkpoint_without_args_takes_the_model_flags(written, tmp_path, capsys):
+    bare = _legacy_with_args(written, "gpt", tmp_path / "bare", args=None)
+    assert run_cli(import_main, ["--load", str(bare), "--save", str(tmp_path / "none")]) == 2
+    assert "--num-layers, --hidden-size, --num-attention-heads" in capsys.readouterr().err
+    save = _import(bare, tmp_path / "ours", "--num-layers", "2", "--hidden-size", "32",
+                   "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "8")
+    imported, _ = canonical_state_dict(save, kind="model")
+    assert all(torch.equal(imported[k], t) for k, t in _expected(written, "gpt").items())
+
+
+def test_exact_gelu_needs_consent(written, tmp_path, capsys):
+    erf = _legacy_with_args(written, "gpt", tmp_path / "erf", openai_gelu=False)
+    assert run_cli(import_main, ["--load", str(erf), "--save", str(tmp_path / "refused")]) == 2
+    assert "--approximate-gelu" in capsys.readouterr().err
+    _import(erf, tmp_path / "ours", "--approximate-gelu")
+
+
 class Smuggled:
     """A class of another module (this test file): not a checkpoint type."""
 

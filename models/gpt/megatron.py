@@ -94,6 +94,8 @@ def config_from_args(args: argparse.Namespace | None, tensors: dict[str, torch.T
 def _fields_from_args(args: argparse.Namespace, approximate_gelu: bool) -> dict:
     a = vars(args)
     for name, supported in _UNSUPPORTED.items():
+        if name == "add_qkv_bias" and a.get("add_bias_linear", True):
+            continue                                   # biases everywhere: the QKV one included
         if a.get(name, supported) not in (supported, 0, False, None):
             raise MegatronImportError(f"the checkpoint's model uses {name}={a[name]!r}, which this "
                                       f"GPT does not compute")
@@ -115,10 +117,13 @@ def _fields_from_args(args: argparse.Namespace, approximate_gelu: bool) -> dict:
             "--openai-gelu); this GPT computes GELU with the tanh approximation, which differs by up "
             "to about 5e-4 per activation. Pass --approximate-gelu to import it anyway")
     groups = a.get("num_query_groups") if a.get("group_query_attention") else None
+    seq, positions = a.get("seq_length") or a.get("max_position_embeddings"), a.get("max_position_embeddings")
+    if position == "rope" and seq and positions:   # no position table: any length up to seq runs
+        positions = max(seq, positions)
     fields = dict(
         num_layers=a["num_layers"], hidden_size=h, num_attention_heads=heads,
-        vocab_size=a.get("padded_vocab_size"), seq_length=a.get("seq_length") or a["max_position_embeddings"],
-        max_position_embeddings=a.get("max_position_embeddings"), ffn_hidden_size=a.get("ffn_hidden_size"),
+        vocab_size=a.get("padded_vocab_size"), seq_length=seq,
+        max_position_embeddings=positions, ffn_hidden_size=a.get("ffn_hidden_size"),
         make_vocab_size_divisible_by=a.get("make_vocab_size_divisible_by", 128),
         hidden_dropout=a.get("hidden_dropout", 0.1), attention_dropout=a.get("attention_dropout", 0.1),
         init_method_std=a.get("init_method_std", 0.02),

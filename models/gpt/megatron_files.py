@@ -143,9 +143,12 @@ def _read_legacy(directory: Path):
         m = _RANK_DIR.match(p.name)
         if m:
             ranks[(int(m.group(1)), int(m.group(2) or 0))] = p / LEGACY_FILE
+    if not ranks:
+        raise CheckpointError(f"{directory} holds neither mp_rank_* directories (legacy format) "
+                              f"nor metadata.json (torch_dist); pass a Megatron checkpoint")
     tp, pp = max(t for t, _ in ranks) + 1, max(s for _, s in ranks) + 1
     missing = [f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp)
-               for s in range(pp) if not ranks.get((t, s), Path("/nonexistent")).is_file()]
+               for s in range(pp) if (t, s) not in ranks or not ranks[(t, s)].is_file()]
     if missing:
         raise CheckpointError(f"{directory} lacks {LEGACY_FILE} of {', '.join(missing)} (TP {tp} x "
                               f"PP {pp}); copy the whole checkpoint directory")

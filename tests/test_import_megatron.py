@@ -255,3 +255,14 @@ def test_foreign_object_in_dcp_metadata_refused(tmp_path):
     with pytest.raises(ForbiddenPickleError, match=r"system.*\.metadata|\.metadata.*system"):
         import_main(["--load", str(directory), "--save", str(tmp_path / "ours")])
     assert not marker.exists()
+
+
+def test_not_a_megatron_directory_is_one_error_line(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "import_megatron.py"), "--load",
+                           str(tmp_path / "elsewhere"), "--save", str(tmp_path / "ours")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and len(done.stderr.strip().splitlines()) == 1
+    assert "latest_checkpointed_iteration.txt" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "ours").exists()

@@ -10,6 +10,8 @@ KIND in gpt and llama:
 
     OUT/KIND/torch_dist/iter_0000007/...          megatron.core.dist_checkpointing.save of the sharded
     OUT/KIND/torch_dist/latest_checkpointed_iteration.txt   state dict, args / iteration in common.pt
+    OUT/KIND/torch_dist_per_layer/...             the same with metadata singleton_local_shards:
+                                                  one key per layer, SwiGLU halves as _w / _v keys
     OUT/KIND/legacy/iter_0000007/mp_rank_0R/model_optim_rng.pt   Megatron-LM's legacy per-rank file
     OUT/KIND/legacy/latest_checkpointed_iteration.txt
     OUT/KIND/held_rank_R.safetensors              each rank's local parameters, as megatron held them
@@ -131,11 +133,13 @@ def write_model(rank: int, out: Path, kind: str) -> None:
     save_file(held, str(out / f"held_rank_{rank}.safetensors"))
 
     common = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
-    dist_dir = out / "torch_dist" / f"iter_{ITERATION:07d}"
-    if rank == 0:
-        dist_dir.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save({**common, "model": model.sharded_state_dict()}, str(dist_dir))
+    for fmt, metadata in (("torch_dist", None), ("torch_dist_per_layer", {"singleton_local_shards": True})):
+        dist_dir = out / fmt / f"iter_{ITERATION:07d}"
+        if rank == 0:
+            dist_dir.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save({**common, "model": model.sharded_state_dict(metadata=metadata)},
+                                str(dist_dir))
 
     legacy_dir = out / "legacy" / f"iter_{ITERATION:07d}" / f"mp_rank_{rank:02d}"
     legacy_dir.mkdir(parents=True)
@@ -151,7 +155,7 @@ def write_model(rank: int, out: Path, kind: str) -> None:
         logits = model(tokens, positions, mask)                          # [b, s, V] (gathered)
     if rank == 0:
         save_file({"tokens": tokens, "logits": logits.contiguous()}, str(out / "logits.safetensors"))
-        for fmt in ("torch_dist", "legacy"):
+        for fmt in ("torch_dist", "torch_dist_per_layer", "legacy"):
             (out / fmt / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     dist.barrier()
 

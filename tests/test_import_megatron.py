@@ -1,7 +1,9 @@
 """tools/import_megatron.py on checkpoints megatron-core 0.16.1 itself wrote (tests/megatron_writer.py,
 run in the test-only environment of tests/megatron_env.py): a GPT (LayerNorm, GELU, learned
 positions, tied output, biases) and a Llama-style model (RMSNorm, SwiGLU, GQA, rotary, untied, no
-biases), each at TP 2 in the torch_dist and the legacy format.
+biases), each at TP 2 in the torch_dist format (stacked layers; and per-layer keys with SwiGLU's
+halves as separate keys, as megatron-core writes with ``singleton_local_shards``) and the legacy
+format.
 
 Every imported weight must be bit-equal to what megatron-core held before saving - the expected
 canonical tensors are assembled here from each rank's parameters by explicit per-head / per-group
@@ -9,8 +11,9 @@ loops, independently of models/gpt/megatron.py - and the imported model's logits
 megatron-core's forward on the same tokens within 1e-5. Megatron-core's whole forward runs on CPU
 here (local layer spec, gloo); only its torch_dist save needs CUDA shims (see the writer).
 
-Also: legacy checkpoints at PP 2 (megatron's own rank files regrouped into two pipeline stages, the
-layers of each numbered from 0, as Megatron-LM writes them) give the same weights, and a file
+Also: legacy checkpoints at PP 2 and with two virtual pipeline stages (megatron's own rank files
+regrouped, the layers of each chunk numbered from 0, as Megatron-LM writes them) give the same
+weights, and a file
 holding a foreign pickled object is refused, naming the object and the file, before it can run.
 """
 
@@ -35,7 +38,7 @@ from tools._cli import run_cli
 from tools.import_megatron import main as import_main
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS, FORMATS, TP = ("gpt", "llama"), ("torch_dist", "legacy"), 2
+KINDS, FORMATS, TP = ("gpt", "llama"), ("torch_dist", "torch_dist_per_layer", "legacy"), 2
 
 
 @pytest.fixture(scope="module")
@@ -143,18 +146,24 @@ def test_weights_bit_equal_and_logits_match(written, tmp_path, kind, fmt):
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
 
 
-def _regroup_into_stages(written: Path, kind: str, out: Path) -> Path:
-    """Megatron's TP 2 legacy rank files split into two pipeline stages as Megatron-LM lays them
-    out: mp_rank_TT_PPP, layer numbers local to the stage, the embedding on the first stage, the
-    final norm and the output layer (a copy of the embedding when tied) on the last."""
+def _regroup_into_stages(written: Path, kind: str, out: Path, layout: str) -> Path:
+    """Megatron's TP 2 legacy rank files split into two model chunks as Megatron-LM lays them out:
+    layer numbers local to each chunk, the embedding in the first, the final norm and the output
+    layer (a copy of the embedding when tied) in the last. ``pp2``: two pipeline stages, files
+    mp_rank_TT_PPP; ``vp2``: one stage holding two virtual stages, 'model0' and 'model1'."""
     source = written / kind / "legacy" / "iter_0000007"
     for t in range(TP):
         state = load_torch(source / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
-        model = state["model"]
+        model = state.pop("model")
         first = {k: v for k, v in model.items() if k.startswith(("embedding.", "decoder.layers.0."))}
         last = {k.replace("decoder.layers.1.", "decoder.layers.0."): v for k, v in model.items()
                 if k.startswith(("decoder.layers.1.", "decoder.final_layernorm", "output_layer"))}
         last.setdefault("output_layer.weight", model["embedding.word_embeddings.weight"].clone())
+        if layout == "vp2":
+            directory = out / "iter_0000007" / f"mp_rank_{t:02d}"
+            directory.mkdir(parents=True)
+            torch.save({**state, "model0": first, "model1": last}, directory / "model_optim_rng.pt")
+            continue
         for stage, part in enumerate((first, last)):
             directory = out / "iter_0000007" / f"mp_rank_{t:02d}_{stage:03d}"
             directory.mkdir(parents=True)
@@ -163,9 +172,10 @@ def _regroup_into_stages(written: Path, kind: str, out: Path) -> Path:
     return out
 
 
+@pytest.mark.parametrize("layout", ["pp2", "vp2"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_legacy_pipeline_stages(written, tmp_path, kind):
-    staged = _regroup_into_stages(written, kind, tmp_path / "pp2")
+def test_legacy_pipeline_stages(written, tmp_path, kind, layout):
+    staged = _regroup_into_stages(written, kind, tmp_path / layout, layout)
     imported, _ = canonical_state_dict(_import(staged, tmp_path / "ours"), kind="model")
     expected = _expected(written, kind)
     assert sorted(imported) == sorted(expected)

@@ -206,6 +206,20 @@ def test_vocab_size_flag_drops_padding_rows(written, tmp_path):
         assert torch.equal(imported[name], expected[name][:90])
 
 
+def test_overwrite_replaces_only_what_the_import_writes(written, tmp_path, capsys):
+    save = tmp_path / "ours"
+    save.mkdir()
+    (save / "notes.txt").write_text("mine")
+    source = written / "gpt" / "legacy"
+    assert run_cli(import_main, ["--load", str(source), "--save", str(save)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    for _ in range(2):
+        _import(source, save, "--overwrite")
+    assert (save / "notes.txt").read_text() == "mine"
+    imported, _ = canonical_state_dict(save, kind="model")
+    assert all(torch.equal(imported[k], t) for k, t in _expected(written, "gpt").items())
+
+
 def test_checkpoint_without_args_takes_the_model_flags(written, tmp_path, capsys):
     bare = _legacy_with_args(written, "gpt", tmp_path / "bare", args=None)
     assert run_cli(import_main, ["--load", str(bare), "--save", str(tmp_path / "none")]) == 2

@@ -12,7 +12,8 @@ the model flags below (Megatron's names) fill in what a checkpoint without args 
 stored values. ``--vocab-size`` (the tokenizer's size) drops Megatron's vocab padding rows.
 
 Writes ``--save``/iter_N (N: Megatron's iteration) holding the model weights in fp32 at TP 1 (any
-layout loads it) and ``latest``; a new or empty directory unless --overwrite.
+layout loads it) and ``latest``; a new or empty directory unless --overwrite, which replaces only
+those two.
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(GPTConfig)
                  if hasattr(args, f.name)}
     check_output_dir(save, flag="--save", inputs=[load], overwrite=args.overwrite,
-                     writes=["latest", "iter_*"])
+                     writes=["latest", "iter_NNNNNNN (Megatron's iteration)"])
     state_dict, config, info = load_megatron(load, overrides, approximate_gelu=args.approximate_gelu)
     state = ParallelState.single_process("cpu")
     model = build_model(config, state, state_dict)
     iteration = info["iteration"] or 0
     written = save_state(save, iteration, model, model.checkpoint_layout(), state, extra={},
                          metadata={"model_config": config.to_dict(), "imported_from": info},
-                         keep_last=0, run_id=new_run_id(), replace_other_runs=args.overwrite)
+                         keep_last=0, run_id=new_run_id())
     print(f"imported {info['source']} into {written}: {config.num_layers} layers, hidden "
           f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}")
     return 0

@@ -109,7 +109,7 @@ def run_rank(rank: int, out: str, init_file: str) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=300))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     # attention dropout runs inside the tracker's CUDA RNG stream (model_parallel_cuda_manual_seed
     # needs CUDA); dropout is off here, so the stream is not needed

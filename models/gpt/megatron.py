@@ -69,9 +69,8 @@ def canonical_name(megatron_name: str) -> str | None:
     if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
         return None
     module, _, kind = parts[3].rpartition(".")
-    kind = kind.removeprefix("layer_norm_")          # TE's fused norm: layer_norm_weight / _bias
-    if parts[3].rpartition(".")[2].startswith("layer_norm_"):
-        module += ".layer_norm"
+    if kind.startswith("layer_norm_"):               # TE's fused norm: linear_qkv.layer_norm_weight
+        module, kind = f"{module}.layer_norm", kind.removeprefix("layer_norm_")
     ours = _LAYER_NAMES.get(module)
     return None if ours is None else f"layers.{parts[2]}.{ours}.{kind}"
 

@@ -1,5 +1,5 @@
 """Megatron's tokenizer flags (hybrid/data/tokenizer_types.py): GPT-2's vocab.json + merges.txt encode
-like transformers' GPT2TokenizerFast from the same files (in the test-only venv of tests/hf_env.py)
+like transformers' GPT2TokenizerFast from the same files (in the test-only venv of tests/models/hf_env.py)
 and like the tokenizer.json they were saved from; NullTokenizer; one clear error for each bad
 combination of flags or files; tools/preprocess_data.py with Megatron's command line (its output
 names and EOD default); and a tiny training run with --tokenizer-type GPT2BPETokenizer whose

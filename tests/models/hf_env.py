@@ -35,11 +35,18 @@ def ready_python() -> str | None:
 
 def build() -> str:
     """Create the environment once (concurrent builders race safely); return its python."""
-    final = env_dir()
-    if ready_python():
-        return ready_python()
-    tmp = final.with_name(f".tmp-hf-venv-{os.getpid()}")
+    return build_venv(env_dir(), list(PACKAGES))
+
+
+def build_venv(final: Path, pip_args: list[str]) -> str:
+    """A venv at ``final`` over this interpreter's packages with ``pip install pip_args`` added,
+    built once (concurrent builders race safely; a ``.ready`` file marks it complete)."""
+    ready = final / "bin" / "python"
+    if (final / ".ready").is_file():
+        return str(ready)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp)], check=True,
                    capture_output=True)
     # If this interpreter is itself a venv (launch/run_tests.sh's .venv), --system-site-packages
@@ -49,17 +56,17 @@ def build() -> str:
                              check=True, capture_output=True, text=True).stdout.strip()
     Path(purelib, "_hybrid_parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     result = subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q",
-                             "--disable-pip-version-check", *PACKAGES],
+                             "--disable-pip-version-check", *pip_args],
                             capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"pip install {' '.join(PACKAGES)} failed:\n{result.stderr[-2000:]}")
-    (tmp / ".ready").write_text(" ".join(PACKAGES) + "\n")
+        raise RuntimeError(f"pip install {' '.join(pip_args)} failed:\n{result.stderr[-2000:]}")
+    (tmp / ".ready").write_text(" ".join(pip_args) + "\n")
     try:
         os.rename(tmp, final)
     except OSError:                        # another process finished first: use theirs
         shutil.rmtree(tmp, ignore_errors=True)
-    return str(final / "bin" / "python")
+    return str(ready)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 * a static scan (``ast``) of every tracked ``.py`` file: no ``torch.load`` without
   ``weights_only=True``, no ``pickle.load(s)``, no ``import pickle`` in hybrid/ models/ launch/ tools/,
   no ``np.load(..., allow_pickle=True)``, no ``yaml.load`` without a safe loader, no ``eval``/``exec``;
+  one file is exempt from the pickle rules: the allow-list unpickler that reads foreign checkpoints
+  (hybrid/checkpoint/restricted_pickle.py), whose ``torch.load`` must pass it as ``pickle_module``
+  and which is checked here to refuse a pickled ``os.system``;
 * a checkpoint saved under umask 000 has no world-writable file or directory;
 * the single-machine launchers bind the rendezvous to localhost (``--standalone``);
 * exported weights are safetensors (and nothing pickled is written next to them)."""
@@ -22,6 +25,7 @@ from hybrid.testing.corpus import build_corpus
 from tests.reliability_helpers import ROOT, load_entry, tiny_cli
 
 PICKLE_FREE_DIRS = ("hybrid/", "models/", "launch/", "tools/")
+RESTRICTED_UNPICKLER = "hybrid/checkpoint/restricted_pickle.py"
 SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader"}
 
 
@@ -65,12 +69,13 @@ def unsafe_calls(path: str, source: str) -> list[str]:
         where = f"{path}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-            if "pickle" in names and path.startswith(PICKLE_FREE_DIRS):
+            if "pickle" in names and path.startswith(PICKLE_FREE_DIRS) and path != RESTRICTED_UNPICKLER:
                 found.append(f"{where}: imports pickle")
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func)
-        if name == "torch.load" and not _is_true(_keyword(node, "weights_only")):
+        if name == "torch.load" and not _is_true(_keyword(node, "weights_only")) and not (
+                path == RESTRICTED_UNPICKLER and _keyword(node, "pickle_module") is not None):
             found.append(f"{where}: torch.load without weights_only=True")
         elif name in ("pickle.load", "pickle.loads", "cPickle.load", "cPickle.loads"):
             if not _round_trip(node):
@@ -98,6 +103,23 @@ def test_scanner_catches_each_pattern():
             "import pickle\npickle.loads(pickle.dumps(3))\n"
             "np.load('a.npy')\nyaml.safe_load(s)\nyaml.load(s, Loader=yaml.SafeLoader)\nmodel.eval()\n")
     assert unsafe_calls("tests/x.py", good) == []
+
+
+def test_restricted_unpickler_is_the_only_exemption_and_refuses_code(tmp_path):
+    from hybrid.checkpoint.restricted_pickle import ForbiddenPickleError, load_pickle, load_torch
+
+    bad = "import pickle\nimport torch\ntorch." "load(f, weights_only=False)\n"
+    assert len(unsafe_calls(RESTRICTED_UNPICKLER, bad)) == 1   # only with its own pickle_module
+    assert len(unsafe_calls("hybrid/checkpoint/other.py", bad)) == 2
+    marker = tmp_path / "ran"
+    payload = b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR."   # os.system(...)
+    (tmp_path / "evil.pkl").write_bytes(payload)
+    with pytest.raises(ForbiddenPickleError, match="system"):
+        load_pickle(tmp_path / "evil.pkl")
+    import torch
+    torch.save({"x": 1}, tmp_path / "ok.pt")
+    assert load_torch(tmp_path / "ok.pt") == {"x": 1}
+    assert not marker.exists()
 
 
 def test_no_code_executing_deserialisation_in_the_tree():

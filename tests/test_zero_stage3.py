@@ -26,7 +26,7 @@ from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
 from models.gpt.sharding import canonical_init, shard_tensor, unshard_state_dict
-from hybrid.recompute import checkpoint
+from hybrid.recompute.checkpoint import checkpoint
 from hybrid.tensor_parallel import vocab_parallel_cross_entropy
 from tests.multirank import run_on_ranks
 

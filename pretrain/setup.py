@@ -86,7 +86,7 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     comm.barrier(state.world)
     train, valid, _ = build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
                                          vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)
-    if valid is None and t.eval_iters and t.train_iters >= t.eval_interval:
+    if valid is None and t.eval_iters:   # every --eval-interval and at the end of training
         raise ValueError(
             f"--split {d.split} leaves the validation split of --data-path {' '.join(data_path)} "
             f"without documents, but evaluation is on (--eval-iters {t.eval_iters} every "

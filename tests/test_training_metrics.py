@@ -139,7 +139,7 @@ def test_bytes_per_group_and_op_split_by_host(tmp_path):
 
 
 # --- evaluation and checkpoints off the clock, memory, config (one 4-rank run: TP 2 x DP 2) -------
-ITERS, EVAL_AT, SAVE_AT = 5, (2, 4), (3, 5)
+ITERS, EVAL_AT, SAVE_AT = 5, (2, 4, 5), (3, 5)   # 5: the end of training (not a multiple of 2)
 
 
 def _train_heavy_eval(rank, world_size, tb_dir, save_dir):
@@ -226,6 +226,20 @@ def test_resolved_config_in_hparams_and_text_tabs(heavy_eval_run):
     assert len(hparams) == config_fields
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
     assert [m.name.tag for m in experiment.experiment.metric_infos] == ["lm loss", "lm loss validation"]
+
+
+@pytest.mark.parametrize("iters, evaluated_at", [(3, [2, 3]), (4, [2, 4])])
+def test_validation_at_the_end_of_training(iters, evaluated_at):
+    """As Megatron-LM: the final model is validated when --train-iters is not a multiple of
+    --eval-interval, and not twice when it is; each evaluation reads eval-iters global batches."""
+    trainer = make_trainer(tiny_args(iters=iters, extra=["--eval-interval", "2", "--eval-iters", "1"]))
+    at = []
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda: (at.append(trainer.ts.iteration), evaluate())[1]
+    trainer.train()
+    trainer.metrics.close()
+    assert at == evaluated_at
+    assert trainer.ts.consumed_valid_samples == len(evaluated_at) * trainer.global_batch
 
 
 # --- run directories ------------------------------------------------------------------------

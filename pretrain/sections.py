@@ -366,8 +366,9 @@ class LoggingSection:
     tensorboard_dir: str | None = _help("TensorBoard directory; each run writes to its own run "
                                         "directory in it (none: no TensorBoard)", default=None)
     run_name: str | None = _help("name of this run's directory under --tensorboard-dir (default: "
-                                 "the start time, e.g. 20261123-231500); a name that exists is "
-                                 "appended to", default=None)
+                                 "the run's UTC start time and id, e.g. 20261123-231500-1a2b3c4d, "
+                                 "which a resumed run keeps); a name that exists is appended to",
+                                 default=None)
     peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
                                default=125.0)
     roofline: bool = _help("measure this machine's GEMM rate at the run's shapes (once, cached in "

@@ -293,7 +293,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     flops = model_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                       m.hidden_size, model.config.padded_vocab_size(state.tp_size),
                                       heads=m.num_attention_heads, arch=m.perf_architecture())
-    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name)
+    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name,
+                            run_id=train_state.run_id)   # a resume continues its run's curves
     metrics.log_config(cfg.to_dict())
     trainer = Trainer(cfg, state, model, optimizer,
                       schedule=build_lr_schedule(cfg.optimizer, cfg.training.train_iters),

@@ -263,6 +263,27 @@ def test_each_run_writes_its_own_run_directory(tmp_path):
     assert sorted(p.name for p in tb_dir.iterdir()) == sorted([first.name, second.name, "baseline"])
 
 
+def test_a_resumed_run_continues_its_run_directory(tmp_path):
+    """The run directory is named by the run's id, which the checkpoint keeps: a resume (without
+    --run-name) writes into the directory of the run it resumes; a fresh run gets its own."""
+    tb_dir, ckpt = tmp_path / "tb", str(tmp_path / "ckpt")
+
+    def run(iters: int, *extra: str) -> Path:
+        trainer = make_trainer(tiny_args(iters=iters, extra=["--log-interval", "1", "--lr-decay-iters",
+                                                             "4", "--tensorboard-dir", str(tb_dir),
+                                                             "--save", ckpt, *extra]))
+        trainer.train()
+        trainer.metrics.close()
+        return trainer.metrics.run_dir
+
+    first = run(2)
+    resumed = run(4, "--load", ckpt)
+    assert resumed == first
+    assert sorted(e.step for e in _events(first).Scalars("lm loss")) == [1, 2, 3, 4]
+    fresh = run(1, "--overwrite")
+    assert fresh != first and sorted(p.name for p in tb_dir.iterdir()) == sorted([first.name, fresh.name])
+
+
 def test_runs_started_in_the_same_second_do_not_share_a_directory(tmp_path):
     now = time.time()
     runs = [claim_run_dir(tmp_path, None, now=now) for _ in range(3)]

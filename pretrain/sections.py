@@ -348,9 +348,10 @@ class CheckpointSection:
     keep_last_checkpoints: int = _help("keep the newest K checkpoints, delete older ones", default=2)
     overwrite: bool = _help("start a new run in a --save that holds another run's checkpoints; "
                             "they are deleted once this run saves its first", default=False)
-    init_from_hf: str | None = _help("start from the weights of this Hugging Face GPT-2 directory "
-                                     "(config.json + model.safetensors, e.g. tools/export_hf.py "
-                                     "output; same model dims); not used when resuming from --load",
+    init_from_hf: str | None = _help("start from the weights of this Hugging Face GPT-2 or Llama "
+                                     "directory (config.json + model.safetensors, e.g. "
+                                     "tools/export_hf.py or save_pretrained output; same model dims "
+                                     "and options); not used when resuming from --load",
                                      default=None)
 
     def __post_init__(self) -> None:

@@ -67,9 +67,16 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     data_path, tokenizer_model = list(d.data_path), d.tokenizer_model
     if not data_path:
         vocab = cfg.model.vocab_size or 4096
+        error = None
         if state.rank == 0:
-            ensure_default_dataset(d.data_cache_dir, vocab)
-        comm.barrier(state.world)
+            try:
+                ensure_default_dataset(d.data_cache_dir, vocab)
+            except ValueError as err:   # e.g. a --vocab-size too small for its tokenizer
+                error = err
+        if comm.max_over(state.world, int(error is not None), state.device):   # and the barrier
+            if error is not None:
+                raise error
+            raise SystemExit(2)   # rank 0 reports it, once; this rank leaves with its code
         prefix, default_tokenizer = ensure_default_dataset(d.data_cache_dir, vocab)
         data_path, tokenizer_model = [prefix], tokenizer_model or default_tokenizer
     if tokenizer_model is None:

@@ -34,6 +34,7 @@ class LaunchEnv:
     restart_count: int = 0                # torchrun --max-restarts: which attempt this is
     agent_store: bool = False             # the store is torchrun's agent's, not rank 0's
     run_id: str | None = None             # set by torchrun only
+    error_file: str | None = None         # where torchrun's agent reads this rank's failure message
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -58,7 +59,8 @@ class LaunchEnv:
                    master_port=_int(env, "MASTER_PORT", None),
                    restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                   run_id=env.get("TORCHELASTIC_RUN_ID") or None)
+                   run_id=env.get("TORCHELASTIC_RUN_ID") or None,
+                   error_file=env.get("TORCHELASTIC_ERROR_FILE") or None)
 
     @property
     def distributed(self) -> bool:

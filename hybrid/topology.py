@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # torch is imported by the grid only: a launcher checks a layout without it
+    import torch
 
 
 class TopologyError(ValueError):
@@ -119,6 +121,7 @@ class Topology:
     @cached_property
     def grid3d(self) -> torch.Tensor:
         """``grid3d[pp_rank, dp_rank, tp_rank]`` is the global rank: ``arange(world).view(pp, dp, tp)``."""
+        import torch
         return torch.arange(self.world_size).view(self.pipeline_parallel_size, self.dp_size,
                                                   self.tensor_parallel_size)
 

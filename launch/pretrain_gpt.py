@@ -9,32 +9,45 @@ pretrain/presets/) gives the base values, flags override. Everything else lives 
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
 
-from hybrid.checkpoint.format import CheckpointError  # noqa: E402
 from hybrid.launch_env import LaunchEnv, LaunchEnvError  # noqa: E402
-from pretrain.arguments import parse_args  # noqa: E402
-from pretrain.exit import Interrupted  # noqa: E402
-from pretrain.liveness import PeersLostError  # noqa: E402
-from pretrain.metrics import install_rank_logging  # noqa: E402
+from pretrain.arguments import LaunchOptions, parse_args  # noqa: E402
+from pretrain.config import TrainConfig  # noqa: E402
+from pretrain.preflight import check_layout  # noqa: E402
 
-# Bad input found before or at launch: config/topology/model dims (ValueError subclasses:
-# TrainConfigError, TopologyError, ConfigError), data (IndexedDatasetError, dataset ValueErrors) and
-# checkpoints, and paths that do not exist (a tokenizer model). Reported as one line, exit code 2,
-# no traceback (docs/design.md §9, §10).
-USER_ERRORS = (ValueError, CheckpointError, FileNotFoundError)
+# The modules above import no torch: a config or layout error ends a rank before torch is loaded.
 
 
-def report_error(err: BaseException) -> int:
-    """``error: <message>`` on one stderr line (the traceback only at DEBUG level); exit code 2."""
+def report_error(err: BaseException, env: LaunchEnv | None = None) -> int:
+    """``error: <message>`` on one stderr line (the traceback only at DEBUG level); exit code 2.
+    Under torchrun the line is also this rank's error file, which torchrun's failure report shows
+    as the root cause instead of 'To enable traceback see ...'."""
     logging.getLogger("pretrain_gpt").debug("bad input", exc_info=err)
-    print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
+    line = "error: " + " ".join(str(err).split())
+    print(line, file=sys.stderr, flush=True)
+    if env is not None and env.error_file:
+        when = str(int(time.time()))   # torch-elastic's error-file format; py_callstack is shown
+        Path(env.error_file).write_text(json.dumps(
+            {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": when}}}))
     return 2
+
+
+def check_job(cfg: TrainConfig, env: LaunchEnv) -> None:
+    """The checks that need the job's size but no process group (pretrain/preflight.py), with a
+    host of the launcher's LOCAL_WORLD_SIZE ranks, as ParallelState.from_launch_env counts it."""
+    if env.distributed:
+        check_layout(cfg, env.world_size,
+                     env.local_world_size or cfg.parallel.gpus_per_node or env.world_size)
+    else:
+        cfg.validate_for_world(1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,30 +55,47 @@ def main(argv: list[str] | None = None) -> int:
         env = LaunchEnv.from_environ()
     except LaunchEnvError as err:
         return report_error(err)
-    install_rank_logging(env.rank)
     try:
         cfg, options = parse_args(argv)
-    except USER_ERRORS as err:
-        return report_error(err)
+        if not options.dry_run:
+            check_job(cfg, env)
+    except ValueError as err:   # the same on every rank: the first rank of each host says it once
+        return report_error(err, env) if env.local_rank == 0 else 2
+    return train(cfg, options, env)
+
+
+def train(cfg: TrainConfig, options: LaunchOptions, env: LaunchEnv) -> int:
+    """The dry run, or the run of a checked config (errors found from here on may be one rank's:
+    each rank that finds one says it)."""
+    from hybrid.checkpoint.format import CheckpointError
+    from pretrain.exit import Interrupted
+    from pretrain.liveness import PeersLostError
+    from pretrain.metrics import install_rank_logging
+    # Bad input found at launch: config/topology/model dims (ValueError subclasses:
+    # TrainConfigError, TopologyError, ConfigError), data (IndexedDatasetError, dataset ValueErrors)
+    # and checkpoints, and paths that do not exist (a tokenizer model). Reported as one line, exit
+    # code 2, no traceback (docs/design.md §9, §10).
+    user_errors = (ValueError, CheckpointError, FileNotFoundError)
+    install_rank_logging(env.rank)
     if options.dry_run:
         from pretrain.dry_run import dry_run_report, format_report
         try:
             print(format_report(dry_run_report(cfg, options.dry_run_rank)))
-        except USER_ERRORS as err:   # the layout at its full GPU count (divisibility, batches)
+        except user_errors as err:   # the layout at its full GPU count (divisibility, batches)
             return report_error(err)
         return 0
     from pretrain.setup import run
     log = logging.getLogger("pretrain_gpt")
     try:
         trainer = run(cfg, env)
-    except USER_ERRORS as err:   # found at launch: world size, data, --load, --save
-        return report_error(err)
+    except user_errors as err:   # found at launch: data, --load, --save, a peer's host
+        return report_error(err, env)
     except FloatingPointError as err:   # NaN/Inf loss with --on-nonfinite stop: every rank stops
-        report_error(err)
+        report_error(err, env)
         return 3
     except PeersLostError as err:   # a collective failed because other ranks are gone: name them
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun's teardown: leaving anyway, as 4
-        report_error(err)
+        report_error(err, env)
         return 4
     except Interrupted as stop:   # a signal before training, or a second Ctrl-C: one line
         print(("error: " if stop.code else "") + str(stop), file=sys.stderr, flush=True)

@@ -2,8 +2,13 @@
 
     python launch/torchrun.py --standalone --nproc-per-node 4 launch/pretrain_gpt.py --config tiny-cpu
 
-torchrun's own command-line parser and agent run in this process (``torch.distributed.run``); three
+torchrun's own command-line parser and agent run in this process (``torch.distributed.run``); four
 things differ, so that the command a user or a scheduler ran ends the way the job ended:
+
+- Before torch is imported or any rank starts, the trainer's arguments are parsed and checked
+  against ``--nnodes`` x ``--nproc-per-node`` (pretrain/preflight.py): a config or layout error (a
+  TP group larger than a host, a batch the world size cannot split) is one ``error:`` line, exit 2,
+  within a second, on every host before its rendezvous.
 
 - SIGTERM (preemption, ``scancel``, a time limit) or SIGINT (Ctrl-C) goes to every rank of this
   host, and the ranks agree to save a checkpoint and stop (pretrain/exit.py): they exit 0 and
@@ -19,18 +24,22 @@ things differ, so that the command a user or a scheduler ran ends the way the jo
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
 
-from torch.distributed import run as torchrun  # noqa: E402
-from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
-
 from hybrid.processes import child_pids  # noqa: E402
+
+if TYPE_CHECKING:   # torch is imported once the command is checked (check_before_launch)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+TRAINER = "pretrain_gpt.py"   # the entry point whose arguments are checked before launching
+BAD_INPUT = 2   # launch/pretrain_gpt.py's code for bad input
 
 ABORTED = 130   # 128 + SIGINT, what a shell reports for a job stopped by Ctrl-C
 LOST = 4        # launch/pretrain_gpt.py's code for lost peers, launcher or rendezvous store
@@ -93,7 +102,51 @@ def ranks_exit_code(err: ChildFailedError) -> tuple[int, str | None]:
                           f"{failure.signal_name()}; the job stopped")
 
 
+def trainer_launch(argv: list[str]) -> tuple[list[str], int | None, int | None] | None:
+    """(the trainer's arguments, hosts, ranks per host) of a torchrun command line that runs
+    launch/pretrain_gpt.py, else None. A count fixed only at the rendezvous (``--nnodes 1:4``,
+    ``--nproc-per-node gpu``) is None. torchrun reads unset flags from ``PET_*`` variables."""
+    script = next((i for i, arg in enumerate(argv) if Path(arg).name == TRAINER), None)
+    if script is None:
+        return None
+    flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    flags.add_argument("--nnodes", default=os.environ.get("PET_NNODES", "1:1"))
+    flags.add_argument("--nproc-per-node", "--nproc_per_node",
+                       default=os.environ.get("PET_NPROC_PER_NODE", "1"))
+    flags.add_argument("--standalone", action="store_true")
+    ns, _ = flags.parse_known_args(argv[:script])
+    low, _, high = ns.nnodes.partition(":")
+    nnodes = 1 if ns.standalone else _count(low) if _count(low) == _count(high or low) else None
+    return argv[script + 1:], nnodes, _count(ns.nproc_per_node)
+
+
+def _count(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
+
+
+def check_before_launch(argv: list[str]) -> int | None:
+    """The trainer's config and layout checked in this process before any rank starts (no torch
+    imported yet): its exit code after one ``error:`` line, else None (launch)."""
+    launch = trainer_launch(argv)
+    if launch is None:
+        return None
+    from pretrain.preflight import check_command
+    try:
+        check_command(*launch)
+    except ValueError as err:   # TrainConfigError, TopologyError, ConfigError
+        print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
+        return BAD_INPUT
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    code = check_before_launch(argv)
+    if code is not None:
+        return code
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     args = torchrun.parse_args(argv)
     args.signals_to_handle = "SIGHUP,SIGQUIT"   # SIGTERM and SIGINT are StopSignals'
     stop = StopSignals()

@@ -1,10 +1,11 @@
 """Command line of ``launch/pretrain_gpt.py``: a YAML/TOML config file plus Megatron-named overrides.
 
-Precedence: dataclass defaults < ``--config FILE`` (YAML or TOML, nested by section) < flags.
+Precedence: dataclass defaults < ``--config FILE`` (YAML, JSON or TOML, nested by section) < flags.
 Every flag is generated from a field of :mod:`pretrain.config` (``--tensor-model-parallel-size``
 sets ``parallel.tensor_model_parallel_size``), so there is no flag without a field behind it and no
 field that cannot be set. Booleans take ``--flag`` / ``--no-flag`` so a flag can undo a preset.
-An unknown flag is an error that suggests the nearest known one.
+An unknown flag is an error that suggests the nearest known one. A negative number is a flag's value
+(``--lr -1e-3``), which the section's check then judges.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
+import re
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,9 @@ import yaml
 from pretrain.config import SECTIONS, TrainConfig, TrainConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+# A negative number as a flag's value: argparse's own test takes -1e-3 for a flag (no exponents).
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf|-nan", re.IGNORECASE)
 
 
 @dataclass
@@ -33,20 +40,20 @@ class LaunchOptions:
 
 
 def load_config_file(path: str | Path) -> dict:
-    """Read a nested ``{section: {key: value}}`` dict from ``.yaml``/``.yml`` or ``.toml``."""
+    """Read a nested ``{section: {key: value}}`` dict from ``.yaml``/``.yml``, ``.json`` or ``.toml``."""
     path = Path(path)
     if not path.is_file():
         names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml")) if PRESET_DIR.is_dir() else []
         what = "is not a file" if path.exists() else "does not exist"
         raise TrainConfigError(f"config file {str(path)!r} {what}; presets in {PRESET_DIR}: "
                                f"{', '.join(names)}")
-    if path.suffix not in (".toml", ".yaml", ".yml"):
-        raise TrainConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .toml")
+    if path.suffix not in CONFIG_SUFFIXES:
+        raise TrainConfigError(f"config file {str(path)!r} must end in .yaml, .yml, .json or .toml")
     try:
         data = _parse_config_text(path)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise TrainConfigError(f"config file {str(path)!r} is not valid "
-                               f"{'TOML' if path.suffix == '.toml' else 'YAML'}: "
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        kind = {".toml": "TOML", ".json": "JSON"}.get(path.suffix, "YAML")
+        raise TrainConfigError(f"config file {str(path)!r} is not valid {kind}: "
                                f"{' '.join(str(err).split())}; fix the line it names") from None
     if not isinstance(data, dict):
         raise TrainConfigError(f"config file {str(path)!r} must hold a mapping of sections "
@@ -57,13 +64,15 @@ def load_config_file(path: str | Path) -> dict:
 def _parse_config_text(path: Path):
     if path.suffix == ".toml":
         return tomllib.loads(path.read_text(encoding="utf-8"))
+    if path.suffix == ".json":
+        return json.loads(path.read_text(encoding="utf-8"))
     return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
 
 
 def resolve_preset(name_or_path: str) -> Path:
     """A file path, or the name of a preset in pretrain/presets/ (``tiny-cpu`` -> tiny-cpu.yaml)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml", ".toml"):
+    if path.suffix in CONFIG_SUFFIXES or path.is_file():
         return path
     return PRESET_DIR / f"{name_or_path}.yaml"
 
@@ -99,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pretrain_gpt.py", allow_abbrev=False,
         description="GPT pretraining with tensor parallelism x ZeRO data parallelism.")
-    parser.add_argument("--config", help="YAML/TOML config file or a preset name in pretrain/presets/")
+    parser.add_argument("--config", help="YAML/JSON/TOML config file or a preset name in pretrain/presets/")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the layout at its full GPU count on this machine, no communication")
     parser.add_argument("--dry-run-rank", type=int, default=0, help="which rank --dry-run reports")
@@ -122,10 +131,25 @@ def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
     raise TrainConfigError("; ".join(msgs) + "; run with --help for the list of flags")
 
 
+def _attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--flag -1e-3`` as ``--flag=-1e-3`` for each flag that takes one value, so argparse reads
+    the number as the flag's value instead of as another flag."""
+    takes_value = {s for a in parser._actions if a.nargs is None and a.option_strings
+                   for s in a.option_strings}
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in takes_value and _NEGATIVE_NUMBER.fullmatch(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, LaunchOptions]:
     """Parse ``argv`` into a validated :class:`TrainConfig` and the :class:`LaunchOptions`."""
     parser = build_parser()
-    ns, unknown = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns, unknown = parser.parse_known_args(_attach_negative_values(parser, argv))
     if unknown:
         _reject_unknown(parser, unknown)
     nested = load_config_file(resolve_preset(ns.config)) if ns.config else {}

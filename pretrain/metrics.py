@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +50,16 @@ class MetricsWriter:
     ``run_dir`` is this run's directory (None on the other ranks or without ``tensorboard_dir``)."""
 
     def __init__(self, tensorboard_dir: str | None, rank: int, writer_rank: int = 0,
-                 run_name: str | None = None):
+                 run_name: str | None = None, run_id: str | None = None):
+        """``run_id``: the run's identity (pretrain.resume.TrainState.run_id, kept by every
+        checkpoint), which names the run directory unless ``run_name`` does: a resumed run
+        continues the curves of the run it resumes."""
         self.is_writer = rank == writer_rank
         self._tb = None
         self.run_dir: Path | None = None
         if tensorboard_dir and self.is_writer:
             from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is optional
-            self.run_dir = claim_run_dir(Path(tensorboard_dir), run_name)
+            self.run_dir = claim_run_dir(Path(tensorboard_dir), run_name, run_id=run_id)
             self._tb = SummaryWriter(log_dir=str(self.run_dir), max_queue=100)
             log.info("TensorBoard run %s (view every run: tensorboard --logdir %s)", self.run_dir,
                      tensorboard_dir)
@@ -93,12 +97,29 @@ class MetricsWriter:
             self._tb = None
 
 
-def claim_run_dir(parent: Path, run_name: str | None, now: float | None = None) -> Path:
-    """``parent/run_name``, or ``parent/<start time>`` (``20261123-231500``, local time) made new:
-    a second run started in the same second takes ``-2``, ``-3``... A named run that exists is
-    appended to (a resumed job keeping one curve does this), with a warning."""
+def run_dir_name(run_id: str | None) -> str | None:
+    """The run directory of the run ``run_id`` (``20261123T231500Z-1a2b3c4d``, its UTC start time
+    and a random part; hybrid.checkpoint.lock.new_run_id): ``20261123-231500-1a2b3c4d``."""
+    if run_id is None:
+        return None
+    match = re.fullmatch(r"(\d{8})T(\d{6})Z-(\w+)", run_id)
+    return "-".join(match.groups()) if match else run_id
+
+
+def claim_run_dir(parent: Path, run_name: str | None, now: float | None = None,
+                  run_id: str | None = None) -> Path:
+    """``parent/run_name``, else the directory of ``run_id`` (:func:`run_dir_name`; a resumed run
+    has the id of the run it resumes, so its curves continue there), else ``parent/<start time>``
+    (``20261123-231500``, local time) made new: a second run started in the same second takes
+    ``-2``, ``-3``... A named run that exists is appended to, with a warning."""
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        if run_id and not run_name:
+            path = parent / run_dir_name(run_id)
+            if any(path.glob("events.out.tfevents.*")):
+                log.info("TensorBoard run %s: this resumed run continues its curves", path)
+            path.mkdir(parents=True, exist_ok=True)
+            return path
         if run_name:
             path = parent / run_name
             if any(path.glob("events.out.tfevents.*")):

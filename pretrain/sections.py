@@ -364,9 +364,10 @@ class CheckpointSection:
     keep_last_checkpoints: int = _help("keep the newest K checkpoints, delete older ones", default=2)
     overwrite: bool = _help("start a new run in a --save that holds another run's checkpoints; "
                             "they are deleted once this run saves its first", default=False)
-    init_from_hf: str | None = _help("start from the weights of this Hugging Face GPT-2 directory "
-                                     "(config.json + model.safetensors, e.g. tools/export_hf.py "
-                                     "output; same model dims); not used when resuming from --load",
+    init_from_hf: str | None = _help("start from the weights of this Hugging Face GPT-2 or Llama "
+                                     "directory (config.json + model.safetensors, e.g. "
+                                     "tools/export_hf.py or save_pretrained output; same model dims "
+                                     "and options); not used when resuming from --load",
                                      default=None)
 
     def __post_init__(self) -> None:
@@ -382,8 +383,9 @@ class LoggingSection:
     tensorboard_dir: str | None = _help("TensorBoard directory; each run writes to its own run "
                                         "directory in it (none: no TensorBoard)", default=None)
     run_name: str | None = _help("name of this run's directory under --tensorboard-dir (default: "
-                                 "the start time, e.g. 20261123-231500); a name that exists is "
-                                 "appended to", default=None)
+                                 "the run's UTC start time and id, e.g. 20261123-231500-1a2b3c4d, "
+                                 "which a resumed run keeps); a name that exists is appended to",
+                                 default=None)
     peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
                                default=Cluster.peak_flops / 1e12)
     roofline: bool = _help("measure this machine's GEMM rate at the run's shapes (once, cached in "

@@ -72,9 +72,16 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
                          "tools/preprocess_data.py wrote with this tokenizer")
     if not data_path:
         vocab = cfg.model.vocab_size or 4096
+        error = None
         if state.rank == 0:
-            ensure_default_dataset(d.data_cache_dir, vocab)
-        comm.barrier(state.world)
+            try:
+                ensure_default_dataset(d.data_cache_dir, vocab)
+            except ValueError as err:   # e.g. a --vocab-size too small for its tokenizer
+                error = err
+        if comm.max_over(state.world, int(error is not None), state.device):   # and the barrier
+            if error is not None:
+                raise error
+            raise SystemExit(2)   # rank 0 reports it, once; this rank leaves with its code
         prefix, default_tokenizer = ensure_default_dataset(d.data_cache_dir, vocab)
         data_path, tokenizer_model = [prefix], tokenizer_model or default_tokenizer
     if tokenizer_model is None and not megatron_tokenizer:
@@ -93,7 +100,7 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     comm.barrier(state.world)
     train, valid, _ = build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
                                          vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)
-    if valid is None and t.eval_iters and t.train_iters >= t.eval_interval:
+    if valid is None and t.eval_iters:   # every --eval-interval and at the end of training
         raise ValueError(
             f"--split {d.split} leaves the validation split of --data-path {' '.join(data_path)} "
             f"without documents, but evaluation is on (--eval-iters {t.eval_iters} every "
@@ -177,32 +184,56 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | N
     return plan
 
 
-# --init-from-hf: our model flag, the HF config.json key and our GPTConfig field it must match
-_HF_DIMS = (("--num-layers", "n_layer", "num_layers"), ("--hidden-size", "n_embd", "hidden_size"),
-            ("--num-attention-heads", "n_head", "num_attention_heads"),
-            ("--vocab-size", "vocab_size", "vocab_size"), ("--ffn-hidden-size", "n_inner", "ffn_hidden_size"),
-            ("--max-position-embeddings", "n_positions", "max_position_embeddings"))
+# --init-from-hf: our model flag, the GPT-2 and the Llama config.json key, and our GPTConfig field
+_HF_DIMS = (("--num-layers", "n_layer", "num_hidden_layers", "num_layers"),
+            ("--hidden-size", "n_embd", "hidden_size", "hidden_size"),
+            ("--num-attention-heads", "n_head", "num_attention_heads", "num_attention_heads"),
+            ("--vocab-size", "vocab_size", "vocab_size", "vocab_size"),
+            ("--ffn-hidden-size", "n_inner", "intermediate_size", "ffn_hidden_size"),
+            ("--max-position-embeddings", "n_positions", "max_position_embeddings",
+             "max_position_embeddings"),
+            ("--num-query-groups", None, "num_key_value_heads", "query_groups"),
+            ("--rotary-base", None, "rope_theta", "rotary_base"))
+# the architecture options of a Llama directory: (GPTConfig field, the flags that select its value)
+_HF_OPTIONS = (("position_embedding_type", lambda v: f"--position-embedding-type {v}"),
+               ("normalization", lambda v: f"--normalization {v}"),
+               ("swiglu", lambda v: "--swiglu" if v else "--no-swiglu"),
+               ("add_bias_linear", lambda v: "--add-bias-linear" if v else "--disable-bias-linear"),
+               ("untie_embeddings_and_output_weights",
+                lambda v: "--untie-embeddings-and-output-weights" if v
+                else "--no-untie-embeddings-and-output-weights"),
+               ("use_rope_scaling", lambda v: "--use-rope-scaling" if v else "--no-use-rope-scaling"))
 
 
 def check_hf_dims(path: str, model_config) -> None:
-    """Refuse an HF GPT-2 directory whose dims differ from the model the flags describe, naming the
-    flags that would match it."""
-    import json
-    from models.gpt.hf import CONFIG_FILE, gpt_config_from_hf, is_hf_directory
+    """Refuse an HF GPT-2 or Llama directory whose dims or architecture differ from the model the
+    flags describe, naming the flags that would match it."""
+    from models.gpt.hf import CONFIG_FILE, is_hf_directory, read_hf_config
+    from models.gpt.hf_llama import is_llama
     if not is_hf_directory(path):
-        raise FileNotFoundError(f"--init-from-hf {path!r} is not a Hugging Face GPT-2 directory "
-                                f"({CONFIG_FILE} + model.safetensors); export one with "
-                                f"tools/export_hf.py or pass the directory save_pretrained wrote")
-    source = gpt_config_from_hf(json.loads((Path(path) / CONFIG_FILE).read_text()))
-    diffs = [(flag, key, getattr(source, field), getattr(model_config, field))
-             for flag, key, field in _HF_DIMS if getattr(source, field) != getattr(model_config, field)]
-    if diffs:
-        raise ValueError(
-            f"--init-from-hf {path}: the model has other dims ("
-            + "; ".join(f"{key} {theirs} there, {flag} {ours} here" for flag, key, theirs, ours in diffs)
-            + "); pass " + " ".join(f"{flag} {theirs}" for flag, _, theirs, _ in diffs)
-            + (" (and a tokenizer of at most that many pieces)" if any(d[0] == "--vocab-size"
-                                                                     for d in diffs) else ""))
+        raise FileNotFoundError(f"--init-from-hf {path!r} is not a Hugging Face GPT-2 directory or "
+                                f"Llama directory ({CONFIG_FILE} + model.safetensors); export one "
+                                f"with tools/export_hf.py or pass the directory save_pretrained wrote")
+    source = read_hf_config(path)
+    llama = is_llama(source)
+    differ = [(flag, llama_key if llama else key, field) for flag, key, llama_key, field in _HF_DIMS
+              if (llama or key) and getattr(source, field) != getattr(model_config, field)]
+    options = [(field, to_flag) for field, to_flag in _HF_OPTIONS
+               if getattr(source, field) != getattr(model_config, field)]
+    if not differ and not options:
+        return
+    fixes = [to_flag(getattr(source, field)) for field, to_flag in options] + [
+        ("--group-query-attention " if flag == "--num-query-groups" else "")
+        + f"{flag} {getattr(source, field)}" for flag, _, field in differ]
+    raise ValueError(
+        f"--init-from-hf {path}: the model has other dims or options ("
+        + "; ".join([f"{key} {getattr(source, field)} there, {flag} {getattr(model_config, field)} "
+                     f"here" for flag, key, field in differ]
+                    + [f"{field} {getattr(source, field)} there, {getattr(model_config, field)} here"
+                       for field, _ in options])
+        + "); pass " + " ".join(fixes)
+        + (" (and a tokenizer of at most that many pieces)" if any(d[0] == "--vocab-size"
+                                                                 for d in differ) else ""))
 
 
 def init_from_hf(cfg: TrainConfig, model):
@@ -301,7 +332,8 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     flops = model_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                       m.hidden_size, model.config.padded_vocab_size(state.tp_size),
                                       heads=m.num_attention_heads, arch=m.perf_architecture())
-    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name)
+    metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name,
+                            run_id=train_state.run_id)   # a resume continues its run's curves
     metrics.log_config(cfg.to_dict())
     trainer = Trainer(cfg, state, model, optimizer,
                       schedule=build_lr_schedule(cfg.optimizer, cfg.training.train_iters),

@@ -8,6 +8,7 @@
         every eval_interval:  validation loss and perplexity               (off the clock)
         on SIGTERM / --exit-duration-in-mins:  save and stop (all ranks agree)
         every save_interval:  layout-independent checkpoint                (off the clock)
+    at the end (train_iters not a multiple of eval_interval):  validation  (as Megatron-LM)
 
 Global batch = micro batch x DP x accumulation steps; each DP rank reads its slice of every micro-step
 from a sampler driven by the consumed-samples count, which the checkpoint stores, so a resumed run
@@ -83,6 +84,7 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
+        first_iteration = self.ts.iteration
         loader = self.make_loader("train", self.ts.consumed_train_samples)
         self.metrics.log(self._model_state_bytes(), self.ts.iteration)
         stats = self._new_interval()
@@ -105,6 +107,9 @@ class Trainer:
                     self._checkpoint(stats)
         _close(loader)
         self._land_tied_weight()
+        finished = self.ts.iteration >= self.train_iters > first_iteration and stop.reason is None
+        if finished and not self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
+            self._off_clock(stats, "eval-time", self.evaluate)   # the final model's validation
         if self.ts.iteration >= self.train_iters and self.last_saved_iteration != self.ts.iteration:
             self._checkpoint(stats)
         self.metrics.flush()

@@ -19,6 +19,7 @@ document's text are encoded as text, never as their special ids.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import logging
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 # sentencepiece reads at most this many bytes per "sentence"; longer chunks are split.
 MAX_PIECE_INPUT = 8192
 UNK_ID, BOS_ID, EOD_ID = 0, 1, 2
+CHARACTER_COVERAGE = 0.9995   # sentencepiece: characters rarer than this share become byte pieces
 BPE_EOD = "<|endoftext|>"      # the end-of-document token of tools/train_tokenizer.py --type bpe
 # end-of-document tokens of common pretrained tokenizer.json files (GPT-2, Llama-3, Llama-2, Gemma)
 EOD_TOKENS = (BPE_EOD, "<|end_of_text|>", "</s>", "<eos>")
@@ -218,13 +220,19 @@ def _train_sentencepiece(texts: Iterable[str], output_prefix: str | Path, vocab_
     (unk 0, bos 1, eod/eos 2, no pad).
     """
     chunks = _checked_chunks(texts, vocab_size)
+    needed = sentencepiece_min_vocab(chunks)
+    if vocab_size < needed:   # sentencepiece would fail deep inside its trainer
+        raise ValueError(f"vocab size {vocab_size} is too small for this corpus: sentencepiece "
+                         f"needs a piece for each of its {needed - 256 - 3} most frequent "
+                         f"characters ({CHARACTER_COVERAGE:.2%} coverage), the 256 byte pieces and "
+                         f"3 specials; use --vocab-size {needed} or more")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(chunks), model_writer=model, vocab_size=vocab_size,
         model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
         remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True,
         allow_whitespace_only_pieces=True, user_defined_symbols=["\n"],
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=-1, character_coverage=0.9995,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOD_ID, pad_id=-1, character_coverage=CHARACTER_COVERAGE,
         max_sentence_length=MAX_PIECE_INPUT, input_sentence_size=0, hard_vocab_limit=False,
         num_threads=num_threads, minloglevel=2)
     path = f"{output_prefix}.model"
@@ -236,6 +244,22 @@ def _train_sentencepiece(texts: Iterable[str], output_prefix: str | Path, vocab_
     log.info("trained a %d-piece BPE tokenizer on %d chunks -> %s",
              spm.SentencePieceProcessor(model_file=path).vocab_size(), len(chunks), path)
     return path
+
+
+def sentencepiece_min_vocab(chunks: list[str]) -> int:
+    """The smallest vocab sentencepiece's trainer accepts for ``chunks`` (its own rule): one piece
+    per "required" character - the most frequent ones until they cover CHARACTER_COVERAGE of all
+    characters, the newline (a user symbol) among them - plus 256 byte pieces and unk, bos, eos."""
+    counts = collections.Counter()
+    for chunk in chunks:
+        counts.update(chunk)
+    total, covered, required = sum(counts.values()), 0, set()
+    for char, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if covered >= CHARACTER_COVERAGE * total:
+            break
+        covered += n
+        required.add(char)
+    return len(required | {"\n"}) + 256 + 3
 
 
 def _checked_chunks(texts: Iterable[str], vocab_size: int) -> list[str]:

@@ -6,13 +6,24 @@ simulates them without communication), :mod:`.runner` executes one on this rank'
 point-to-point transfers through :mod:`hybrid.comm`, :mod:`.tied` keeps the tied word embedding of
 the first and last stage in step, :mod:`.stage` shows a stage's chunks as one model to its ZeRO
 engine and checkpoints.
+
+The config and schedules import without torch (a launcher checks a layout before it starts any
+rank); the runner, stage and tied embedding are imported on first use (PEP 562).
 """
 
+import importlib
+
 from hybrid.pipeline.config import SCHEDULES, PipelineConfig, PipelineConfigError
-from hybrid.pipeline.runner import PipelineRunner, StepOutput
 from hybrid.pipeline.schedules import Action, bubble_formula, build_schedule, simulate
-from hybrid.pipeline.stage import StageChunks
-from hybrid.pipeline.tied import TiedEmbedding
 
 __all__ = ["SCHEDULES", "Action", "PipelineConfig", "PipelineConfigError", "PipelineRunner",
            "StageChunks", "StepOutput", "TiedEmbedding", "bubble_formula", "build_schedule", "simulate"]
+
+_ON_FIRST_USE = {"PipelineRunner": "runner", "StepOutput": "runner", "StageChunks": "stage",
+                 "TiedEmbedding": "tied"}
+
+
+def __getattr__(name: str):
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)

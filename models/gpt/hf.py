@@ -127,8 +127,8 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None = None,
 def gpt_config_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128) -> GPTConfig:
     """Our :class:`GPTConfig` from an HF GPT-2 ``config.json`` (refusing variants we do not model)."""
     if cfg.get("model_type", "gpt2") != "gpt2":
-        raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not gpt2; only GPT-2 "
-                                f"checkpoints convert")
+        raise HFConversionError(f"model_type {cfg.get('model_type')!r} is neither gpt2 nor llama; "
+                                f"only GPT-2 and Llama checkpoints convert")
     act = cfg.get("activation_function", "gelu_new")
     if act not in _TANH_GELU:
         raise HFConversionError(f"activation_function {act!r} is not the tanh GELU (gelu_new) our "
@@ -222,6 +222,19 @@ def is_hf_directory(path: str | Path) -> bool:
                                                or (path / INDEX_FILE).is_file())
 
 
+def read_hf_config(path: str | Path, *, make_vocab_size_divisible_by: int = 128) -> GPTConfig:
+    """The :class:`GPTConfig` of an HF GPT-2 or Llama directory's config.json (no weights read)."""
+    file = Path(path) / CONFIG_FILE
+    meta = _read_json(file)
+    convert = hf_llama.gpt_config_from_hf_llama if meta.get("model_type") == "llama" else gpt_config_from_hf
+    try:
+        return convert(meta, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except (KeyError, TypeError) as err:
+        raise HFConversionError(f"{file} is not a GPT-2 or Llama config (missing or wrong {err}); "
+                                f"pass a directory written by save_pretrained or "
+                                f"tools/export_hf.py") from None
+
+
 def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 128
                       ) -> tuple[dict[str, torch.Tensor], GPTConfig]:
     """``(canonical fp32 state dict, GPTConfig)`` of an HF GPT-2 directory (model.safetensors, or
@@ -231,15 +244,8 @@ def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 1
         raise HFConversionError(f"{path} is not a Hugging Face model directory with {CONFIG_FILE} and "
                                 f"{WEIGHTS_FILE} (for .bin checkpoints: re-save them with "
                                 f"save_pretrained(safe_serialization=True))")
-    meta = _read_json(path / CONFIG_FILE)
-    llama = meta.get("model_type") == "llama"
-    try:
-        config = (hf_llama.gpt_config_from_hf_llama if llama else gpt_config_from_hf)(
-            meta, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    except (KeyError, TypeError) as err:
-        raise HFConversionError(f"{path / CONFIG_FILE} is not a GPT-2 or Llama config (missing or "
-                                f"wrong {err}); pass a directory written by save_pretrained or "
-                                f"tools/export_hf.py") from None
+    config = read_hf_config(path, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    llama = hf_llama.is_llama(config)
     if (path / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.comm import Group
-from hybrid.recompute import checkpoint
+from hybrid.recompute.checkpoint import checkpoint
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RNGTracker,
                                     RowParallelLinear)
 from models.gpt.attention_core import attention_core, packed_attention_core

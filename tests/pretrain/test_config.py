@@ -121,3 +121,19 @@ def test_lr_schedule_closed_form():
     assert lin(25) == pytest.approx(0.75)
     with pytest.raises(ValueError, match="fewer than the warm-up"):
         LRSchedule(1.0, 0.0, 10, 5)
+
+
+LLAMA_CONFIGS = ["llama2-7B", "llama2-13B", "llama2-70B", "llama3-8B", "llama3-70B"]
+
+
+@pytest.mark.parametrize("name", LLAMA_CONFIGS)
+def test_llama_presets_are_the_architectures_laid_out_for_8_gpus(name):
+    """Each Llama launch preset's model section is models/gpt/presets.py's architecture, and its
+    layout passes the dry run at 8 ranks with an estimate that fits an 80 GB GPU."""
+    from models.gpt.presets import LLAMA_PRESETS
+    from pretrain.dry_run import dry_run_report, total_bytes
+    cfg, _ = parse_args(["--config", name])
+    assert cfg.model == LLAMA_PRESETS[name]
+    assert (cfg.parallel.world_size, cfg.parallel.gpus_per_node) == (8, 8)
+    report = dry_run_report(cfg)
+    assert total_bytes(report) < 80e9, total_bytes(report)

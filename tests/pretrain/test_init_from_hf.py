@@ -67,3 +67,47 @@ def test_init_from_hf_refuses_other_dims(tmp_path):
         make_trainer(tiny_args(extra=["--init-from-hf", hf_dir, "--num-layers", "3"]))
     with pytest.raises(FileNotFoundError, match="not a Hugging Face GPT-2 directory"):
         make_trainer(tiny_args(extra=["--init-from-hf", str(tmp_path)]))
+
+
+# a Llama of the trainer's dims: rotary, RMSNorm, SwiGLU, 2 query groups, no biases, untied output
+LLAMA_CONFIG = CONFIG.replace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                              group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+                              untie_embeddings_and_output_weights=True, norm_epsilon=1e-6)
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+               "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6"]
+
+
+def test_init_from_llama_directory_first_loss_matches_reference(tmp_path):
+    """The flag takes the Llama directory models/gpt/hf writes (LlamaForCausalLM's config.json and
+    names): the first loss is the reference Llama's with those weights; the trainer's own Llama
+    init gives another."""
+    ref = ReferenceGPT(LLAMA_CONFIG)
+    ref.init_weights(5)
+    g = torch.Generator().manual_seed(5)
+    weights = {n: (p + 0.1 * torch.randn(p.shape, generator=g)).clone() for n, p in ref.state_dict().items()}
+    hf_dir = str(save_hf_directory(tmp_path / "hf", LLAMA_CONFIG, weights))
+    record: list = []
+    trainer = make_trainer(tiny_args(iters=1, extra=["--init-from-hf", hf_dir, *LLAMA_FLAGS]), record)
+    trainer.train()
+    ref.load_state_dict(weights)
+    samples = torch.stack([torch.from_numpy(IndexedSamples(4096)[i]) for b in record for i in b])
+    with torch.no_grad():
+        logits = ref.eval()(samples[:, :-1])                                  # [b, s, V]
+    expected = F.cross_entropy(logits.flatten(0, 1), samples[:, 1:].flatten()).item()
+    assert trainer.losses[0] == pytest.approx(expected, abs=1e-5)
+    seeded = make_trainer(tiny_args(iters=1, extra=LLAMA_FLAGS))
+    seeded.train()
+    assert abs(seeded.losses[0] - expected) > 1e-2
+
+
+def test_init_from_llama_directory_names_the_llama_flags(tmp_path):
+    ref = ReferenceGPT(LLAMA_CONFIG)
+    ref.init_weights(5)
+    hf_dir = str(save_hf_directory(tmp_path / "hf", LLAMA_CONFIG, ref.state_dict()))
+    with pytest.raises(ValueError, match=r"num_key_value_heads 2 there, --num-query-groups 4 here.*"
+                                         r"pass --position-embedding-type rope --normalization "
+                                         r"RMSNorm --swiglu --disable-bias-linear "
+                                         r"--untie-embeddings-and-output-weights --ffn-hidden-size "
+                                         r"64 --group-query-attention --num-query-groups 2"):
+        make_trainer(tiny_args(extra=["--init-from-hf", hf_dir]))

@@ -139,7 +139,7 @@ def test_bytes_per_group_and_op_split_by_host(tmp_path):
 
 
 # --- evaluation and checkpoints off the clock, memory, config (one 4-rank run: TP 2 x DP 2) -------
-ITERS, EVAL_AT, SAVE_AT = 5, (2, 4), (3, 5)
+ITERS, EVAL_AT, SAVE_AT = 5, (2, 4, 5), (3, 5)   # 5: the end of training (not a multiple of 2)
 
 
 def _train_heavy_eval(rank, world_size, tb_dir, save_dir):
@@ -228,6 +228,20 @@ def test_resolved_config_in_hparams_and_text_tabs(heavy_eval_run):
     assert [m.name.tag for m in experiment.experiment.metric_infos] == ["lm loss", "lm loss validation"]
 
 
+@pytest.mark.parametrize("iters, evaluated_at", [(3, [2, 3]), (4, [2, 4])])
+def test_validation_at_the_end_of_training(iters, evaluated_at):
+    """As Megatron-LM: the final model is validated when --train-iters is not a multiple of
+    --eval-interval, and not twice when it is; each evaluation reads eval-iters global batches."""
+    trainer = make_trainer(tiny_args(iters=iters, extra=["--eval-interval", "2", "--eval-iters", "1"]))
+    at = []
+    evaluate = trainer.evaluate
+    trainer.evaluate = lambda: (at.append(trainer.ts.iteration), evaluate())[1]
+    trainer.train()
+    trainer.metrics.close()
+    assert at == evaluated_at
+    assert trainer.ts.consumed_valid_samples == len(evaluated_at) * trainer.global_batch
+
+
 # --- run directories ------------------------------------------------------------------------
 def _single_rank_run(tb_dir: Path, *extra: str) -> Path:
     trainer = make_trainer(tiny_args(iters=1, extra=["--log-interval", "1",
@@ -247,6 +261,27 @@ def test_each_run_writes_its_own_run_directory(tmp_path):
     named = _single_rank_run(tb_dir, "--run-name", "baseline")
     assert named == tb_dir / "baseline"
     assert sorted(p.name for p in tb_dir.iterdir()) == sorted([first.name, second.name, "baseline"])
+
+
+def test_a_resumed_run_continues_its_run_directory(tmp_path):
+    """The run directory is named by the run's id, which the checkpoint keeps: a resume (without
+    --run-name) writes into the directory of the run it resumes; a fresh run gets its own."""
+    tb_dir, ckpt = tmp_path / "tb", str(tmp_path / "ckpt")
+
+    def run(iters: int, *extra: str) -> Path:
+        trainer = make_trainer(tiny_args(iters=iters, extra=["--log-interval", "1", "--lr-decay-iters",
+                                                             "4", "--tensorboard-dir", str(tb_dir),
+                                                             "--save", ckpt, *extra]))
+        trainer.train()
+        trainer.metrics.close()
+        return trainer.metrics.run_dir
+
+    first = run(2)
+    resumed = run(4, "--load", ckpt)
+    assert resumed == first
+    assert sorted(e.step for e in _events(first).Scalars("lm loss")) == [1, 2, 3, 4]
+    fresh = run(1, "--overwrite")
+    assert fresh != first and sorted(p.name for p in tb_dir.iterdir()) == sorted([first.name, fresh.name])
 
 
 def test_runs_started_in_the_same_second_do_not_share_a_directory(tmp_path):

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid.recompute import Recomputer, checkpoint
+from hybrid.recompute import Recomputer
+from hybrid.recompute.checkpoint import checkpoint
 from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear,
                                     scatter_to_sequence)
 

@@ -27,7 +27,7 @@ from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
 from models.gpt.sharding import canonical_init, shard_tensor, unshard_state_dict
-from hybrid.recompute import checkpoint
+from hybrid.recompute.checkpoint import checkpoint
 from hybrid.tensor_parallel import vocab_parallel_cross_entropy
 
 CONFIG = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=50, seq_length=8,

@@ -8,8 +8,10 @@ those packages has to import the other for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # a leaf: read by the config checks before torch is loaded
+    import torch
 
 ADAMW_KERNELS = ("fused", "foreach", "compiled")
 

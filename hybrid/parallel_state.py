@@ -37,12 +37,9 @@ import torch.distributed as dist
 from hybrid.comm import CommLedger, Group
 from hybrid.launch_env import LaunchEnv, LaunchEnvError
 from hybrid.shm_collectives import ShmTransport
-from hybrid.topology import Topology
+from hybrid.topology import DEFAULT_TIMEOUT, DP_TRANSPORTS, Topology
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT = timedelta(minutes=10)
-DP_TRANSPORTS = ("auto", "shm", "gloo")
 
 
 class ParallelState:

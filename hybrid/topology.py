@@ -25,6 +25,7 @@ and last stage, which hold the two uses of the tied word embedding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,11 @@ if TYPE_CHECKING:   # torch is imported by the grid only: a launcher checks a la
 class TopologyError(ValueError):
     """An invalid parallel layout; the message says what to change."""
 
+
+# The process groups' defaults (hybrid.parallel_state builds them; the application's flags read
+# these before torch is loaded): the collective timeout, and how DP collectives move their bytes.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+DP_TRANSPORTS = ("auto", "shm", "gloo")
 
 @dataclass(frozen=True)
 class RankCoords:

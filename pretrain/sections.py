@@ -15,11 +15,10 @@ from pathlib import Path
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.data.tokenizer_types import MEGATRON_TOKENIZER_TYPES
-from hybrid.parallel_state import DEFAULT_TIMEOUT, DP_TRANSPORTS
 from hybrid.perf.hardware import Cluster
 from hybrid.pipeline.config import SCHEDULES, default_schedule
-from hybrid.topology import Topology
-from hybrid.zero.config import LossScaleConfig
+from hybrid.precision_config import LossScaleConfig
+from hybrid.topology import DEFAULT_TIMEOUT, DP_TRANSPORTS, Topology
 from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS, layout_refusal
 from models.gpt.config import ConfigError, GPTConfig
 

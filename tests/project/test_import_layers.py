@@ -30,7 +30,7 @@ ENTRY_POINT_DIRS = ("benchmarks", "tools", "launch")
 # may import only packages to its left) are lists; in a set the order is free (only no cycles).
 LAYERS: list[tuple[str, list[str] | set[str]]] = [
     ("0 pure", {"hybrid.topology", "hybrid.perf", "hybrid.processes", "hybrid.launch_env",
-                "hybrid.adamw_config", "hybrid.zero_policy"}),
+                "hybrid.adamw_config", "hybrid.precision_config", "hybrid.zero_policy"}),
     ("1 communication", ["hybrid.comm", "hybrid.shm_collectives", "hybrid.parallel_state"]),
     ("2 parallelism", ["hybrid.tensor_parallel", "hybrid.recompute", "hybrid.offload", "hybrid.zero",
                        "hybrid.pipeline", "hybrid.data", "hybrid.generation", "hybrid.testing"]),

@@ -583,6 +583,21 @@ Megatron-LM means by it. Each flag is
 A flag that is neither here nor a config field is unknown; the error suggests only a flag it is a
 typo or an exact prefix of, never one that merely looks alike (`--vocab-file` is not `--vocab-size`).
 
+Megatron's GPT-3 175B example (`examples/gpt3/train_gpt3_175b_distributed.sh`) at its full size,
+checked on one CPU with `--dry-run` at its 1536 GPUs (TP 8 x PP 16 x DP 12; `--vocab-size` stands for
+the GPT-2 vocab and merge files, which a dry run does not read):
+
+```bash
+python launch/pretrain_gpt.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
+    --seq-length 2048 --max-position-embeddings 2048 --attention-backend auto \\
+    --micro-batch-size 1 --global-batch-size 1536 --train-iters 500000 --weight-decay 0.1 \\
+    --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 \\
+    --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000 \\
+    --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --split 949,50,1 \\
+    --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10 \\
+    --vocab-size 50257 --world-size 1536 --gpus-per-node 8 --dry-run
+```
+
 Where a flag's behaviour differs in a detail, it is said here:
 
 - Batch-size ramps (`--rampup-batch-size`, `--step-batch-size-schedule`) are refused, so Megatron's

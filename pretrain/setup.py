@@ -66,6 +66,11 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     """Datasets from --data-path/--split, or the embedded default corpus (built once, by rank 0)."""
     from hybrid.data import Tokenizer, build_gpt_datasets, ensure_default_dataset
     d = cfg.data
+    if d.vocab_file or d.merge_file or d.tokenizer_type not in (None, "HuggingFaceTokenizer",
+                                                                 "SentencePieceTokenizer"):
+        raise ValueError("--vocab-file / --merge-file / --tokenizer-type "
+                         f"{d.tokenizer_type or 'GPT2BPETokenizer'} are not read by this build yet; "
+                         "pass the same tokenizer as --tokenizer-model (tokenizer.json or .model)")
     data_path, tokenizer_model = list(d.data_path), d.tokenizer_model
     if not data_path:
         vocab = cfg.model.vocab_size or 4096
@@ -77,9 +82,6 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
     if tokenizer_model is None:
         raise ValueError("--data-path was given without --tokenizer-model; pass the tokenizer "
                          "(.model or tokenizer.json) the data was tokenized with")
-    if d.vocab_file or d.merge_file:
-        raise ValueError("--vocab-file / --merge-file (a GPT-2 BPE tokenizer) are not read by this "
-                         "build yet; pass the same tokenizer as --tokenizer-model tokenizer.json")
     tokenizer = Tokenizer(tokenizer_model)
     t = cfg.training
     global_batch = cfg.global_batch(state.world_size)

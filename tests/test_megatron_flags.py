@@ -180,6 +180,16 @@ def test_documented_defaults_differ_from_megatrons():
         assert why
 
 
+def test_tokenizer_files_this_build_cannot_read_are_refused_before_any_work():
+    from pretrain.setup import build_data
+    for extra in (["--vocab-file", "v.json", "--merge-file", "m.txt"],
+                  ["--tokenizer-type", "NullTokenizer"]):
+        cfg, _ = parse_args(extra)
+        with pytest.raises(ValueError, match="not read by this build yet; pass the same tokenizer "
+                                             "as --tokenizer-model"):
+            build_data(cfg, state=None)
+
+
 def test_keep_all_checkpoints_and_detected_peak_by_default():
     from pretrain.device_peaks import device_peak_tflops, peak_tflops_of
     cfg, _ = parse_args([])

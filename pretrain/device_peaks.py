@@ -8,7 +8,11 @@ reported; ``perf/gemm-bound-fraction`` measures the step against this machine's 
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 PEAK_16BIT_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
     (("V100",), 125.0), (("A100",), 312.0), (("A10G",), 70.0), (("A10",), 125.0),
@@ -38,3 +42,13 @@ def device_peak_tflops(device: torch.device) -> tuple[float | None, str]:
     if peak is None:
         return None, f"{name} is not in pretrain.device_peaks: MFU is not reported; pass --peak-tflops"
     return peak, f"dense bf16/fp16 peak of the detected {name}"
+
+
+def run_peak_tflops(configured: float | None, state) -> float | None:
+    """The MFU peak of a run: --peak-tflops (``configured``), else the detected device's (None:
+    unknown, no MFU); rank 0 says which at start-up."""
+    peak, why = ((configured, "--peak-tflops") if configured is not None
+                 else device_peak_tflops(state.device))
+    if state.rank == 0:
+        log.info("MFU peak: %s (%s)", f"{peak:g} TFLOP/s per device" if peak else "unknown", why)
+    return peak

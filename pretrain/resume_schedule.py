@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import math
 
-from pretrain.lr_schedule import LRSchedule
+from pretrain.lr_schedule import LRSchedule, build_lr_schedule
 from pretrain.sections import TrainConfigError
 
 log = logging.getLogger(__name__)
@@ -68,3 +68,19 @@ def resume_schedule(mine: LRSchedule, saved_record: dict | None, global_batch: i
         "the learning-rate schedule differs from the checkpoint's: " + "; ".join(diffs) + "; pass "
         "--override-opt_param-scheduler to train with this command line's schedule, or "
         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+def run_schedule(cfg, world_size: int, resumed=None) -> LRSchedule:
+    """The schedule a run trains with: its flags' (:func:`build_lr_schedule`); ``resumed``: the
+    loaded :class:`~pretrain.resume.TrainState` (None: a new run). --finetune starts the flags'
+    schedule at iteration 0; --no-load-optim starts it at the loaded iteration; a full resume
+    reconciles it with the checkpoint's (:func:`resume_schedule`)."""
+    global_batch = cfg.global_batch(world_size)
+    schedule = build_lr_schedule(cfg.optimizer, cfg.train_iterations(world_size), global_batch,
+                                 cfg.training.train_samples)
+    c = cfg.checkpoint
+    if resumed is None or c.finetune:
+        return schedule
+    if not c.load_optim:   # Megatron loads no scheduler state either: a fresh one starts here
+        return dataclasses.replace(schedule, start=resumed.iteration)
+    return resume_schedule(schedule, resumed.lr_schedule, global_batch, cfg.optimizer)

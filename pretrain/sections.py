@@ -268,6 +268,15 @@ class OptimizerSection:
     def precision(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
+    def loss_scale_options(self) -> dict:
+        """fp16's scaler (hybrid.zero.LossScaleConfig's fields): dynamic, or pinned at --loss-scale
+        (Megatron's static scale: it never grows or backs off; an overflowed step is skipped)."""
+        if self.loss_scale is not None:
+            return {"initial_scale": self.loss_scale, "min_scale": self.loss_scale,
+                    "growth_interval": 2 ** 62, "hysteresis": 1}
+        return {"initial_scale": self.initial_loss_scale, "min_scale": self.min_loss_scale,
+                "growth_interval": self.loss_scale_window, "hysteresis": self.hysteresis}
+
 
 @dataclass
 class DataSection:

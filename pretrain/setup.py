@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -28,13 +27,14 @@ from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import describe_collectives, describe_group, nodes_of
 from hybrid.processes import keep_freed_memory
 from pretrain.config import TrainConfig
+from pretrain.device_peaks import run_peak_tflops
 from pretrain.exit import SetupSignals
 from pretrain.liveness import Liveness
-from pretrain.lr_schedule import build_lr_schedule
 from pretrain.metrics import MetricsWriter, ThroughputModel
+from pretrain.recompute_method import apply_recompute_method
 from pretrain.resume import TrainState, fresh_run_id
 from pretrain.resume import load as load_checkpoint
-from pretrain.resume_schedule import resume_schedule
+from pretrain.resume_schedule import run_schedule
 from pretrain.traffic import expected_dp_collectives
 from pretrain.trainer import Trainer
 
@@ -173,29 +173,10 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | N
         memory_budget=cfg.training.memory_budget_bytes,
         bytes_per_element=4 if cfg.optimizer.precision == "fp32" else 2,
         device=device or state.device.type)
-    plan = apply_recompute_method(plan, cfg, state)
+    plan = apply_recompute_method(plan, cfg, state.world_size)
     if state.rank == 0:
         log.info("activation recompute: %s", plan)
     return plan
-
-
-def apply_recompute_method(plan, cfg: TrainConfig, state: ParallelState):
-    """Megatron's --recompute-method on a full-recompute plan: ``uniform`` checkpoints
-    --recompute-num-layers layers as one unit; ``block`` recomputes only the first
-    --recompute-num-layers layers of each model chunk (pipeline stage or virtual stage)."""
-    t = cfg.training
-    if t.recompute_method is None:
-        return plan
-    if t.recompute_method == "uniform":
-        return dataclasses.replace(plan, granularity=t.recompute_num_layers)
-    pcfg = cfg.pipeline_config(state.world_size)
-    chunks = ([pcfg.layer_range(s, c) for s in range(pcfg.num_stages)
-               for c in range(pcfg.num_model_chunks)] if pcfg else [(0, len(plan.modes))])
-    modes = ["none"] * len(plan.modes)
-    for start, stop in chunks:
-        for i in range(start, min(stop, start + t.recompute_num_layers)):
-            modes[i] = plan.modes[i]
-    return dataclasses.replace(plan, modes=tuple(modes))
 
 
 # --init-from-hf: our model flag, the HF config.json key and our GPTConfig field it must match
@@ -254,7 +235,7 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
                       gradient_accumulation_steps=_backwards_per_step(cfg, state),
                       **cfg.parallel.zero_config_options(),
-                      loss_scale=loss_scale_config(o, LossScaleConfig))
+                      loss_scale=LossScaleConfig(**o.loss_scale_options()))
     offload = cfg.parallel.offload_config()
     offload = offload if offload is not None and offload.enabled else None
     acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -264,16 +245,6 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
         return build_zero_optimizer(model, state, zcfg, acfg, offload, seed=cfg.training.seed,
                                     init_fn=init_fn)
     return build_zero_optimizer(model, state, zcfg, acfg, offload)
-
-
-def loss_scale_config(o, config_cls):
-    """fp16's scaler: dynamic, or pinned at --loss-scale (Megatron's static scale: it never grows
-    and never backs off; a step whose gradients overflow is still skipped)."""
-    if o.loss_scale is not None:
-        return config_cls(initial_scale=o.loss_scale, min_scale=o.loss_scale,
-                          growth_interval=2 ** 62, hysteresis=1)
-    return config_cls(initial_scale=o.initial_loss_scale, min_scale=o.min_loss_scale,
-                      growth_interval=o.loss_scale_window, hysteresis=o.hysteresis)
 
 
 def _backwards_per_step(cfg: TrainConfig, state: ParallelState) -> int:
@@ -318,21 +289,15 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
         attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,
                       micro_batch=cfg.data.micro_batch_size, seq_length=cfg.model.seq_length,
                       hidden=cfg.model.hidden_size, sequence_parallel=cfg.parallel.sequence_parallel)
-    global_batch = cfg.global_batch(state.world_size)
-    schedule = build_lr_schedule(cfg.optimizer, cfg.train_iterations(state.world_size),
-                                 global_batch, cfg.training.train_samples)
-    if resume:
-        train_state = load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
-    if resume and not cfg.checkpoint.finetune and not cfg.checkpoint.load_optim:
-        schedule = dataclasses.replace(schedule, start=train_state.iteration)   # Megatron's rule
-    elif resume and not cfg.checkpoint.finetune:
-        schedule = resume_schedule(schedule, train_state.lr_schedule, global_batch, cfg.optimizer)
-    else:   # a new run, or --finetune: iteration 0, a new run id
+    train_state = (load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
+                   if resume else None)
+    schedule = run_schedule(cfg, state.world_size, train_state)
+    if train_state is None or cfg.checkpoint.finetune:   # iteration 0, a new run id
         train_state = TrainState(run_id=fresh_run_id(state))
     if stage is not None and stage.tied is not None:   # the last stage's copy = the loaded E
         stage.tied.sync_weight()
     m = cfg.model
-    flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers,
+    flops = model_flops_per_iteration(cfg.global_batch(state.world_size), m.seq_length, m.num_layers,
                                       m.hidden_size, model.config.padded_vocab_size(state.tp_size),
                                       heads=m.num_attention_heads, arch=m.perf_architecture())
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name)
@@ -342,7 +307,7 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                       make_loader=make_loader or make_loader_factory(data, cfg, state),
                       metrics=metrics,
                       throughput=ThroughputModel(flops, state.world_size,
-                                                 resolve_peak_tflops(cfg, state),
+                                                 run_peak_tflops(cfg.logging.peak_tflops, state),
                                                  gemm_bound_s=build_roofline(
                                                      cfg, state, stage.chunks if stage else [model])),
                       rng=rng, train_state=train_state, pipeline=stage,
@@ -350,19 +315,6 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
     if resume and cfg.checkpoint.save == cfg.checkpoint.load and not cfg.checkpoint.finetune:
         trainer.last_saved_iteration = train_state.iteration   # no need to write it again
     return trainer
-
-
-def resolve_peak_tflops(cfg: TrainConfig, state: ParallelState) -> float | None:
-    """--peak-tflops, else the detected device's dense 16-bit peak (None: unknown, no MFU); says
-    which at start-up."""
-    from pretrain.device_peaks import device_peak_tflops
-    if cfg.logging.peak_tflops is not None:
-        peak, why = cfg.logging.peak_tflops, "--peak-tflops"
-    else:
-        peak, why = device_peak_tflops(state.device)
-    if state.rank == 0:
-        log.info("MFU peak: %s (%s)", f"{peak:g} TFLOP/s per device" if peak else "unknown", why)
-    return peak
 
 
 def build_roofline(cfg: TrainConfig, state: ParallelState, models: list) -> float | None:

@@ -12,7 +12,9 @@ import torch
 from pretrain.arguments import parse_args
 from pretrain.config import TrainConfigError
 from pretrain.lr_schedule import LRSchedule
-from pretrain.setup import apply_recompute_method, recompute_plan
+from hybrid.recompute import RecomputePlan
+from pretrain.recompute_method import apply_recompute_method
+from pretrain.setup import recompute_plan
 from tests.training_helpers import make_trainer, tiny_args
 
 # tiny_args: --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1, global batch 8, decay = --train-iters
@@ -104,8 +106,13 @@ def test_recompute_method_shapes_the_plan():
         plan = recompute_plan(cfg, cfg.model, state)
         assert (plan.modes, plan.granularity) == (modes, granularity)
     cfg, _ = parse_args(["--recompute", "full"])
-    assert apply_recompute_method(recompute_plan(cfg, cfg.model, state), cfg, state).modes == \
-        ("full", "full")
+    assert recompute_plan(cfg, cfg.model, state).modes == ("full", "full")
+    # block with 2 pipeline stages: the first layer of each stage
+    cfg, _ = parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                         "--global-batch-size", "8", "--recompute-granularity", "full",
+                         "--recompute-method", "block", "--recompute-num-layers", "1"])
+    plan = apply_recompute_method(RecomputePlan.uniform("full", 4), cfg, world_size=2)
+    assert plan.modes == ("full", "none", "full", "none")
 
 
 def test_static_loss_scale_stays():

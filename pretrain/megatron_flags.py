@@ -79,9 +79,6 @@ class MegatronFlag:
     noop_when: Callable[[object, Given], bool] | None = None   # no-op for some values only
     check: Callable[[object, object], None] | None = None      # mapped: check the built config
 
-    def refusal(self) -> str:
-        return f"{self.name} is not supported here (Megatron: {self.meaning}); {self.here}"
-
 
 # ---- mapped flags ------------------------------------------------------------------------------
 def _distributed_optimizer(value, given: Given) -> None:

@@ -104,7 +104,8 @@ def test_noop_flags_change_nothing(name, caplog):
     for argv in ([name, refused] if refused else None,
                  refusing_context + [name, *own] if refusing_context else None):
         if argv is not None:
-            with pytest.raises(TrainConfigError, match="not supported here .*" + re.escape(flag.meaning)):
+            refusal = "not supported here .*" + re.escape(flag.meaning)
+            with pytest.raises(TrainConfigError, match=refusal):
                 parse_args(argv)
 
 

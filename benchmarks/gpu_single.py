@@ -60,6 +60,7 @@ from models.gpt.compile import compile_layers   # noqa: E402
 from models.gpt.config import GPTConfig   # noqa: E402
 from models.gpt.model import GPTModel   # noqa: E402
 from models.gpt.presets import PRESETS   # noqa: E402
+from pretrain.device_peaks import peak_tflops_of   # noqa: E402
 
 log = logging.getLogger("gpu_single")
 
@@ -72,22 +73,13 @@ SIZES: dict[str, GPTConfig] = {
     "gpt-1.3B": GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16),
     "gpt2-1.5B": PRESETS["gpt2-1.5B"],
 }
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets; the first
-# entry whose every word is in torch.cuda.get_device_name() wins, so specific names come first.
-PEAK_BF16_TFLOPS: list[tuple[tuple[str, ...], float]] = [
-    (("H100", "PCIe"), 756.0), (("H100", "NVL"), 835.0), (("H100",), 989.0), (("H200",), 989.0),
-    (("GH200",), 989.0), (("B200",), 2250.0), (("A100",), 312.0), (("L40S",), 362.0),
-    (("A10G",), 70.0), (("L4",), 121.0),
-]
 RESULTS = REPO / "benchmarks" / "results"
 TARGET = 0.95   # ours / plain torch step rate
 
 
 def peak_tflops(device_name: str) -> float | None:
-    for words, tflops in PEAK_BF16_TFLOPS:
-        if all(w in device_name for w in words):
-            return tflops
-    return None
+    """Dense bf16 tensor-core peak of a GPU by name (the table is pretrain.device_peaks')."""
+    return peak_tflops_of(device_name)
 
 
 def pick_size(requested: str, memory_bytes: float, micro_batch: int, seq: int, recompute: str) -> str:

@@ -1,18 +1,19 @@
 """Command line of ``launch/pretrain_gpt.py``: a YAML/TOML config file plus Megatron-named overrides.
 
 Precedence: dataclass defaults < ``--config FILE`` (YAML, JSON or TOML, nested by section) < flags.
-Every flag is generated from a field of :mod:`pretrain.config` (``--tensor-model-parallel-size``
-sets ``parallel.tensor_model_parallel_size``), so there is no flag without a field behind it and no
-field that cannot be set. Booleans take ``--flag`` / ``--no-flag`` so a flag can undo a preset.
-An unknown flag is an error that suggests the nearest known one. A negative number is a flag's value
-(``--lr -1e-3``), which the section's check then judges.
+Every flag of ours is generated from a field of :mod:`pretrain.config` (``--tensor-model-parallel-size``
+sets ``parallel.tensor_model_parallel_size``), so there is no field that cannot be set; its help
+ends with its default. Booleans take ``--flag`` / ``--no-flag`` so a flag can undo a preset.
+Megatron-LM's other flags are mapped onto these fields, accepted as no-ops or refused with their
+meaning, as the catalogue :mod:`pretrain.megatron_flags` says. An unknown flag is an error that
+suggests only a flag it is a typo or a prefix of.
+A negative number is a flag's value (``--lr -1e-3``), which the section's check then judges.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import re
 import sys
@@ -23,7 +24,9 @@ from typing import get_args, get_type_hints
 
 import yaml
 
+from pretrain import megatron_flags
 from pretrain.config import SECTIONS, TrainConfig, TrainConfigError
+from pretrain.sections import MODEL_DEFAULTS
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml")
@@ -84,7 +87,10 @@ def _field_type(section_cls: type, name: str):
 def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type) -> None:
     hint = _field_type(section_cls, f.name)
     flag = "--" + f.name.replace("_", "-")
-    kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=f.metadata.get("help"))
+    text = f.metadata.get("help") or ""
+    if "default:" not in text:   # the help that explains its default says it itself
+        text += f" (default: {_default_text(section, f)})"
+    kw = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=text)
     if hint is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         if f.metadata.get("off_flag"):   # Megatron's spelling, e.g. --disable-bias-linear
@@ -95,6 +101,19 @@ def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type
     else:
         base = next(t for t in (*get_args(hint), hint) if t in (int, float, str))  # X | None -> X
         group.add_argument(flag, type=base, metavar=base.__name__.upper(), **kw)
+
+
+def _default_text(section: str, f: dataclasses.Field) -> str:
+    if section == "model" and f.name in MODEL_DEFAULTS:
+        value = MODEL_DEFAULTS[f.name]
+    elif f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    text = "none" if value is None or value == [] else str(value)
+    return text.replace("%", "%%")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(section_cls):
             _add_field_flag(group, section, f, section_cls)
+    megatron_flags.add_to_parser(parser)
     return parser
 
 
@@ -126,8 +146,8 @@ def _reject_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None
         if not arg.startswith("-"):
             msgs.append(f"unexpected value {arg!r}")
             continue
-        close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
-        msgs.append(f"unknown flag {arg!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+        close = megatron_flags.suggest(arg.split("=")[0], known)
+        msgs.append(f"unknown flag {arg!r}" + (f" (did you mean {close}?)" if close else ""))
     raise TrainConfigError("; ".join(msgs) + "; run with --help for the list of flags")
 
 
@@ -160,5 +180,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, LaunchOption
                 nested[section] = {}
             if isinstance(nested[section], dict):   # else TrainConfig.from_dict names the section
                 nested[section][key] = value
+    checks = megatron_flags.apply_flags(vars(ns), nested)
     cfg = TrainConfig.from_dict(nested)
+    for check in checks:
+        check(cfg)
     return cfg, LaunchOptions(dry_run=ns.dry_run, dry_run_rank=ns.dry_run_rank)

@@ -24,6 +24,8 @@ from models.gpt.config import ConfigError, GPTConfig
 
 __all__ = ["SECTIONS", "TrainConfig", "TrainConfigError"]
 
+DEFAULT_TRAIN_ITERS = 100   # without --train-iters or --train-samples
+
 
 @dataclass
 class TrainConfig:
@@ -48,12 +50,46 @@ class TrainConfig:
         except ConfigError as err:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
+        self._check_schedule_units()
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(
                 f"--sequence-parallel shards the sequence over the TP ranks, but --seq-length {seq} "
                 f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
                 f"is a multiple of {tp} or drop --sequence-parallel")
+
+    def _check_schedule_units(self) -> None:
+        """Megatron's rule: an iteration-based run takes iteration-based schedule flags, a
+        sample-based run (--train-samples) sample-based ones."""
+        o = self.optimizer
+        if self.training.train_samples is None:
+            wrong = [f for f, v in (("--lr-decay-samples", o.lr_decay_samples),
+                                    ("--lr-warmup-samples", o.lr_warmup_samples)) if v]
+            if wrong:
+                raise TrainConfigError(f"{' and '.join(wrong)} count samples: they go with "
+                                       f"--train-samples; with --train-iters use --lr-decay-iters / "
+                                       f"--lr-warmup-iters")
+            return
+        wrong = [f for f, v in (("--lr-decay-iters", o.lr_decay_iters),
+                                ("--lr-warmup-iters", o.lr_warmup_iters)) if v]
+        if wrong:
+            raise TrainConfigError(f"{' and '.join(wrong)} count iterations, but the run is "
+                                   f"sample-based (--train-samples); use --lr-decay-samples / "
+                                   f"--lr-warmup-samples")
+
+    def train_iterations(self, world_size: int) -> int:
+        """Optimizer steps of the run: --train-iters, or --train-samples / global batch (Megatron's
+        rounding down), or 100."""
+        t = self.training
+        if t.train_iters is not None:
+            return t.train_iters
+        if t.train_samples is None:
+            return DEFAULT_TRAIN_ITERS
+        iters = t.train_samples // self.global_batch(world_size)
+        if iters < 1:
+            raise TrainConfigError(f"--train-samples {t.train_samples} is less than one global batch "
+                                   f"of {self.global_batch(world_size)} samples; raise it")
+        return iters
 
     def _check_pipeline_layers(self) -> None:
         """The layers split into PP stages (x virtual stages of the given size)."""
@@ -125,11 +161,16 @@ class TrainConfig:
         self.grad_accumulation_steps(world_size)
         self.check_sections()
         self.pipeline_config(world_size)
+        self.train_iterations(world_size)
         o = self.optimizer
         if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:
             raise TrainConfigError(f"--lr-decay-iters {o.lr_decay_iters} is shorter than "
                                    f"--lr-warmup-iters {o.lr_warmup_iters}; raise the first or lower "
                                    f"the second")
+        if o.lr_decay_samples is not None and o.lr_decay_samples < o.lr_warmup_samples:
+            raise TrainConfigError(f"--lr-decay-samples {o.lr_decay_samples} is shorter than "
+                                   f"--lr-warmup-samples {o.lr_warmup_samples}; raise the first or "
+                                   f"lower the second")
 
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:

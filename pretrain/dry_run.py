@@ -210,8 +210,9 @@ def format_report(r: dict) -> str:
              *(_pipeline_lines(r) if r["pipeline"] is not None else []),
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
-             f"rank; at the {r['peak_tflops']:.0f} TFLOP/s peak, >= "
-             f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"]
+             f"rank; " + (f"at the {r['peak_tflops']:.0f} TFLOP/s peak, >= "
+                          f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"
+                          if r["peak_tflops"] else "pass --peak-tflops for a time bound)")]
     return "\n".join(lines)
 
 

@@ -160,7 +160,7 @@ class ThroughputModel:
 
     flops_per_iteration: float   # model FLOPs of one global batch (all ranks)
     world_size: int
-    peak_tflops: float           # per rank
+    peak_tflops: float | None    # per rank; None: unknown (a CPU), MFU is NaN
     # seconds this rank's GEMMs of an iteration take at the measured rate (hybrid.perf.roofline);
     # None: not measured (--no-roofline)
     gemm_bound_s: float | None = None
@@ -169,6 +169,8 @@ class ThroughputModel:
         return self.flops_per_iteration / self.world_size / seconds_per_iteration / 1e12
 
     def mfu(self, seconds_per_iteration: float) -> float:
+        if self.peak_tflops is None:
+            return float("nan")
         return self.tflops_per_rank(seconds_per_iteration) / self.peak_tflops
 
     def roofline(self, seconds_per_iteration: float) -> dict[str, float]:
@@ -238,7 +240,7 @@ def console_line(m: dict[str, float], iteration: int, train_iters: int, eta_seco
              f"ms/iter {m['iteration-time'] * 1e3:.1f}",
              f"tokens/s {m['tokens-per-second']:.0f}",
              f"TFLOP/s/rank {m['throughput']:.4f}",
-             f"MFU {100 * m['mfu']:.3f}%",
+             *([f"MFU {100 * m['mfu']:.3f}%"] if m["mfu"] == m["mfu"] else []),   # NaN: no peak
              *([f"GEMM-bound {100 * m['perf/gemm-bound-fraction']:.1f}%"]
                if "perf/gemm-bound-fraction" in m else []),
              f"lr {m['learning-rate']:.3e}",

@@ -5,12 +5,15 @@ parameters, fp32 master, Adam moments and counters (step count, loss scaler) as 
 says where each parameter sits in its full tensor. What is left here belongs to the run:
 
     data position           TrainState (iteration, consumed samples; the sampler resumes there)
+    learning-rate schedule  TrainState.lr_schedule (pretrain.resume_schedule compares it)
     RNG states              every rank's default and TP-region streams
     config                  the resolved TrainConfig and the model's GPTConfig (so a run can rebuild
                             itself), the layout that wrote the checkpoint
 
 RNG states are restored only when the layout is unchanged; otherwise each rank reseeds from
-(seed, iteration).
+(seed, iteration). Megatron's loading options: ``--no-load-rng`` always reseeds;
+``--no-load-optim`` loads the weights (the fp32 master) into a fresh optimizer (zero Adam moments,
+step count 0, the initial loss scale); ``--finetune`` is both (the caller restarts at iteration 0).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     run_id: str | None = None   # the run's identity, kept across resumes (hybrid.checkpoint.lock)
+    lr_schedule: dict | None = None   # LRSchedule.record() of the run (None: older checkpoints)
 
 
 def fresh_run_id(state: ParallelState) -> str:
@@ -116,9 +120,18 @@ def load(path: str | Path, model: GPTModel | StageChunks, optimizer: CheckpointS
         if metadata.get("model_config"):
             check_model_compatible(metadata["model_config"], model.config.to_dict())
 
-    reader = load_state(path, optimizer, model.checkpoint_layout(), state, check_metadata=same_model)
+    c = config.checkpoint
+    weights_only = c.finetune or not c.load_optim
+    holder = WeightsOnly(optimizer) if weights_only else optimizer
+    reader = load_state(path, holder, model.checkpoint_layout(), state, check_metadata=same_model)
     train_state = TrainState(**{**reader.metadata["train_state"], "run_id": reader.run_id})
-    _restore_rng(reader, state, config, rng, train_state.iteration)
+    if weights_only:
+        log.info("loaded the weights only (%s): fresh optimizer state",
+                 "--finetune" if c.finetune else "--no-load-optim")
+    if c.load_rng and not c.finetune:
+        _restore_rng(reader, state, config, rng, train_state.iteration)
+    else:
+        _reseed(config, rng, 0 if c.finetune else train_state.iteration)
     saved = reader.metadata["layout"]
     log.info("loaded checkpoint %s (iteration %d, written at TP %d x PP %d x DP %d, ZeRO stage %d)",
              reader.directory, train_state.iteration, saved["tensor_model_parallel_size"],
@@ -140,7 +153,45 @@ def _restore_rng(reader: CheckpointReader, state: ParallelState, config, rng, it
             torch.set_rng_state(t["cpu"])
         return
     log.info("layout changed since the checkpoint: reseeding RNG streams from seed + iteration")
+    _reseed(config, rng, iteration)
+
+
+def _reseed(config, rng, iteration: int) -> None:
     torch.manual_seed(config.training.seed + iteration)
     if rng is not None:
         rng.seed = config.training.seed + iteration
         rng.seed_all()
+
+
+class WeightsOnly:
+    """A checkpoint-state holder that takes only the weights of a checkpoint: the engine's fp32
+    master is filled (the 16-bit parameters are rebuilt from it), its Adam moments are zeroed and its
+    counters (step count, loss scaler) stay fresh, as a newly built optimizer's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @property
+    def optimizer_state_replicated(self) -> bool:
+        return self.engine.optimizer_state_replicated
+
+    @property
+    def parameters_replicated(self) -> bool:
+        return self.engine.parameters_replicated
+
+    @property
+    def state_replica(self) -> int:
+        return self.engine.state_replica
+
+    def checkpoint_pieces(self):
+        return self.engine.checkpoint_pieces()
+
+    def checkpoint_counters(self) -> dict:
+        return self.engine.checkpoint_counters()
+
+    def load_checkpoint_pieces(self, pieces, counters: dict) -> None:
+        fresh = self.engine.checkpoint_counters()
+        for piece in pieces:
+            if piece.kind in ("exp_avg", "exp_avg_sq"):
+                piece.tensor.zero_()
+        self.engine.load_checkpoint_pieces(pieces, {**fresh, "loss_scaler": None})

@@ -200,7 +200,12 @@ class OptimizerSection:
     lr: float = _help("peak learning rate", default=3e-4)
     min_lr: float = _help("final learning rate of the decay", default=3e-5)
     lr_warmup_iters: int = _help("linear warm-up iterations", default=0)
+    lr_warmup_samples: int = _help("linear warm-up in samples (with --train-samples)", default=0)
+    lr_warmup_fraction: float | None = _help("warm-up as a fraction of the decay length (instead of "
+                                             "--lr-warmup-iters / --lr-warmup-samples)", default=None)
     lr_decay_iters: int | None = _help("decay length (default: train iters)", default=None)
+    lr_decay_samples: int | None = _help("decay length in samples (with --train-samples; default: "
+                                         "train samples)", default=None)
     lr_decay_style: str = _help("cosine | linear | constant", default="cosine")
     weight_decay: float = _help("AdamW decoupled weight decay (not on norms/biases)",
                                 default=AdamWConfig.weight_decay)
@@ -211,6 +216,8 @@ class OptimizerSection:
     bf16: bool = _help("bf16 params/grads with fp32 master weights", default=False)
     fp16: bool = _help("fp16 params/grads with fp32 master weights and dynamic loss scaling",
                        default=False)
+    loss_scale: float | None = _help("fp16: a static loss scale (steps whose gradients overflow are "
+                                     "skipped); none: dynamic loss scaling", default=None)
     initial_loss_scale: float = _help("fp16: starting loss scale",
                                       default=LossScaleConfig.initial_scale)
     min_loss_scale: float = _help("fp16: lowest loss scale", default=LossScaleConfig.min_scale)
@@ -221,10 +228,30 @@ class OptimizerSection:
     on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss or gradient skips the step or stops "
                               "the run, before any update (fp16: the loss scaler skips)",
                               default="skip")
+    override_opt_param_scheduler: bool = _help(
+        "on resume, take the learning-rate schedule (lr, min lr, warm-up, decay length and style) "
+        "from these flags, not from the checkpoint", default=False)
+    use_checkpoint_opt_param_scheduler: bool = _help(
+        "on resume, take the learning-rate schedule from the checkpoint, not from these flags",
+        default=False)
 
     def __post_init__(self) -> None:
-        _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "adam_eps")
-        _positive(self, "lr_decay_iters", allow_none=True)
+        _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
+                      "clip_grad", "adam_eps")
+        _positive(self, "lr_decay_iters", "lr_decay_samples", allow_none=True)
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
+            raise TrainConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
+                                   f"{self.lr_warmup_fraction}")
+        if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
+            raise TrainConfigError("give one of --lr-warmup-fraction, --lr-warmup-iters and "
+                                   "--lr-warmup-samples")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise TrainConfigError("--override-opt_param-scheduler (the flags' schedule) and "
+                                   "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
+                                   "each other; pick one")
+        if self.loss_scale is not None and not (self.fp16 and self.loss_scale > 0):
+            raise TrainConfigError(f"--loss-scale {self.loss_scale} is fp16's static loss scale: it "
+                                   f"needs --fp16 and a positive value (bf16 and fp32 need none)")
         _positive(self, "loss_scale_window", "hysteresis")
         if self.min_lr > self.lr:
             raise TrainConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; lower --min-lr")
@@ -246,6 +273,15 @@ class OptimizerSection:
     @property
     def precision(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def loss_scale_options(self) -> dict:
+        """fp16's scaler (hybrid.zero.LossScaleConfig's fields): dynamic, or pinned at --loss-scale
+        (Megatron's static scale: it never grows or backs off; an overflowed step is skipped)."""
+        if self.loss_scale is not None:
+            return {"initial_scale": self.loss_scale, "min_scale": self.loss_scale,
+                    "growth_interval": 2 ** 62, "hysteresis": 1}
+        return {"initial_scale": self.initial_loss_scale, "min_scale": self.min_loss_scale,
+                "growth_interval": self.loss_scale_window, "hysteresis": self.hysteresis}
 
 
 @dataclass
@@ -311,20 +347,45 @@ class DataSection:
 class TrainingSection:
     """How long to train, seeding, evaluation cadence and activation recompute (ZeRO-R §6.1)."""
 
-    train_iters: int = _help("optimizer steps to run", default=100)
+    train_iters: int | None = _help("optimizer steps to run (default: 100, or --train-samples / "
+                                    "global batch)", default=None)
+    train_samples: int | None = _help("samples to train on, instead of --train-iters (iterations = "
+                                      "train samples / global batch)", default=None)
     seed: int = _help("seed of weights, dropout and data order", default=1234)
     exit_duration_in_mins: float | None = _help("save and stop after this many minutes", default=None)
+    exit_interval: int | None = _help("save (with --save) and stop after the iteration that is a "
+                                      "multiple of N", default=None)
     eval_interval: int = _help("validate every N iterations", default=50)
     eval_iters: int = _help("validation batches per evaluation (0 = none)", default=4)
     recompute: str = _help("activation recompute: none | selective | full | full-pa (ZeRO-R Pa) | "
                            "full-pa-cpu (Pa+cpu) | auto (per-layer plan for --memory-budget)",
                            default="none")
+    recompute_method: str | None = _help(
+        "with a full recompute: uniform (every layer, --recompute-num-layers layers per checkpoint) "
+        "| block (only the first --recompute-num-layers layers of each model chunk)", default=None)
+    recompute_num_layers: int | None = _help("layers per checkpoint (uniform) or recomputed layers "
+                                             "per model chunk (block)", default=None)
     memory_budget: str | None = _help("activation bytes per rank that --recompute auto plans for, "
                                       "e.g. 2GiB or 500000000", default=None)
     compile: bool = _help("torch.compile each transformer layer (regional; inductor's C++ back end "
                           "on CPU, Triton on CUDA) and the AdamW update (one pass; not with "
                           "optimizer offload), cached in <--data-cache-dir>/inductor",
                           default=False)
+
+    def _check_recompute_method(self) -> None:
+        """Megatron's --recompute-method / --recompute-num-layers apply to full recompute only."""
+        from hybrid.recompute.plan import FULL_MODES
+        method, layers = self.recompute_method, self.recompute_num_layers
+        if method is None and layers is None:
+            return
+        if method not in ("uniform", "block"):
+            raise TrainConfigError(f"--recompute-method must be uniform or block, got {method!r}")
+        if self.recompute not in FULL_MODES:
+            raise TrainConfigError(f"--recompute-method applies to a full recompute (--recompute "
+                                   f"{' | '.join(FULL_MODES)}), not --recompute {self.recompute}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise TrainConfigError(f"--recompute-method {method} needs --recompute-num-layers N "
+                                   f"(a positive integer), got {layers!r}")
 
     @property
     def memory_budget_bytes(self) -> int | None:
@@ -346,7 +407,11 @@ class TrainingSection:
                                    "2GiB), and --memory-budget applies only to --recompute auto")
         if self.memory_budget is not None:
             self.memory_budget_bytes  # noqa: B018  (validates the size now, not at build time)
-        _positive(self, "train_iters", "eval_interval")
+        self._check_recompute_method()
+        _positive(self, "eval_interval")
+        _positive(self, "train_iters", "train_samples", "exit_interval", allow_none=True)
+        if self.train_iters is not None and self.train_samples is not None:
+            raise TrainConfigError("give --train-iters or --train-samples, not both")
         _non_negative(self, "seed", "eval_iters")
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise TrainConfigError(f"--exit-duration-in-mins must be positive, got "
@@ -360,7 +425,15 @@ class CheckpointSection:
     save: str | None = _help("directory to save checkpoints to", default=None)
     load: str | None = _help("directory to resume from (its `latest`)", default=None)
     save_interval: int | None = _help("save every N iterations (default: only at the end)", default=None)
-    keep_last_checkpoints: int = _help("keep the newest K checkpoints, delete older ones", default=2)
+    keep_last_checkpoints: int | None = _help("keep the newest K checkpoints, delete older ones "
+                                              "(default: keep all)", default=None)
+    load_optim: bool = _help("load the optimizer state (Adam moments, step count, loss scale) "
+                             "with --load; --no-load-optim starts a fresh optimizer on the loaded "
+                             "weights", default=True)
+    load_rng: bool = _help("restore the random-number streams with --load; --no-load-rng reseeds "
+                           "them from --seed and the iteration", default=True)
+    finetune: bool = _help("load only the weights of --load: start at iteration 0 with a fresh "
+                           "optimizer and data order", default=False)
     overwrite: bool = _help("start a new run in a --save that holds another run's checkpoints; "
                             "they are deleted once this run saves its first", default=False)
     init_from_hf: str | None = _help("start from the weights of this Hugging Face GPT-2 or Llama "
@@ -370,8 +443,9 @@ class CheckpointSection:
                                      default=None)
 
     def __post_init__(self) -> None:
-        _positive(self, "save_interval", allow_none=True)
-        _positive(self, "keep_last_checkpoints")
+        _positive(self, "save_interval", "keep_last_checkpoints", allow_none=True)
+        if self.finetune and not self.load:
+            raise TrainConfigError("--finetune loads the weights of --load; give --load DIR")
 
 
 @dataclass
@@ -385,8 +459,9 @@ class LoggingSection:
                                  "the run's UTC start time and id, e.g. 20261123-231500-1a2b3c4d, "
                                  "which a resumed run keeps); a name that exists is appended to",
                                  default=None)
-    peak_tflops: float = _help("per-device peak TFLOP/s for MFU (V100 fp16 tensor: 125)",
-                               default=Cluster.peak_flops / 1e12)
+    peak_tflops: float | None = _help("per-device peak TFLOP/s for MFU (default: the detected "
+                                      "GPU's dense bf16/fp16 peak, pretrain.device_peaks)",
+                                      default=None)
     roofline: bool = _help("measure this machine's GEMM rate at the run's shapes (once, cached in "
                            "--data-cache-dir) and log each step as a fraction of its GEMM-bound "
                            "time (perf/gemm-bound-fraction)", default=True)
@@ -398,7 +473,7 @@ class LoggingSection:
         if self.run_name and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts):
             raise TrainConfigError(f"--run-name {self.run_name!r} must be a name inside "
                                    f"--tensorboard-dir, not a path out of it; pass a plain name")
-        if not self.peak_tflops > 0:
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise TrainConfigError(f"--peak-tflops must be positive, got {self.peak_tflops}")
 
 

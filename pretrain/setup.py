@@ -27,12 +27,14 @@ from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import describe_collectives, describe_group, nodes_of
 from hybrid.processes import keep_freed_memory
 from pretrain.config import TrainConfig
+from pretrain.device_peaks import run_peak_tflops
 from pretrain.exit import SetupSignals
 from pretrain.liveness import Liveness
-from pretrain.lr_schedule import build_lr_schedule
 from pretrain.metrics import MetricsWriter, ThroughputModel
+from pretrain.recompute_method import apply_recompute_method
 from pretrain.resume import TrainState, fresh_run_id
 from pretrain.resume import load as load_checkpoint
+from pretrain.resume_schedule import run_schedule
 from pretrain.traffic import expected_dp_collectives
 from pretrain.trainer import Trainer
 
@@ -92,8 +94,9 @@ def build_data(cfg: TrainConfig, state: ParallelState) -> DataBundle:
                                 model=tokenizer_model, vocab_size=cfg.model.vocab_size)
     t = cfg.training
     global_batch = cfg.global_batch(state.world_size)
-    evals = t.train_iters // t.eval_interval + 1
-    counts = (t.train_iters * global_batch, evals * t.eval_iters * global_batch, 0)
+    train_iters = cfg.train_iterations(state.world_size)
+    evals = train_iters // t.eval_interval + 1
+    counts = (train_iters * global_batch, evals * t.eval_iters * global_batch, 0)
     if state.rank == 0:   # build (and cache) the sample indices once
         build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
                            vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)
@@ -179,6 +182,7 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | N
         memory_budget=cfg.training.memory_budget_bytes,
         bytes_per_element=4 if cfg.optimizer.precision == "fp32" else 2,
         device=device or state.device.type)
+    plan = apply_recompute_method(plan, cfg, state.world_size)
     if state.rank == 0:
         log.info("activation recompute: %s", plan)
     return plan
@@ -264,10 +268,7 @@ def build_optimizer(cfg: TrainConfig, model, state: ParallelState, init_fn=None)
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
                       gradient_accumulation_steps=_backwards_per_step(cfg, state),
                       **cfg.parallel.zero_config_options(),
-                      loss_scale=LossScaleConfig(initial_scale=o.initial_loss_scale,
-                                                 min_scale=o.min_loss_scale,
-                                                 growth_interval=o.loss_scale_window,
-                                                 hysteresis=o.hysteresis))
+                      loss_scale=LossScaleConfig(**o.loss_scale_options()))
     offload = cfg.parallel.offload_config()
     offload = offload if offload is not None and offload.enabled else None
     acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -322,9 +323,10 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
         attach_runner(stage, optimizer, state, precision=cfg.optimizer.precision,
                       micro_batch=cfg.data.micro_batch_size, seq_length=cfg.model.seq_length,
                       hidden=cfg.model.hidden_size, sequence_parallel=cfg.parallel.sequence_parallel)
-    if resume:
-        train_state = load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
-    else:
+    train_state = (load_checkpoint(cfg.checkpoint.load, model, optimizer, state, cfg, rng=rng)
+                   if resume else None)
+    schedule = run_schedule(cfg, state.world_size, train_state)
+    if train_state is None or cfg.checkpoint.finetune:   # iteration 0, a new run id
         train_state = TrainState(run_id=fresh_run_id(state))
     if stage is not None and stage.tied is not None:   # the last stage's copy = the loaded E
         stage.tied.sync_weight()
@@ -336,15 +338,16 @@ def build_trainer(cfg: TrainConfig, state: ParallelState, data: DataBundle | Non
                             run_id=train_state.run_id)   # a resume continues its run's curves
     metrics.log_config(cfg.to_dict())
     trainer = Trainer(cfg, state, model, optimizer,
-                      schedule=build_lr_schedule(cfg.optimizer, cfg.training.train_iters),
+                      schedule=schedule,
                       make_loader=make_loader or make_loader_factory(data, cfg, state),
                       metrics=metrics,
-                      throughput=ThroughputModel(flops, state.world_size, cfg.logging.peak_tflops,
+                      throughput=ThroughputModel(flops, state.world_size,
+                                                 run_peak_tflops(cfg.logging.peak_tflops, state),
                                                  gemm_bound_s=build_roofline(
                                                      cfg, state, stage.chunks if stage else [model])),
                       rng=rng, train_state=train_state, pipeline=stage,
                       compile_clock=compile_clock)
-    if resume and cfg.checkpoint.save == cfg.checkpoint.load:
+    if resume and cfg.checkpoint.save == cfg.checkpoint.load and not cfg.checkpoint.finetune:
         trainer.last_saved_iteration = train_state.iteration   # no need to write it again
     return trainer
 

@@ -6,8 +6,8 @@
         optimizer.step(lr)                                      # ZeRO-DP reduce, clip, AdamW
         every log_interval:   console line + TensorBoard scalars
         every eval_interval:  validation loss and perplexity               (off the clock)
-        on SIGTERM / --exit-duration-in-mins:  save and stop (all ranks agree)
         every save_interval:  layout-independent checkpoint                (off the clock)
+        on SIGTERM / --exit-duration-in-mins / --exit-interval:  save and stop (all ranks agree)
     at the end (train_iters not a multiple of eval_interval):  validation  (as Megatron-LM)
 
 Global batch = micro batch x DP x accumulation steps; each DP rank reads its slice of every micro-step
@@ -76,7 +76,8 @@ class Trainer:
         self.ts = train_state or TrainState()
         self.accum = cfg.grad_accumulation_steps(state.world_size)
         self.global_batch = cfg.global_batch(state.world_size)
-        self.train_iters = cfg.training.train_iters
+        self.train_iters = cfg.train_iterations(state.world_size)
+        self.ts.lr_schedule = schedule.record(self.global_batch)   # stored with every checkpoint
         self._guard_nonfinite = cfg.optimizer.precision != "fp16"   # fp16: the scaler skips
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
@@ -100,11 +101,12 @@ class Trainer:
                 if self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
                     self._off_clock(stats, "eval-time", self.evaluate)
                     self._account_compile(stats, on_clock=False)
-                if stop.should_exit():
-                    self._checkpoint(stats)
-                    break
                 if self.cfg.checkpoint.save_interval and self._due(self.cfg.checkpoint.save_interval):
                     self._checkpoint(stats)
+                if stop.should_exit() or self._exit_interval_reached():
+                    if self.last_saved_iteration != self.ts.iteration:
+                        self._checkpoint(stats)
+                    break
         _close(loader)
         self._land_tied_weight()
         finished = self.ts.iteration >= self.train_iters > first_iteration and stop.reason is None
@@ -224,7 +226,7 @@ class Trainer:
             return
         self._land_tied_weight()
         resume.save(self.cfg.checkpoint.save, self.ts, self.model, self.optimizer, self.state,
-                    self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints)
+                    self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints or 0)
         self.last_saved_iteration = self.ts.iteration
 
     def _checkpoint(self, stats: IntervalStats) -> None:
@@ -257,6 +259,15 @@ class Trainer:
         log.info("torch.compile: %.1f s compiling %d graph(s) so far (iteration %d; inductor cache "
                  "%d hits, %d misses)", clock.seconds, clock.compiles, self.ts.iteration + 1,
                  cache["hit"], cache["miss"])
+
+    def _exit_interval_reached(self) -> bool:
+        """--exit-interval N: stop after an iteration that is a multiple of N (Megatron's rule;
+        the loop saves first, with --save)."""
+        n = self.cfg.training.exit_interval
+        if n is None or not self._due(n):
+            return False
+        log.info("stopping at iteration %d (--exit-interval %d)", self.ts.iteration, n)
+        return True
 
     def _due(self, interval: int) -> bool:
         return self.ts.iteration % interval == 0

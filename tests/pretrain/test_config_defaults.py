@@ -94,8 +94,6 @@ FEEDS = {
     "optimizer.adam_beta1": [("AdamWConfig.betas[0]", field_default(AdamWConfig, "betas")[0])],
     "optimizer.adam_eps": [("AdamWConfig.eps", field_default(AdamWConfig, "eps"))],
     "optimizer.weight_decay": [("AdamWConfig.weight_decay", field_default(AdamWConfig, "weight_decay"))],
-    "logging.peak_tflops": [("hybrid.perf Cluster.peak_flops / 1e12",
-                             field_default(Cluster, "peak_flops") / 1e12)],
 }
 
 # section field -> (library config field, why the two defaults differ)
@@ -184,3 +182,10 @@ def test_perf_model_estimates_the_stage_the_engine_runs():
         ran = estimate_layout(Layout(1, pp, 2, 1, runs, "full", 1), **model)
         assert (asked.memory_bytes, asked.time_s) == (ran.memory_bytes, ran.time_s)
     assert runnable_stages(1) == (0, 1, 2, 3) and runnable_stages(2) == (0, 1)
+
+
+def test_the_perf_models_peak_is_the_device_tables_v100():
+    """--peak-tflops defaults to the detected device's peak (pretrain.device_peaks); the paper's
+    V100 in the perf model (Cluster.peak_flops) and that table's V100 row are one number."""
+    from pretrain.device_peaks import peak_tflops_of
+    assert peak_tflops_of("Tesla V100-SXM3-32GB") == field_default(Cluster, "peak_flops") / 1e12

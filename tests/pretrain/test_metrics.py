@@ -28,7 +28,8 @@ CATEGORIES = ("param16", "grad16", "master32", "adam_moments", "buffers")
 def _train(rank, world_size, tb_dir):
     args = tiny_args(zero=2, precision="bf16", iters=2,
                      extra=["--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "2",
-                            "--eval-iters", "1", "--tensorboard-dir", tb_dir])
+                            "--eval-iters", "1", "--tensorboard-dir", tb_dir,
+                            "--peak-tflops", "125"])   # a CPU has no table peak: MFU needs one
     trainer = make_trainer(args)
     trainer.train()
     trainer.metrics.close()
@@ -147,7 +148,8 @@ def _train_heavy_eval(rank, world_size, tb_dir, save_dir):
     all-gathers) traffic. 30 validation batches per evaluation make it far longer than a step."""
     args = tiny_args(tp=2, zero=3, iters=ITERS,
                      extra=["--log-interval", "1", "--eval-interval", "2", "--eval-iters", "30",
-                            "--save", save_dir, "--save-interval", "3", "--tensorboard-dir", tb_dir])
+                            "--save", save_dir, "--save-interval", "3", "--tensorboard-dir", tb_dir,
+                            "--peak-tflops", "125"])   # a CPU has no table peak: MFU needs one
     trainer = make_trainer(args)
     trainer.train()
     trainer.metrics.close()

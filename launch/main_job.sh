@@ -32,7 +32,7 @@ done
 if [ -z "$CHOSEN" ] && [ -f "checkpoints/$NAME/latest" ]; then
     echo "note: checkpoints/$NAME holds the previous main job's run; this one starts anew and" \
          "replaces it (--overwrite). To continue it instead:" \
-         "bash launch/main_job.sh --config $NAME --load checkpoints/$NAME --train-iters 400"
+         "bash launch/main_job.sh --config $NAME --load checkpoints/$NAME --train-iters 400 --use-checkpoint-opt_param-scheduler"
     ARGS+=(--overwrite)
 fi
 source launch/signals.sh
@@ -43,7 +43,7 @@ cat <<MSG
 Main job finished.
   TensorBoard logs : runs/$NAME (one sub-directory per run)   view with: .venv/bin/tensorboard --logdir runs/$NAME
   Checkpoint       : checkpoints/$NAME/$(cat checkpoints/$NAME/latest 2>/dev/null || echo '<none>')
-                     resume/continue: bash launch/main_job.sh --config $NAME --load checkpoints/$NAME --train-iters 400
+                     resume/continue: bash launch/main_job.sh --config $NAME --load checkpoints/$NAME --train-iters 400 --use-checkpoint-opt_param-scheduler
   Layout check     : .venv/bin/python launch/pretrain_gpt.py --config table5-zero-100B --dry-run
 MSG
 # Sample from the model just trained: one process, a fixed prompt, seeded top-k (a few seconds).

@@ -31,6 +31,17 @@ def build() -> str:
     return build_venv(env_dir(), list(PIP_ARGS))
 
 
+def put_on_path() -> None:
+    """Make megatron-core importable in this process: build the environment if needed, then put
+    its own packages (megatron-core and psutil; pure Python) on ``sys.path``. For tests that call
+    megatron-core in-process (tests/data/test_megatron_compat.py) instead of in a subprocess."""
+    python = Path(build())
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    if purelib not in sys.path:
+        sys.path.append(purelib)
+
+
 if __name__ == "__main__":
     try:
         print(build())

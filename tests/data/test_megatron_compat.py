@@ -1,7 +1,6 @@
-"""Cross-check against Megatron-LM itself, when megatron-core is importable (skipped otherwise).
-
-    pip download megatron-core==0.16.1 --no-deps -d /tmp/mc && python -m zipfile -e /tmp/mc/*.whl /tmp/mc/ex
-    PYTHONPATH=/tmp/mc/ex python -m pytest -q tests/data/test_megatron_compat.py
+"""Cross-check against Megatron-LM itself: megatron-core 0.16.1 from the test-only environment of
+tests/checkpoint/megatron_env.py (built by launch/run_tests.sh, or here on first use), put on this
+process's path, so the check runs wherever the tests run and never skips.
 
 Checks that our .bin/.idx files are byte-identical to Megatron's IndexedDatasetBuilder output and
 that our GPTDataset serves exactly Megatron's GPTDataset samples for the same seed.
@@ -9,14 +8,16 @@ that our GPTDataset serves exactly Megatron's GPTDataset samples for the same se
 
 import numpy as np
 import pytest
+import torch
 
 from hybrid.data.gpt_dataset import GPTDataset, parse_split
 from hybrid.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter
+from tests.checkpoint import megatron_env
 
-mgpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-midx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-mutils = pytest.importorskip("megatron.core.datasets.utils")
-torch = pytest.importorskip("torch")
+megatron_env.put_on_path()
+from megatron.core.datasets import gpt_dataset as mgpt  # noqa: E402 (needs the path above)
+from megatron.core.datasets import indexed_dataset as midx  # noqa: E402
+from megatron.core.datasets import utils as mutils  # noqa: E402
 
 
 class _Tok:

@@ -186,7 +186,7 @@ def test_stage3_planner_counts_the_parameter_store_instead_of_the_partitions(tmp
         opt = build_zero_optimizer(GPTModel(config, state, device="meta"), state, ZeroConfig(stage=3),
                                    CFG, offload=OffloadConfig("nvme", str(tmp_path / params), "4GiB",
                                                               params=params), seed=1)
-        opt.adam.close()
+        opt.optimizer_state.close()
     sizes = [u.chunk for u in opt.all_units]
     store = param_store.resident_bytes(sizes, torch.float32)
     assert store == sum(t.nbytes for t in opt.param_store.resident()) < 4 * sum(sizes)

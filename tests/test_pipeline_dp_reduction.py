@@ -17,7 +17,7 @@ from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
 from hybrid.perf.model_states import stage_with_pipeline
-from hybrid.zero.optimizer import OptimizerStatePartitioning
+from hybrid.zero.flat import OptimizerStatePartitioning
 from tests.multirank import run_on_ranks
 from tests.test_pipeline import PipeTask, _stage_chunks, _tied
 

@@ -1,7 +1,8 @@
 """The one place that reads the ZeRO stage number: ``ZeroConfig.stage`` -> the engine class.
 
 Each stage is a class named after what the ZeRO paper (§5) partitions across the data-parallel
-group; the engines never branch on the stage number themselves:
+group (stages 0-2 declare which parts of :class:`hybrid.zero.flat.FlatEngine` they use); the
+engines never branch on the stage number themselves:
 
 =====  ============================  ==========================================================
 stage  engine                        partitioned across DP
@@ -25,7 +26,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.perf.model_states import stage_with_pipeline
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
-from hybrid.zero.optimizer import DataParallel, GradientPartitioning, OptimizerStatePartitioning
+from hybrid.zero.flat import DataParallel, GradientPartitioning, OptimizerStatePartitioning
 from hybrid.zero.stage3 import ParameterPartitioning
 
 ENGINES: dict[int, type[ZeroEngine]] = {0: DataParallel, 1: OptimizerStatePartitioning,
@@ -39,7 +40,8 @@ def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: Ze
     """The engine for ``zero_config.stage`` (stage 2 under pipeline parallelism: stage 1, see
     :func:`hybrid.perf.model_states.stage_with_pipeline`). ``stage3_options`` (``init_fn``/``seed``
     for a meta-built model) apply to stage 3 only; ``offload``: a
-    :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
+    :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe; None or mode "none":
+    on the device, see :func:`hybrid.zero.optimizer_state.build_optimizer_state`)."""
     stage = stage_with_pipeline(zero_config.stage, state.pp_size)
     if stage != zero_config.stage:
         if state.rank == 0:

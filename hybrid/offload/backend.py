@@ -4,14 +4,10 @@ interface a ZeRO engine holds its optimizer state through (ZeRO §5.1 Pos; ZeRO-
 
 Three backends implement :class:`OptimizerStateBackend`:
 
-==============================================  ===============================================
-backend                                         master + moments live
-==============================================  ===============================================
-:class:`hybrid.zero.optimizer_state.DeviceOptimizerState`   on the training device (no offload)
-:class:`hybrid.offload.host_state.HostOptimizerState`        in host memory, CPU AdamW
-:class:`hybrid.offload.nvme.NVMeOptimizerState`              in a file on NVMe, streamed through
-                                                             two host buffers, CPU AdamW
-==============================================  ===============================================
+* :class:`hybrid.zero.optimizer_state.DeviceOptimizerState`: on the training device (no offload);
+* :class:`hybrid.offload.host_state.HostOptimizerState`: in host memory, updated by the CPU AdamW;
+* :class:`hybrid.offload.nvme.NVMeOptimizerState`: in a file on NVMe, streamed through two host
+  buffers, updated by the CPU AdamW.
 
 The engine picks one when it is built (:func:`hybrid.zero.optimizer_state.build_optimizer_state`)
 and never asks which it holds. A partition is a list of flat chunks (one per bucket of stages 0-2,

@@ -19,7 +19,8 @@ with backward). Stage 3: ``stage3*``, :mod:`.shard_store`.
 from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
-from hybrid.zero.flat import DataParallel, FlatEngine, GradientPartitioning, OptimizerStatePartitioning
+from hybrid.zero.flat import (DataParallel, FlatEngine, GradientPartitioning,
+                              OptimizerStatePartitioning)
 from hybrid.zero.results import Fragment, StepResult
 from hybrid.zero.stage3 import ParameterPartitioning
 

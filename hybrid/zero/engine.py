@@ -118,8 +118,8 @@ class ZeroEngine:
         raise NotImplementedError
 
     def _end_step(self) -> None:
-        """After a step, taken or skipped."""
-        raise NotImplementedError
+        """After a step, taken or skipped (the flat buffers keep their gradients until
+        ``zero_grad``: nothing)."""
 
     def _parameter_fragments(self) -> list[Fragment]:
         """The 16-bit (or fp32) parameters this rank holds, as ``model`` fragments."""

@@ -109,11 +109,12 @@ class FlatEngine(ZeroEngine):
             src = self.params[piece.index].detach().reshape(-1)
             optimizer_state.write_master(b, piece.chunk_offset,
                                          src[piece.param_offset:piece.param_offset + piece.numel])
+        for p, slot in zip(self.params, self.layout.slots):   # frees the original values
+            p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
+        # allocated once the original values are gone (the peak is one copy of the parameters);
         # each bucket's final reduced chunk goes to the optimizer state as it lands (an offloaded
         # one moves it to the host during backward)
         self.gradients = self._build_gradients(on_final=optimizer_state.accept_grad)
-        for p, slot in zip(self.params, self.layout.slots):
-            p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
         self.gradients.zero()   # param.grad: views of the full buffer, or None (Pos+g)
         # weight-gradient products go straight into param.grad's buffer (stages 0, 1) or the
         # staging bucket (stage 2)
@@ -192,9 +193,6 @@ class FlatEngine(ZeroEngine):
 
     def _zero_grads(self) -> None:
         self.gradients.zero()
-
-    def _end_step(self) -> None:
-        """The gradients stay until ``zero_grad``."""
 
     def _parameter_fragments(self) -> list[Fragment]:
         return [Fragment(name, "model", 0, p.data.view(-1)) for name, p in zip(self.names, self.params)]

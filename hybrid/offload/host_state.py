@@ -17,21 +17,18 @@ the chunk on the D2H side stream, overlapping the rest of backward; on CPU it co
 the same host fp32 slot. ``update`` then uses the staged chunks (waiting only for their copies) and
 fetches the others from ``grads`` as before; ``drop_staged_grads()`` forgets them (skipped step).
 
-The engines (:mod:`hybrid.zero.optimizer`, :mod:`hybrid.zero.stage3`) see an optimizer-state
-backend with this interface (also implemented by :class:`hybrid.offload.nvme.NVMeOptimizerState`):
-``write_master(chunk, offset, values)``, ``accept_grad(chunk, grad)``,
-``update(grads, params_out, lr=, grad_scale=)``, ``drop_staged_grads()``, ``publish(params_out)``,
-``fragment_views(kind)``, ``resident()``, ``step``. A partition is a list of flat chunks (one per
-bucket or unit); ``decay_ranges[c]`` lists the (offset, numel) pieces of chunk c with weight decay.
+:class:`HostOptimizerState` is one of the three implementations of
+:class:`hybrid.offload.backend.OptimizerStateBackend`, through which the ZeRO engines hold their
+optimizer state. A partition is a list of flat chunks (one per bucket or unit); ``decay_ranges[c]``
+lists the (offset, numel) pieces of chunk c with weight decay.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
 from hybrid.offload.cpu_adam import CPUAdamW
-
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class DeviceLink:
@@ -166,7 +163,7 @@ class HostGradStage:
         return [] if self.flat is None else [self.flat]
 
 
-class HostOptimizerState:
+class HostOptimizerState(OptimizerStateBackend):
     """fp32 master + Adam moments of a partition (chunk ``sizes``) in host memory."""
 
     def __init__(self, sizes: list[int], decay_ranges: list[list[tuple[int, int]]], adam: CPUAdamW,
@@ -248,7 +245,7 @@ class HostOptimizerState:
                 "buffers": self.link.buffers() + self.staged.buffers()}
 
     def tensors(self) -> list[torch.Tensor]:
-        """Resident Adam-moment storages (as FlatAdamWState.tensors, for the memory report)."""
+        """Resident Adam-moment storages (both moments, one storage)."""
         return [self.moments]
 
     def close(self) -> None:

@@ -38,9 +38,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
 from hybrid.offload.cpu_adam import CPUAdamW
-from hybrid.offload.host_state import (STATE_KINDS, DeviceLink, blocks_of, check_grads_available,
-                                       ranges_in)
+from hybrid.offload.host_state import DeviceLink, blocks_of, check_grads_available, ranges_in
 
 log = logging.getLogger(__name__)
 ITEM = 4   # fp32 bytes
@@ -61,8 +61,9 @@ def open_exclusive(path: str, nbytes: int, holder_hint: str) -> int:
     return fd
 
 
-class NVMeOptimizerState:
-    """fp32 master + Adam moments of a partition (chunk ``sizes``) in a file under ``directory``."""
+class NVMeOptimizerState(OptimizerStateBackend):
+    """fp32 master + Adam moments of a partition (chunk ``sizes``) in a file under ``directory``
+    (an :class:`~hybrid.offload.backend.OptimizerStateBackend`)."""
 
     def __init__(self, sizes: list[int], decay_ranges: list[list[tuple[int, int]]], adam: CPUAdamW,
                  *, device: torch.device, param_dtype: torch.dtype, directory: str, rank: int):
@@ -230,7 +231,7 @@ class NVMeOptimizerState:
                 "buffers": [t for s in self.slots for t in s.values()] + self.link.buffers()}
 
     def tensors(self) -> list[torch.Tensor]:
-        """Resident Adam-moment storages (as FlatAdamWState.tensors, for the memory report)."""
+        """Resident Adam-moment storages: none (they stay in the file)."""
         return []
 
     def close(self) -> None:

@@ -68,13 +68,17 @@ class OwnGrad(GradTarget):
     def buffer(self, param: torch.Tensor) -> torch.Tensor | None:
         return param.grad
 
+    def cleared(self) -> None:
+        """The owner has zeroed the buffer."""
+        self.zeroed = True
+
 
 def _after_accumulate(param: torch.Tensor) -> None:
     """Post-accumulate hook (one per parameter, whichever engine attached its target last):
     autograd added into ``param.grad``, so an :class:`OwnGrad` buffer no longer holds zeros."""
     target = getattr(param, _ALLOWED, None)
     if isinstance(target, OwnGrad):
-        target.zeroed = False
+        target.written()
 
 
 def allow(params, targets=None, enabled: bool = True) -> None:
@@ -94,7 +98,7 @@ def zeroed(params) -> None:
     for p in params:
         target = getattr(p, _ALLOWED, None)
         if isinstance(target, OwnGrad):
-            target.zeroed = True
+            target.cleared()
 
 
 def accumulation_param(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,14 +1,24 @@
-"""The optimizer step every ZeRO stage shares (ZeRO paper §5; mixed precision §3.1).
+"""The ZeRO engine a training loop holds, and the optimizer step every stage shares (ZeRO paper §5;
+mixed precision §3.1).
 
-Stages 0-2 (:mod:`.optimizer`) and stage 3 (:mod:`.stage3`) differ in where gradients and
-parameters live and how they move; the step on top of that is one sequence, implemented once here:
+An engine is made of named parts:
 
-    land the gradient communication of the last micro-batch          (stage-specific)
-    g = this rank's reduced gradient chunks (fp32)                     (stage-specific)
-    norm = ||g|| over DP and TP / (DP divisor x loss scale)            one all-reduce of one number
+* where the model states live and how they move, the only thing the paper's stages differ in:
+  flat buffers cut into partitioned buckets for stages 0-2 (:class:`hybrid.zero.flat.FlatEngine`,
+  whose gradient reduction is a part of :mod:`.reducer`), sharded units gathered around their use
+  for stage 3 (:class:`hybrid.zero.stage3.ParameterPartitioning`);
+* the optimizer state, a :class:`hybrid.offload.backend.OptimizerStateBackend` (on the device, in
+  host memory or on NVMe: :func:`hybrid.zero.optimizer_state.build_optimizer_state`), which owns
+  the fp32 master and Adam moments and runs AdamW on them;
+* the step, written once here:
+
+    land the gradient communication of the last micro-batch           (storage)
+    g = this rank's reduced gradient chunks, in the gradient dtype      (storage)
+    norm = ||g|| over DP and TP / (DP divisor x loss scale)             one all-reduce of one number
     norm not finite -> skip: nothing changes; fp16 lowers its scale (after hysteresis)
-    AdamW on the owned pieces, g divided by divisor x scale / clip coefficient in the same pass
-    publish the updated 16-bit parameters                               (stage-specific)
+    AdamW on the owned chunks, g divided by divisor x scale / clip coefficient in the same pass,
+    the updated values written into this rank's parameter chunks      (optimizer-state backend)
+    gather the updated parameters                                       (storage)
 
 Overflow detection IS the global norm: a NaN or Inf anywhere in any rank's partition makes the
 all-reduced sum of squares non-finite on every rank of the world (stages 1-3, disjoint partitions)
@@ -17,99 +27,73 @@ takes the same branch without a separate overflow all-reduce. A skipped step lea
 master weights and Adam moments bit-equal. bf16 and fp32 skip the same way (the caller decides
 whether a skip is acceptable, see ``--on-nonfinite``).
 
-A subclass describes what it owns with :class:`OwnedPiece` rows (one per parameter piece in this
-rank's partition) and provides the stage-specific hooks named ``_land_gradients``,
-``_owned_grads``, ``_param_chunks`` and ``_publish``.
+The storage says what it owns with :class:`~hybrid.zero.pieces.OwnedPiece` rows (one per parameter
+piece in this rank's partition) and implements the storage methods below (``_land_gradients``,
+``_owned_grads``, ``_param_chunks``, ``_gather_params``, ``_zero_grads``, ``_end_step``,
+``_parameter_fragments``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.comm import Group
+from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
 from hybrid.parallel_state import ParallelState
-from hybrid.zero.adamw import adamw_step, fused_adamw_step
-from hybrid.zero.adamw_compiled import compiled_adamw_step, decay_masks
 from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.config import ZeroConfig
+from hybrid.zero.host_groups import partition_groups
+from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.pieces import OwnedPiece, merged_spans, views
 from hybrid.zero.report import CommReport, comm_report
 from hybrid.zero.results import Fragment, StepResult, copy_overlaps
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class OwnedPiece:
-    """Elements [param_offset, +numel) of the flattened TP-local parameter ``name`` live at
-    [offset, +numel) of chunk ``chunk`` of this rank's partition (params, grads, master, moments)."""
-
-    name: str
-    chunk: int
-    offset: int
-    param_offset: int
-    numel: int
-    decay: bool          # AdamW weight decay applies (matrices, embeddings)
-    tp_sharded: bool     # False: replicated over TP, counted once in the global norm
-
-    def of(self, chunks: list[torch.Tensor]) -> torch.Tensor:
-        return chunks[self.chunk].narrow(0, self.offset, self.numel)
-
-
-def merged_spans(pieces: list[OwnedPiece], key) -> list[tuple[int, int, int, bool]]:
-    """(chunk, offset, numel, key(piece)) runs of adjacent pieces with the same key, so kernels see a
-    few long views instead of one per parameter."""
-    spans: list[list] = []
-    for p in sorted(pieces, key=lambda p: (p.chunk, p.offset)):
-        k = key(p)
-        last = spans[-1] if spans else None
-        if last and last[0] == p.chunk and last[1] + last[2] == p.offset and last[3] == k:
-            last[2] += p.numel
-        else:
-            spans.append([p.chunk, p.offset, p.numel, k])
-    return [tuple(s) for s in spans]
-
-
-def _views(chunks: list[torch.Tensor], spans) -> list[torch.Tensor]:
-    return [chunks[c].narrow(0, offset, numel) for c, offset, numel, _ in spans]
-
-
 class ZeroEngine:
     """Shared step, checkpoint fragments and reports; see the module docstring.
 
-    Subclasses name their ``stage`` (class attribute) and set ``state``, ``config``, ``adamw``, ``lr``, ``scaler``, ``offload``, ``adam``
-    (a FlatAdamWState or an offload backend), ``masters`` (fp32 master per chunk; the parameter
-    chunk itself in plain fp32), ``pieces`` (list of OwnedPiece), ``norm_group`` and
-    ``grad_divisor`` (what the owned gradients must still be divided by: the DP size when the
-    reduction summed them, 1 when they were divided before it), then call :meth:`_init_engine`.
+    A storage class names its ``stage`` (the ZeRO paper's number: reports, memory formula), calls
+    ``ZeroEngine.__init__`` first and :meth:`_init_step` once its parts exist.
     """
 
-    stage: int           # the ZeRO paper's stage number (reports, memory formula)
-    state: ParallelState
-    config: ZeroConfig
-    adamw: AdamWConfig
-    norm_group: Group
-    grad_divisor: float
-    norm_replicas: int = 1   # copies of each owned gradient in norm_group (hybrid sharding: hosts)
+    stage: int
+    optimizer_state: OptimizerStateBackend
+    pieces: list[OwnedPiece]
+    norm_group: Group              # whose owned gradients together are the whole model's
+    optimizer_state_replicated: bool   # every DP rank holds the same master and moments
+    parameters_replicated: bool        # every DP rank holds the whole 16-bit parameters
 
-    def _init_engine(self) -> None:
-        self._decay_spans = merged_spans(self.pieces, lambda p: p.decay)
-        self._spans_by_chunk = [[span for span in self._decay_spans if span[0] == c]
-                                for c in range(len(self.masters))]
-        self._tp_spans = merged_spans(self.pieces, lambda p: p.tp_sharded)
-        # the compiled kernel: one pass from the 16-bit gradient to the 16-bit parameters
-        self._one_pass = self.adamw.kernel == "compiled" and self.offload is None
-        self._masks = (decay_masks([m.numel() for m in self.masters], self._decay_spans,
-                                   self.state.device) if self._one_pass else None)
+    def __init__(self, state: ParallelState, config: ZeroConfig, adamw: AdamWConfig):
+        if config.stage != self.stage:
+            raise ValueError(f"{type(self).__name__} is ZeRO stage {self.stage}, the config asks for "
+                             f"stage {config.stage}; build engines with "
+                             f"hybrid.zero.build_zero_optimizer")
+        self.state, self.config, self.adamw = state, config, adamw
+        self.lr = adamw.lr            # the training loop's schedule may set it before each step
+        self.dtype, self.device = config.param_dtype, state.device
+        self.shard_group, self.replicas = partition_groups(state, config)   # DP, or by host
+        self.scaler = build_loss_scaler(config)
+        # the reductions sum over DP: the AdamW pass divides by the DP size
+        self.grad_divisor = float(state.dp_size)
+        # copies of each owned gradient in the norm group (hybrid sharding: one per host)
+        self.norm_replicas = self.replicas.size if self.replicas is not None else 1
+
+    def _init_step(self, optimizer_state: OptimizerStateBackend, pieces: list[OwnedPiece],
+                   norm_group: Group) -> None:
+        self.optimizer_state, self.pieces, self.norm_group = optimizer_state, pieces, norm_group
+        self._tp_spans = merged_spans(pieces, lambda p: p.tp_sharded)
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
 
-    # ---- stage-specific hooks --------------------------------------------------------------
+    # ---- storage methods ---------------------------------------------------------------------
     def _land_gradients(self) -> None:
+        """Wait for the gradient communication still in flight."""
         raise NotImplementedError
 
     def _owned_grads(self) -> list[torch.Tensor]:
@@ -121,13 +105,12 @@ class ZeroEngine:
 
     def _param_chunks(self):
         """A context manager yielding the 16-bit (or fp32) parameter chunks this rank owns, one
-        per chunk, for an offload backend to write (an NVMe parameter store's writer queues the
-        last write-back when it closes)."""
+        per chunk, for the optimizer-state backend to write (an NVMe parameter store's writer
+        queues the last write-back when it closes)."""
         raise NotImplementedError
 
-    def _publish(self, rounded: bool = False) -> None:
-        """Make the updated owned chunks the model's parameters (round the master into them unless
-        ``rounded``: the update wrote them already; all-gather)."""
+    def _gather_params(self) -> None:
+        """The owned chunks were updated: make them the model's parameters (all-gather)."""
         raise NotImplementedError
 
     def _zero_grads(self) -> None:
@@ -135,16 +118,20 @@ class ZeroEngine:
         raise NotImplementedError
 
     def _end_step(self) -> None:
-        """After a step, taken or skipped."""
+        """After a step, taken or skipped (the flat buffers keep their gradients until
+        ``zero_grad``: nothing)."""
 
-    def zero_grad(self) -> None:
-        """Zero this rank's gradients, including any an offload backend has staged from them."""
-        self._zero_grads()
-        if self.offload is not None:
-            self.adam.drop_staged_grads()
-        self._micro_batches = 0
+    def _parameter_fragments(self) -> list[Fragment]:
+        """The 16-bit (or fp32) parameters this rank holds, as ``model`` fragments."""
+        raise NotImplementedError
 
     # ---- the step --------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero this rank's gradients, including any the optimizer state has staged from them."""
+        self._zero_grads()
+        self.optimizer_state.drop_staged_grads()
+        self._micro_batches = 0
+
     def check_micro_batches(self) -> None:
         accum = self.config.gradient_accumulation_steps
         if self._micro_batches != accum:
@@ -166,8 +153,9 @@ class ZeroEngine:
             self._finish_step()
             return StepResult(True, norm, scale)
         coef = clip_coefficient(norm, self.config.clip_grad)
-        self._update(grads, divisor / coef)
-        self._publish(rounded=self._one_pass)
+        with self._param_chunks() as out:
+            self.optimizer_state.update(grads, out, lr=self.lr, grad_scale=divisor / coef)
+        self._gather_params()
         self.scaler.update(False)
         self._finish_step()
         return StepResult(False, norm, scale)
@@ -179,74 +167,27 @@ class ZeroEngine:
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm of the whole model's gradient as one device would see it (see hybrid.zero.clip)."""
-        views = _views(grads, self._tp_spans)
-        sharded = [v for v, span in zip(views, self._tp_spans) if span[3]]
-        replicated = [v for v, span in zip(views, self._tp_spans) if not span[3]]
+        spans = views(grads, self._tp_spans)
+        sharded = [v for v, span in zip(spans, self._tp_spans) if span[3]]
+        replicated = [v for v, span in zip(spans, self._tp_spans) if not span[3]]
         norm = global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.norm_group,
                                 device=self.state.device)
         return norm / math.sqrt(self.norm_replicas) if self.norm_replicas > 1 else norm
 
-    def _update(self, grads: list[torch.Tensor], grad_scale: float) -> None:
-        """AdamW on the owned pieces, the gradients divided by ``grad_scale`` first."""
-        if self.offload is not None:   # the host / NVMe backend runs AdamW, writes the chunks
-            with self._param_chunks() as out:   # gradients it staged are used first
-                self.adam.update(grads, out, lr=self.lr, grad_scale=grad_scale)
-            return
-        self.adam.step += 1
-        moments = (self.adam.exp_avgs, self.adam.exp_avg_sqs)
-        if self._one_pass:   # 16-bit gradient in, 16-bit parameters out
-            with self._param_chunks() as chunks:
-                compiled_adamw_step(grads, self.masters, *moments, self._masks,
-                                    chunks if self.config.mixed_precision else None,
-                                    step=self.adam.step, config=self.adamw, lr=self.lr,
-                                    grad_scale=grad_scale)
-            return
-        # one chunk at a time: a 16-bit chunk's fp32 copy is the only transient (at most one
-        # bucket, 4 bytes per element), not an fp32 copy of the whole partition
-        for c, grad in enumerate(grads):
-            self._update_chunk(c, grad, grad_scale)
-
-    def _update_chunk(self, c: int, grad: torch.Tensor, grad_scale: float) -> None:
-        """The fused or foreach AdamW kernel on chunk ``c`` (its copy dies on return)."""
-        grad = grad.float()   # fp32 training: the chunk itself, scaled in place
-        spans = self._spans_by_chunk[c]
-        views = [[t.narrow(0, offset, numel) for _, offset, numel, _ in spans]
-                 for t in (self.masters[c], grad, self.adam.exp_avgs[c], self.adam.exp_avg_sqs[c])]
-        if self.adamw.kernel == "foreach":
-            grad.mul_(1.0 / grad_scale)
-            decayed = [p for p, span in zip(views[0], spans) if span[3]]
-            adamw_step(*views, decayed, step=self.adam.step, config=self.adamw, lr=self.lr)
-            return
-        for decay in (True, False):
-            pick = [i for i, span in enumerate(spans) if span[3] == decay]
-            fused_adamw_step(*([v[i] for i in pick] for v in views), decay=decay,
-                             step=self.adam.step, config=self.adamw, lr=self.lr,
-                             grad_scale=grad_scale)
-
-    def _kernel_buffers(self) -> list[torch.Tensor]:
-        """Storages the AdamW kernel keeps (the memory report's buffers): the compiled kernel's
-        per-chunk weight-decay masks."""
-        return list(self._masks or [])
-
     # ---- checkpoint interface --------------------------------------------------------------
     @property
     def step_count(self) -> int:
-        return self.adam.step
+        return self.optimizer_state.step
 
     @step_count.setter
     def step_count(self, value: int) -> None:
-        self.adam.step = int(value)
-
-    def _state_chunks(self) -> dict[str, list[torch.Tensor]]:
-        if self.offload is not None:
-            return {k: self.adam.fragment_views(k) for k in ("master", "exp_avg", "exp_avg_sq")}
-        return {"master": self.masters, "exp_avg": self.adam.exp_avgs,
-                "exp_avg_sq": self.adam.exp_avg_sqs}
+        self.optimizer_state.step = int(value)
 
     def owned_fragments(self) -> list[Fragment]:
         """Master and moment pieces this rank owns, addressed by parameter name and offset."""
-        return [Fragment(p.name, kind, p.param_offset, p.of(chunks))
-                for p in self.pieces for kind, chunks in self._state_chunks().items()]
+        chunks = {kind: self.optimizer_state.fragment_views(kind) for kind in STATE_KINDS}
+        return [Fragment(p.name, kind, p.param_offset, p.of(chunks[kind]))
+                for p in self.pieces for kind in STATE_KINDS]
 
     @torch.no_grad()
     def load_fragments(self, fragments) -> None:
@@ -258,31 +199,16 @@ class ZeroEngine:
         if copied < expected:
             raise ValueError(f"the checkpoint covers {copied} of the {expected} optimizer-state "
                              f"elements this rank owns; was it saved from another model?")
-        if self.offload is not None:
-            with self._param_chunks() as out:
-                self.adam.publish(out)
-        self._publish()
+        with self._param_chunks() as out:
+            self.optimizer_state.publish(out)
+        self._gather_params()
 
     # ---- the checkpoint state protocol (hybrid.checkpoint.state.CheckpointState) ------------
-    @property
-    def optimizer_state_replicated(self) -> bool:
-        """Every DP rank holds the same master and moments; engines that partition them say no."""
-        return False
-
-    @property
-    def parameters_replicated(self) -> bool:
-        """Every DP rank holds the whole 16-bit parameters; stage 3 partitions them."""
-        return True
-
     @property
     def state_replica(self) -> int:
         """Which copy of its partitioned state this rank holds: 0 unless partitions are replicated
         across hosts (hybrid sharding), where only the first host's copy is written."""
-        return 0
-
-    def _parameter_fragments(self) -> list[Fragment]:
-        """The 16-bit (or fp32) parameters this rank holds, as ``model`` fragments."""
-        raise NotImplementedError
+        return self.replicas.rank if self.replicas is not None else 0
 
     def checkpoint_pieces(self) -> list[Fragment]:
         return self._parameter_fragments() + self.owned_fragments()

@@ -3,7 +3,8 @@ engine class (the layout rules: :mod:`hybrid.zero_policy`, which the perf model 
 checks read too).
 
 Each stage is a class named after what the ZeRO paper (§5) partitions across the data-parallel
-group; the engines never branch on the stage number themselves:
+group (stages 0-2 declare which parts of :class:`hybrid.zero.flat.FlatEngine` they use); the
+engines never branch on the stage number themselves:
 
 =====  ============================  ==========================================================
 stage  engine                        partitioned across DP
@@ -26,7 +27,7 @@ from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
-from hybrid.zero.optimizer import DataParallel, GradientPartitioning, OptimizerStatePartitioning
+from hybrid.zero.flat import DataParallel, GradientPartitioning, OptimizerStatePartitioning
 from hybrid.zero.stage3 import ParameterPartitioning
 from hybrid.zero_policy import STAGE2_AS_STAGE1_NOTE, check_layout
 
@@ -42,7 +43,8 @@ def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: Ze
     :func:`hybrid.zero_policy.check_layout` decides it (stage 2 under pipeline parallelism runs as
     stage 1; stage 3 under it is refused, ValueError). ``stage3_options`` (``init_fn``/``seed``
     for a meta-built model) apply to stage 3 only; ``offload``: a
-    :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe)."""
+    :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe; None or mode "none":
+    on the device, see :func:`hybrid.zero.optimizer_state.build_optimizer_state`)."""
     stage = check_layout(zero_config.stage, state.pp_size)
     if stage != zero_config.stage:
         if state.rank == 0:

@@ -57,6 +57,11 @@ class Bucket:
         """[begin, end) of ``rank``'s chunk, relative to the bucket start."""
         return rank * self.chunk, (rank + 1) * self.chunk
 
+    def chunk_of(self, flat, rank: int):
+        """``rank``'s chunk of this bucket in ``flat``, a tensor laid out as the whole flat buffer."""
+        lo, hi = self.chunk_range(rank)
+        return flat[self.start + lo:self.start + hi]
+
 
 class FlatLayout:
     """Bucket and chunk layout of parameters with the given ``numels`` (registration order)."""

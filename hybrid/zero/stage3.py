@@ -30,9 +30,11 @@ exact); ``quantized_gradients`` (qgZ) reduce-scatters the gradients in int8, ins
 then across hosts (:mod:`.quantized_collectives`). Shards, masters and moments stay exact, so a
 checkpoint does not depend on either option.
 
-Optimizer offload (``offload=OffloadConfig(mode="cpu"|"nvme")``, :mod:`hybrid.offload`): the fp32
-masters and moments of the owned chunks live in a host or NVMe backend that runs AdamW and writes
-the updated values into the 16-bit partitions.
+The fp32 masters and moments of the owned chunks live in an optimizer-state backend
+(:mod:`.optimizer_state`): on the device, or, with ``offload=OffloadConfig(mode="cpu"|"nvme")``
+(:mod:`hybrid.offload`), in host memory or on NVMe; the backend runs AdamW and writes the updated
+values into the 16-bit partitions, which live in memory or, with ``OffloadConfig(params="nvme")``,
+in a file (:mod:`.shard_store`).
 
 Outside forward/backward the model's partitioned parameters hold no storage: read them through
 ``gathered_state_dict()`` (collective) or ``named_local_params()``, never ``model.state_dict()``.
@@ -40,7 +42,7 @@ Outside forward/backward the model's partitioned parameters hold no storage: rea
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 
 import torch
@@ -50,14 +52,15 @@ from hybrid import comm
 from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
 from hybrid.zero import stage3_build as build
-from hybrid.zero.adamw import FlatAdamWState
 from hybrid.zero.config import ZeroConfig
-from hybrid.zero.engine import OwnedPiece, ZeroEngine
-from hybrid.zero.host_groups import partition_groups, secondary_group
-from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.engine import ZeroEngine
+from hybrid.zero.host_groups import secondary_group
+from hybrid.zero.optimizer_state import build_optimizer_state
+from hybrid.zero.pieces import OwnedPiece
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
 from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
+from hybrid.zero.shard_store import open_shard_store, resident_param_bytes
 from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
 from hybrid.zero.weak_hooks import add_post_accumulate_hooks
@@ -78,23 +81,17 @@ class ParameterPartitioning(ZeroEngine):
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                  adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
                  offload=None):
-        if zero_config.stage != self.stage:
-            raise ValueError(f"ParameterPartitioning is ZeRO stage 3, the config asks for stage "
-                             f"{zero_config.stage}; build engines with hybrid.zero.build_zero_optimizer")
+        super().__init__(state, zero_config, adamw_config)
         if not hasattr(model, "sharding_units"):
             raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
                             f"ordered submodules it gathers one at a time")
-        self.model, self.state, self.config = model, state, zero_config
-        self.adamw = adamw_config
-        self.lr = adamw_config.lr       # the training loop's schedule may set it before each step
-        self.dtype, self.device = zero_config.param_dtype, state.device
+        self.model = model
         modules = list(model.sharding_units())
         groups, small = build.assign_units(model, modules,
                                            zero_config.stage3_param_persistence_threshold)
         self.psi = sum(p.numel() for p in model.parameters())
         self.persistent_numel = sum(p.numel() for _, p in small)
         init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
-        self.shard_group, self.replicas = partition_groups(state, zero_config)
         self.secondary_group = secondary_group(state, zero_config)
         self.units, self.persistent = build.make_units(
             model, groups, small, self.shard_group, dtype=self.dtype, device=self.device,
@@ -105,20 +102,23 @@ class ParameterPartitioning(ZeroEngine):
             self.all_units.append(self.persistent)
         reduce_scatter = gradient_reduce_scatter(state, zero_config.quantized_gradients)
         for unit in self.all_units:   # qwZ spares the persistent unit: gathered once a step, small
-            if reduce_scatter is not None:
-                unit.reduce_scatter = reduce_scatter
-            unit.quantized_gather = zero_config.quantized_weights and unit is not self.persistent
-            unit.agree_scales = tp_agreed_scales(state.tp) if unit.quantized_gather else None
-        self.offload = offload if offload is not None and offload.enabled else None
-        if self.offload is None:
-            self.masters = self._materialize(init)
-            self.adam = FlatAdamWState([u.chunk for u in self.all_units], self.device)
-        else:
-            self.masters, self.adam = [], self._build_offload_state(init)   # it fills the shards
+            quantized = zero_config.quantized_weights and unit is not self.persistent
+            unit.use_collectives(reduce_scatter, quantized,
+                                 tp_agreed_scales(state.tp) if quantized else None)
+        pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
+                             uses_weight_decay(seg.slot.param),
+                             bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
+                  for k, unit in enumerate(self.all_units) for seg in unit.segments]
+        optimizer_state = build_optimizer_state(
+            offload, [u.shard for u in self.all_units], pieces, adamw_config,
+            mixed_precision=zero_config.mixed_precision, device=self.device, rank=state.rank,
+            resident_bytes=self._resident_bytes(offload))
+        for k, unit in enumerate(self.all_units):   # the chunks and their fp32 masters
+            unit.materialize(init, functools.partial(optimizer_state.write_master, k))
         if self.persistent is not None:
             self.persistent.gather(async_op=False)   # the small parameters stay whole
-        self.param_store = self._build_param_store()
-        self.scaler = build_loss_scaler(zero_config)
+        self.param_store = open_shard_store(offload, self.all_units, dtype=self.dtype,
+                                            rank=state.rank, device=self.device)
         self.scheduler = Stage3Scheduler(model, modules, self.units,
                                          tied=build.tied_units(model, modules),
                                          backward_reads=build.backward_reads(modules),
@@ -137,26 +137,20 @@ class ParameterPartitioning(ZeroEngine):
         add_post_accumulate_hooks(self, "_on_unit_grad", ((slot.param, (k,))
                                                           for k, unit in enumerate(self.all_units)
                                                           for slot in unit.slots))
-        self.pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
-                                  uses_weight_decay(seg.slot.param),
-                                  bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
-                       for k, unit in enumerate(self.all_units) for seg in unit.segments]
-        self.norm_group, self.grad_divisor = state.world, float(state.dp_size)   # DP-summed
-        self.norm_replicas = self.replicas.size if self.replicas is not None else 1
-        self._init_engine()
+        self.optimizer_state_replicated = False   # each DP rank holds its partition (Pos)
+        self.parameters_replicated = False        # and of every unit (ZeRO §5.3 Pos+g+p)
+        self._init_step(optimizer_state, pieces, state.world)   # disjoint partitions
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
 
-    def _materialize(self, init) -> list[torch.Tensor]:
-        """Fill every unit's 16-bit chunk from the initial values; returns the masters: the fp32
-        values themselves in mixed precision (never the rounded 16-bit chunk), else the chunk."""
-        masters = []
-        for unit in self.all_units:
-            master = (torch.zeros(unit.chunk, dtype=torch.float32, device=self.device)
-                      if self.config.mixed_precision else None)
-            unit.materialize(init, master)
-            masters.append(unit.shard if master is None else master)
-        return masters
+    def _resident_bytes(self, offload) -> int:
+        """What this rank keeps in host memory besides an offloaded optimizer state: its 16-bit
+        chunks (or the NVMe store's buffers), gradient partitions and reduce buffers."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        chunks = sum(u.chunk for u in self.all_units)
+        largest = max(u.padded for u in self.all_units)
+        params = resident_param_bytes(offload, self.all_units, self.dtype)
+        return params + item * (chunks + 4 * largest)
 
     # ---- gradients -------------------------------------------------------------------------
     def _on_unit_grad(self, k: int, param: torch.Tensor) -> None:
@@ -175,7 +169,7 @@ class ParameterPartitioning(ZeroEngine):
         while len(self._in_flight) >= MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce(self._in_flight.pop(0))
         unit.reduce_gradients(*self._reduce_buffers.take(k))
-        self.scheduler.trace.append(("reduce", k))
+        self.scheduler.record("reduce", k)
         self._in_flight.append(k)
         if not self.config.overlap_communication:
             self._finish_reduce(self._in_flight.pop())
@@ -183,10 +177,10 @@ class ParameterPartitioning(ZeroEngine):
     def _finish_reduce(self, k: int) -> None:
         self.all_units[k].finish_reduce()
         self._reduce_buffers.give_back(k)
-        self.scheduler.trace.append(("reduce_done", k))
-        if self.offload is not None and \
-                self._micro_batches == self.config.gradient_accumulation_steps:
-            self.adam.accept_grad(k, self.all_units[k].grad)   # final: stream it to the host
+        self.scheduler.record("reduce_done", k)
+        if self._micro_batches == self.config.gradient_accumulation_steps:
+            # final for this step: an offloaded optimizer state streams it to the host now
+            self.optimizer_state.accept_grad(k, self.all_units[k].grad)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (the caller divides by the number of micro-batches)."""
@@ -223,7 +217,7 @@ class ParameterPartitioning(ZeroEngine):
             for slot in unit.slots:
                 slot.param.grad = None
 
-    # ---- the engine's hooks (the step is ZeroEngine.step) -----------------------------------
+    # ---- storage methods of the shared step (ZeroEngine.step) -------------------------------
     def _land_gradients(self) -> None:
         self._finish_backward()
 
@@ -232,60 +226,19 @@ class ParameterPartitioning(ZeroEngine):
 
     def _param_chunks(self):
         """The owned 16-bit chunks (with parameters on NVMe: the store's writer)."""
-        if self.param_store is not None:
-            return self.param_store.writer()
-        return contextlib.nullcontext([u.shard for u in self.all_units])
+        return self.param_store.writer()
 
-    def _publish(self, rounded: bool = False) -> None:
-        """Round the fp32 masters into the 16-bit partitions (unless ``rounded``: the update wrote
-        them); re-gather the persistent parameters."""
-        for unit, master in zip(self.all_units, self.masters):
-            if master is not unit.shard and not rounded:
-                unit.shard.copy_(master)
+    def _gather_params(self) -> None:
+        """The 16-bit partitions changed: units gather them when next used; the persistent
+        parameters are gathered now."""
+        for unit in self.all_units:
             unit.invalidate_secondary()   # hpZ: the next gather is the forward's full one
         if self.persistent is not None:
-            self.persistent.gathered = False
-            self.persistent.gather(async_op=False)   # the updated small parameters, whole again
+            self.persistent.regather()    # the updated small parameters, whole again
 
     def _end_step(self) -> None:
         self.zero_grad()
-        if self.param_store is not None:
-            self.param_store.end_step()   # the first step's fetches become the read-ahead order
-
-    def _build_param_store(self):
-        """``OffloadConfig(params="nvme")``: every unit's 16-bit chunk moves into a file
-        (ZeRO-Infinity parameter offload, :mod:`hybrid.offload.param_store`)."""
-        if self.offload is None or self.offload.params != "nvme":
-            return None
-        from hybrid.offload.param_store import NVMeParamStore
-        store = NVMeParamStore([u.chunk for u in self.all_units], dtype=self.dtype,
-                               directory=self.offload.nvme_path, rank=self.state.rank,
-                               pin=self.device.type == "cuda")
-        for k, unit in enumerate(self.all_units):
-            unit.attach_store(store, k)
-        return store
-
-    def _build_offload_state(self, init):
-        """hybrid.offload backend holding the masters and moments on host/NVMe; each unit's chunk
-        is filled with its fp32 initial values passing through one transient fp32 host chunk."""
-        from hybrid.offload import param_store
-        from hybrid.offload.budget import build_offload_state
-        decay = [[(s.chunk_offset, s.length) for s in u.segments if uses_weight_decay(s.slot.param)]
-                 for u in self.all_units]
-        item = torch.empty((), dtype=self.dtype).element_size()
-        chunks = sum(u.chunk for u in self.all_units)
-        largest = max(u.padded for u in self.all_units)
-        params = (param_store.resident_bytes([u.chunk for u in self.all_units], self.dtype)
-                  if self.offload.params == "nvme" else item * chunks)   # store buffers / shards
-        resident = params + item * (chunks + 4 * largest)
-        backend = build_offload_state(self.offload, [u.chunk for u in self.all_units], decay,
-                                      self.adamw, device=self.device, param_dtype=self.dtype,
-                                      rank=self.state.rank, resident_bytes=resident)
-        for k, unit in enumerate(self.all_units):
-            values = torch.zeros(unit.chunk, dtype=torch.float32)   # on the host, as the backend
-            unit.materialize(init, values)
-            backend.write_master(k, 0, values)
-        return backend
+        self.param_store.end_step()   # NVMe: the first step's fetches become the read-ahead order
 
     # ---- reports ---------------------------------------------------------------------------
     @property
@@ -294,20 +247,19 @@ class ParameterPartitioning(ZeroEngine):
         return self.psi
 
     def memory_report(self) -> MemoryReport:
+        resident = self.optimizer_state.resident()   # the device's, or what offload keeps
         measured = measure_storages({
             "param16": [t for u in self.all_units for t in (u.shard, u.full)] +
-                       (self.param_store.resident() if self.param_store is not None else []),
+                       self.param_store.resident(),
             "grad16": [u.grad for u in self.all_units],
             "param16_secondary": [u.secondary for u in self.all_units if u.secondary is not None],
-            "master32": self.masters if self.offload is None else self.adam.resident()["master32"],
-            "adam_moments": (self.adam.tensors() if self.offload is None
-                             else self.adam.resident()["adam_moments"]),
+            "master32": resident["master32"],
+            "adam_moments": resident["adam_moments"],
             "buffers": list(self.model.buffers()) + self._reduce_buffers.tensors() +
                        comm.transport_buffers(self.shard_group) +
                        (comm.transport_buffers(self.secondary_group)
                         if self.secondary_group is not None else []) +
-                       ([] if self.offload is None else self.adam.resident()["buffers"]) +
-                       self._kernel_buffers()})
+                       resident["buffers"]})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         formula = formula_bytes(self.psi, self.stage, self.shard_group.size, param_bytes=param_bytes,
                                 mixed_precision=self.config.mixed_precision)
@@ -336,19 +288,9 @@ class ParameterPartitioning(ZeroEngine):
     # ---- reading the parameters --------------------------------------------------------------
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
         """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice)."""
-        shards = (self.param_store.shard_views() if self.param_store is not None
-                  else [u.shard for u in self.all_units])
+        shards = self.param_store.shard_views()
         return {seg.slot.name: (seg.param_offset, seg.of(shard))
                 for unit, shard in zip(self.all_units, shards) for seg in unit.segments}
-
-    @property
-    def parameters_replicated(self) -> bool:
-        return False   # each DP rank holds its partition of every unit (ZeRO §5.3 Pos+g+p)
-
-    @property
-    def state_replica(self) -> int:
-        """Hybrid sharding: which host's copy of the partitions this rank holds (0 writes them)."""
-        return self.replicas.rank if self.replicas is not None else 0
 
     def _parameter_fragments(self) -> list[Fragment]:
         return [Fragment(name, "model", offset, tensor)

@@ -84,6 +84,10 @@ class Stage3Scheduler:
             module.register_forward_hook(functools.partial(self._post_forward, i))
 
     # ---- primitives ------------------------------------------------------------------------
+    def record(self, event: str, i: int) -> None:
+        """Add (event, unit index) to this step's trace (the engine's gradient reductions too)."""
+        self.trace.append((event, i))
+
     def gather(self, i: int | None, async_op: bool) -> None:
         unit = None if i is None else self.units[i]
         if unit is not None and not unit.gathered:

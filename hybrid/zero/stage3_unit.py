@@ -108,10 +108,18 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)   # nothing is gathered until the first use
         self.gathered = False
         self.store, self.store_index = None, -1   # hybrid.offload.param_store: shard on NVMe
-        self.quantized_gather = False             # qwZ: gather int8 blocks (set by the engine)
+        self.quantized_gather = False             # qwZ: gather int8 blocks (use_collectives)
         self.agree_scales = None                  # qwZ with TP: the block scales' TP maximum
         self.reduce_scatter = functools.partial(comm.reduce_scatter_replicated, group=group,
                                                 replicas=replicas)   # qgZ's replaces it
+
+    def use_collectives(self, reduce_scatter: Callable | None, quantized_gather: bool,
+                        agree_scales: Callable | None) -> None:
+        """The engine's ZeRO++ choices: ``reduce_scatter`` for the gradients (qgZ; None: the
+        exact one), int8 parameter gathers (qwZ) with ``agree_scales`` (their TP agreement)."""
+        if reduce_scatter is not None:
+            self.reduce_scatter = reduce_scatter
+        self.quantized_gather, self.agree_scales = quantized_gather, agree_scales
 
     def attach_store(self, store, index: int) -> None:
         """Keep the shard in ``store`` (written there now); each gather fetches it back."""
@@ -145,20 +153,21 @@ class ShardedUnit:
 
     @torch.no_grad()
     def materialize(self, init_value: Callable[[str, nn.Parameter], torch.Tensor],
-                    master: torch.Tensor | None = None) -> None:
+                    write_master: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """Fill this rank's chunk from ``init_value(name, param)``, the full TP-local value of ONE
         parameter (transient); parameters this rank owns no part of are never computed.
-        ``master`` ([chunk], fp32) receives the values unrounded: in mixed precision the 16-bit
-        chunk is their rounding, the master keeps what the initialiser computed (as stages 0-2,
-        whose masters copy the fp32 model, so one seed gives one curve at every stage)."""
+        ``write_master(chunk offset, values)`` receives the values unrounded: in mixed precision
+        the 16-bit chunk is their rounding, the fp32 master keeps what the initialiser computed
+        (as stages 0-2, whose masters copy the fp32 model, so one seed gives one curve at every
+        stage)."""
         for seg in self.segments:
             value = init_value(seg.slot.name, seg.slot.param)
             if tuple(value.shape) != seg.slot.shape:
                 raise ValueError(f"initial value of {seg.slot.name!r} has shape {tuple(value.shape)}, "
                                  f"expected the TP-local shape {seg.slot.shape}")
             flat = value.reshape(-1).narrow(0, seg.param_offset, seg.length)
-            if master is not None:
-                seg.of(master).copy_(flat)
+            if write_master is not None:
+                write_master(seg.chunk_offset, flat)
             seg.of(self.shard).copy_(flat)
             del value, flat   # free it before the next parameter's value is computed
 
@@ -204,6 +213,11 @@ class ShardedUnit:
                 self.secondary.copy_(self.full.narrow(0, h.rank * self.secondary.numel(),
                                                       self.secondary.numel()))
                 self.secondary_valid = True
+
+    def regather(self) -> None:
+        """Gather the full parameters again now (a persistent unit, after its shard changed)."""
+        self.gathered = False
+        self.gather(async_op=False)
 
     def invalidate_secondary(self) -> None:
         """The shard changed (an optimizer step, a load): the next gather is a full one again."""

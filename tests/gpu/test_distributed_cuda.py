@@ -134,7 +134,7 @@ def _offload_cases(state, tmpdir: str) -> list[str]:
             losses, _ = train_on_device(task, state, opt, model, task.data())
             runs.append((losses, trained_params(opt, model)))
             if offload is not None:
-                opt.adam.close()
+                opt.optimizer_state.close()
         (base_losses, base), (losses, got) = runs
         what = f"stage {stage} offload {mode} params {params} dp {state.dp_size}"
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(base_losses), rtol=1e-5,

@@ -87,7 +87,7 @@ def child(args: argparse.Namespace) -> dict:
     return {"psi": opt.num_local_params, "losses": losses, "vm_hwm": vm_hwm_bytes(),
             "vm_hwm_built": built_hwm, "model_states": report.measured_model_states,
             "measured": report.measured, "no_offload_model_states": 16 * opt.num_local_params,
-            "block_elems": getattr(getattr(opt.adam, "adam", None), "block_elems", 0)}
+            "block_elems": getattr(getattr(opt.optimizer_state, "adam", None), "block_elems", 0)}
 
 
 def run_case(layers: int, hidden: int, mode: str, budget: str, directory: str, steps: int = 2,

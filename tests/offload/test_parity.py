@@ -46,7 +46,7 @@ def _run(task, state, data, stage, precision="fp32", offload=None, kernel="forea
     losses, _ = train(task, state, opt, model, data, 1)
     out = losses, _params(opt, model), _fragments(opt), opt.memory_report()
     if offload is not None:
-        opt.adam.close()
+        opt.optimizer_state.close()
     return out
 
 
@@ -123,7 +123,7 @@ def _resume(rank, world_size, tmpdir):
     torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(base[0]), rtol=0, atol=0)
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(p.detach(), base[1][name], rtol=0, atol=0)
-    opt2.adam.close()
+    opt2.optimizer_state.close()
     return True
 
 

@@ -186,7 +186,7 @@ def test_stage3_planner_counts_the_parameter_store_instead_of_the_partitions(tmp
         opt = build_zero_optimizer(GPTModel(config, state, device="meta"), state, ZeroConfig(stage=3),
                                    CFG, offload=OffloadConfig("nvme", str(tmp_path / params), "4GiB",
                                                               params=params), seed=1)
-        opt.adam.close()
+        opt.optimizer_state.close()
     sizes = [u.chunk for u in opt.all_units]
     store = param_store.resident_bytes(sizes, torch.float32)
     assert store == sum(t.nbytes for t in opt.param_store.resident()) < 4 * sum(sizes)
@@ -194,3 +194,58 @@ def test_stage3_planner_counts_the_parameter_store_instead_of_the_partitions(tmp
     opt.param_store.close()
     if os.confstr("CS_GNU_LIBC_VERSION"):
         assert budget.return_freed_buffers_to_os()
+
+
+def test_the_three_optimizer_state_backends_agree_through_their_protocol(tmp_path):
+    """The device backend (foreach kernel) and the host and NVMe backends (exact kernel, the same
+    op order), driven only through OptimizerStateBackend's methods, leave bit-equal 16-bit
+    parameters, masters and moments; each implements every method of the protocol, with its
+    parameters."""
+    import dataclasses
+    import inspect
+    from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
+    from hybrid.zero.optimizer_state import DeviceOptimizerState
+    from hybrid.zero.pieces import OwnedPiece
+    sizes = [700, 300]
+    pieces = [OwnedPiece("a", 0, 0, 0, 400, True, True), OwnedPiece("b", 0, 400, 0, 300, False, True),
+              OwnedPiece("c", 1, 0, 0, 300, True, False)]
+    decay = [[(0, 400)], [(0, 300)]]
+    g = torch.Generator().manual_seed(3)
+    init = [torch.randn(n, generator=g) for n in sizes]
+    steps = [[torch.randn(n, generator=g) for n in sizes] for _ in range(3)]
+
+    def out():
+        return [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
+    device = DeviceOptimizerState(out(), pieces, dataclasses.replace(CFG, kernel="foreach"),
+                                  mixed_precision=True, device=torch.device("cpu"))
+    host = HostOptimizerState(sizes, decay, CPUAdamW(CFG, kernel="exact", block_elems=128),
+                              device=torch.device("cpu"), param_dtype=torch.bfloat16)
+    nvme = NVMeOptimizerState(sizes, decay, CPUAdamW(CFG, kernel="exact", block_elems=128),
+                              device=torch.device("cpu"), param_dtype=torch.bfloat16,
+                              directory=str(tmp_path), rank=0)
+    results = []
+    for backend in (device, host, nvme):
+        params = out()
+        for c, values in enumerate(init):
+            backend.write_master(c, 0, values)
+        for grads in steps:
+            backend.update([t.clone() for t in grads], params, lr=CFG.lr, grad_scale=2.0)
+        results.append((params, {k: [t.clone() for t in backend.fragment_views(k)]
+                                 for k in STATE_KINDS}, backend.step))
+        backend.close()
+    for params, state, step in results[1:]:
+        assert step == results[0][2] == 3
+        for got, want in zip(params, results[0][0]):
+            assert torch.equal(got, want)
+        for kind in STATE_KINDS:
+            for got, want in zip(state[kind], results[0][1][kind]):
+                assert torch.equal(got, want), kind
+    members = [n for n, v in vars(OptimizerStateBackend).items()
+               if callable(v) and not n.startswith("_")]
+    assert "update" in members and "publish" in members
+    for cls in (DeviceOptimizerState, HostOptimizerState, NVMeOptimizerState):
+        for name in members:
+            stub, impl = getattr(OptimizerStateBackend, name), getattr(cls, name)
+            assert impl is not stub, f"{cls.__name__} lacks {name}"
+            assert list(inspect.signature(impl).parameters) == \
+                list(inspect.signature(stub).parameters), (cls.__name__, name)

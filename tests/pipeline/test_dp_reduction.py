@@ -17,8 +17,8 @@ from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
 from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
 from hybrid.zero import ZeroConfig, build_zero_optimizer
+from hybrid.zero.flat import OptimizerStatePartitioning
 from hybrid.zero_policy import stage_with_pipeline
-from hybrid.zero.optimizer import OptimizerStatePartitioning
 from tests.pipeline.test_pipeline import PipeTask, _stage_chunks, _tied
 
 

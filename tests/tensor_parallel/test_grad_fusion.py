@@ -53,13 +53,13 @@ def _grads(state, config, precision, fusion, micro_batches=1, sequence_parallel=
         loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean() / micro_batches
         opt.backward(loss)
     if stage < 3:
-        opt.reducer.finish()
+        opt.gradients.finish()
     if count is not None:
         count.append(sum(1 for name, p in model.named_parameters()   # learned positions: a slice
                          if getattr(p, grad_fusion._ALLOWED, False) and p.dim() == 2
                          and "position" not in name))
     if stage == 2:   # this rank's reduced gradient partition (no full gradient is kept)
-        return {"partition": opt.grad_part.clone()}
+        return {"partition": opt.gradients.storage.clone()}
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()
             if p.grad is not None}
 

@@ -135,7 +135,7 @@ def _engines(rank, world_size):
             params = (opt.gathered_state_dict() if stage == 3 else
                       {n: p.detach().clone() for n, p in model.named_parameters()})
             runs[kernel] = losses, params, opt.memory_report(), sum(
-                m.numel() for m in opt.masters)
+                m.numel() for m in opt.optimizer_state.masters)
         (fl, fp, fused_report, _), (cl, cp, report, owned) = runs["fused"], runs["compiled"]
         what = f"stage {stage} {precision}"
         torch.testing.assert_close(torch.tensor(cl), torch.tensor(fl), rtol=1e-5, atol=1e-6,

@@ -56,8 +56,8 @@ def _step(model, opt) -> None:
 
 
 def _gradient_owner(opt):
-    """What holds the engine's gradient buffers: stages 0-2's reducer, stage 3's first unit."""
-    return weakref.ref(opt.reducer if hasattr(opt, "reducer") else opt.all_units[0])
+    """What holds the engine's gradient buffers: stages 0-2's gradients, stage 3's first unit."""
+    return weakref.ref(opt.gradients if hasattr(opt, "gradients") else opt.all_units[0])
 
 
 @pytest.mark.parametrize("stage,precision,extra", CASES)
@@ -119,11 +119,11 @@ def test_the_mixed_precision_step_holds_one_fp32_gradient_chunk_at_a_time(kernel
     model = GPTModel(CONFIG, state)
     opt = build_zero_optimizer(model, state, ZeroConfig(stage=1, precision="bf16", bucket_size=2000),
                                AdamWConfig(lr=1e-3, kernel=kernel))
-    assert len(opt.masters) >= 3, "the case needs several chunks"
+    assert len(opt.optimizer_state.masters) >= 3, "the case needs several chunks"
     tokens = _tokens()
     opt.zero_grad()
     opt.backward(model(tokens[:, :-1], tokens[:, 1:]).float().mean())
     with _LiveFp32Copies() as copies:
         opt.step()
-    assert len(copies.copies) >= len(opt.masters), "the step made no fp32 gradient copies"
+    assert len(copies.copies) >= len(opt.optimizer_state.masters), "the step made no fp32 gradient copies"
     assert copies.most == 1, f"{copies.most} fp32 gradient chunks alive at once"

@@ -39,8 +39,8 @@ def _memory_and_comm(rank, world_size, tps, precisions):
                 if stage == 2:   # the full-size gradient never persists; staging is two entries
                     assert all(p.grad is None for p in model.parameters()), what
                     largest = max(b.numel for b in opt.layout.buckets)   # staged + gloo receive
-                    assert len(opt.reducer.buffers()) <= 6, what        # + chunk, per entry
-                    assert sum(b.numel() for b in opt.reducer.buffers()) <= 2 * (
+                    assert len(opt.gradients.buffers()) <= 6, what        # + chunk, per entry
+                    assert sum(b.numel() for b in opt.gradients.buffers()) <= 2 * (
                         2 * largest + largest // state.dp_size), what
                 rows.append((what, mem.measured_model_states, mem.formula_model_states,
                              cr.dp_bytes, cr.expected_dp_bytes))

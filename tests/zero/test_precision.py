@@ -69,7 +69,7 @@ def test_fp16_stages_track_fp32_reference():
 
 
 def _snapshot(opt):
-    return [t.clone() for t in [opt.flat_param, *opt.masters, *opt.adam.tensors()]]
+    return [t.clone() for t in [opt.flat_param, *opt.optimizer_state.masters, *opt.optimizer_state.tensors()]]
 
 
 def _fp16_overflow(rank, world_size, tp):

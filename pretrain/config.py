@@ -64,18 +64,22 @@ class TrainConfig:
         o = self.optimizer
         if self.training.train_samples is None:
             wrong = [f for f, v in (("--lr-decay-samples", o.lr_decay_samples),
-                                    ("--lr-warmup-samples", o.lr_warmup_samples)) if v]
+                                    ("--lr-warmup-samples", o.lr_warmup_samples),
+                                    ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples)) if v]
             if wrong:
                 raise TrainConfigError(f"{' and '.join(wrong)} count samples: they go with "
-                                       f"--train-samples; with --train-iters use --lr-decay-iters / "
-                                       f"--lr-warmup-iters")
+                                       f"--train-samples; with --train-iters use their -iters "
+                                       f"forms (--lr-decay-iters, --lr-warmup-iters, "
+                                       f"--lr-wsd-decay-iters)")
             return
         wrong = [f for f, v in (("--lr-decay-iters", o.lr_decay_iters),
-                                ("--lr-warmup-iters", o.lr_warmup_iters)) if v]
+                                ("--lr-warmup-iters", o.lr_warmup_iters),
+                                ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters)) if v]
         if wrong:
             raise TrainConfigError(f"{' and '.join(wrong)} count iterations, but the run is "
-                                   f"sample-based (--train-samples); use --lr-decay-samples / "
-                                   f"--lr-warmup-samples")
+                                   f"sample-based (--train-samples); use their -samples forms "
+                                   f"(--lr-decay-samples, --lr-warmup-samples, "
+                                   f"--lr-wsd-decay-samples)")
 
     def train_iterations(self, world_size: int) -> int:
         """Optimizer steps of the run: --train-iters, or --train-samples / global batch (Megatron's
@@ -171,6 +175,17 @@ class TrainConfig:
             raise TrainConfigError(f"--lr-decay-samples {o.lr_decay_samples} is shorter than "
                                    f"--lr-warmup-samples {o.lr_warmup_samples}; raise the first or "
                                    f"lower the second")
+        self._check_resolved_schedule(world_size)
+
+    def _check_resolved_schedule(self, world_size: int) -> None:
+        """The schedule's lengths once defaults and --lr-warmup-fraction are resolved (the WSD
+        decay within the decay after the warm-up, inverse-square-root's warm-up)."""
+        from pretrain.lr_schedule import build_lr_schedule
+        try:
+            build_lr_schedule(self.optimizer, self.train_iterations(world_size),
+                              self.global_batch(world_size), self.training.train_samples)
+        except ValueError as err:
+            raise TrainConfigError(str(err)) from None
 
     # ---- (de)serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -295,8 +295,14 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
           "are refused", str, when=_equals("adam")),
     _native("--lr", "optimizer.lr", "peak learning rate", float),
     _native("--min-lr", "optimizer.min_lr", "final learning rate", float),
-    _native("--lr-decay-style", "optimizer.lr_decay_style", "constant | linear | cosine "
-            "(inverse-square-root and WSD are not implemented)", str),
+    _native("--lr-decay-style", "optimizer.lr_decay_style", "constant | linear | cosine | "
+            "inverse-square-root | WSD (warmup-stable-decay)", str),
+    _native("--lr-wsd-decay-style", "optimizer.lr_wsd_decay_style", "WSD's decay shape: "
+            "exponential | linear | cosine | minus_sqrt", str),
+    _native("--lr-wsd-decay-iters", "optimizer.lr_wsd_decay_iters", "WSD's decay length in "
+            "iterations, the last ones of the decay length", int),
+    _native("--lr-wsd-decay-samples", "optimizer.lr_wsd_decay_samples", "WSD's decay length in "
+            "samples", int),
     _native("--lr-decay-iters", "optimizer.lr_decay_iters", "decay length in iterations", int),
     _native("--lr-decay-samples", "optimizer.lr_decay_samples", "decay length in samples", int),
     _native("--lr-warmup-iters", "optimizer.lr_warmup_iters", "warm-up iterations", int),
@@ -609,8 +615,16 @@ Where a flag's behaviour differs in a detail, it is said here:
 - `--train-samples` and `--lr-*-samples` are converted to iterations of the constant global batch,
   which gives Megatron's learning rate at every iteration.
 - On resume a checkpoint's schedule is compared with the flags' (lr, min lr, warm-up and decay
-  lengths in samples, decay style) as Megatron's scheduler does; `--override-opt_param-scheduler`
-  or `--use-checkpoint-opt_param-scheduler` picks one when they differ.
+  lengths in samples, decay style, WSD's decay length and shape) as Megatron's scheduler does;
+  `--override-opt_param-scheduler` or `--use-checkpoint-opt_param-scheduler` picks one when they
+  differ.
+- `--lr-decay-style WSD`: its decay (`--lr-wsd-decay-iters` / `--lr-wsd-decay-samples`) must fit
+  between the warm-up's end and `--lr-decay-iters` (Megatron does not check, and an overlap makes
+  the lr drop when the warm-up ends); a WSD length with another decay style is an error (Megatron
+  ignores it).
+- `--lr-decay-style inverse-square-root` needs a warm-up (Megatron's formula
+  `lr * sqrt(warm-up / step)` then takes a warm-up of one sample, which makes the lr depend on the
+  global batch size); like Megatron's, it falls to `--min-lr` after `--lr-decay-iters`.
 - `--exit-interval N` stops after an iteration that is a multiple of N, saving a checkpoint first
   when `--save` is given (Megatron's rule).
 """

@@ -1,12 +1,14 @@
 """The learning-rate schedule on resume, as Megatron-LM's OptimizerParamScheduler decides it.
 
 A checkpoint stores the schedule it trained with (lr, min lr, warm-up and decay lengths in samples,
-decay style). Resuming with flags that give another schedule - a longer ``--train-iters`` that
-moves the default decay end, another ``--lr``, ``--min-lr``, warm-up, ``--lr-decay-iters`` or
-``--lr-decay-style`` - is an error naming both values, unless ``--override-opt_param-scheduler``
-(take this command line's schedule) or ``--use-checkpoint-opt_param-scheduler`` (take the
-checkpoint's) says which one to keep. A longer ``--train-iters`` with an explicit
-``--lr-decay-iters`` leaves the schedule unchanged, so it simply trains on at ``--min-lr``.
+decay style, WSD's decay length and shape). Resuming with flags that give another schedule - a
+longer ``--train-iters`` that moves the default decay end, another ``--lr``, ``--min-lr``, warm-up,
+``--lr-decay-iters``, ``--lr-decay-style`` or WSD's ``--lr-wsd-decay-iters`` /
+``--lr-wsd-decay-style`` - is an error naming both values, unless
+``--override-opt_param-scheduler`` (take this command line's schedule) or
+``--use-checkpoint-opt_param-scheduler`` (take the checkpoint's) says which one to keep. A longer
+``--train-iters`` with an explicit ``--lr-decay-iters`` leaves the schedule unchanged, so it simply
+trains on at ``--min-lr``.
 ``--no-load-optim`` loads no schedule either: a fresh one starts at the loaded iteration (a new
 warm-up), as Megatron's scheduler does when its state is not loaded.
 """
@@ -29,11 +31,14 @@ _FIELDS = (("lr", "peak learning rate", "--lr"),
             "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction"),
            ("decay_iters", "decay iterations",
             "--lr-decay-iters / --lr-decay-samples, default --train-iters / --train-samples"),
-           ("style", "decay style", "--lr-decay-style"))
+           ("style", "decay style", "--lr-decay-style"),
+           ("wsd_decay_iters", "WSD decay iterations",
+            "--lr-wsd-decay-iters / --lr-wsd-decay-samples"),
+           ("wsd_style", "WSD decay style", "--lr-wsd-decay-style"))
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, str) or isinstance(b, str):
+    if a is None or b is None or isinstance(a, str) or isinstance(b, str):
         return a == b
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
 

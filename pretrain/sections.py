@@ -206,7 +206,17 @@ class OptimizerSection:
     lr_decay_iters: int | None = _help("decay length (default: train iters)", default=None)
     lr_decay_samples: int | None = _help("decay length in samples (with --train-samples; default: "
                                          "train samples)", default=None)
-    lr_decay_style: str = _help("cosine | linear | constant", default="cosine")
+    lr_decay_style: str = _help("cosine | linear | constant | inverse-square-root (lr * "
+                                "sqrt(warm-up / iteration), needs a warm-up) | WSD "
+                                "(warmup-stable-decay: lr until the last --lr-wsd-decay-iters "
+                                "of the decay)", default="cosine")
+    lr_wsd_decay_style: str = _help("WSD's decay shape: exponential | linear | cosine | minus_sqrt",
+                                    default="exponential")
+    lr_wsd_decay_iters: int | None = _help("WSD: iterations of the decay, the last ones of "
+                                           "--lr-decay-iters", default=None)
+    lr_wsd_decay_samples: int | None = _help("WSD: samples of the decay, the last ones of "
+                                             "--lr-decay-samples (with --train-samples)",
+                                             default=None)
     weight_decay: float = _help("AdamW decoupled weight decay (not on norms/biases)",
                                 default=AdamWConfig.weight_decay)
     adam_beta1: float = _help("Adam beta1", default=AdamWConfig.betas[0])
@@ -238,7 +248,8 @@ class OptimizerSection:
     def __post_init__(self) -> None:
         _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
                       "clip_grad", "adam_eps")
-        _positive(self, "lr_decay_iters", "lr_decay_samples", allow_none=True)
+        _positive(self, "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters",
+                  "lr_wsd_decay_samples", allow_none=True)
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
             raise TrainConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
                                    f"{self.lr_warmup_fraction}")
@@ -255,9 +266,7 @@ class OptimizerSection:
         _positive(self, "loss_scale_window", "hysteresis")
         if self.min_lr > self.lr:
             raise TrainConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; lower --min-lr")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise TrainConfigError(f"--lr-decay-style must be cosine, linear or constant, "
-                                   f"got {self.lr_decay_style!r}")
+        self._check_decay_style()
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise TrainConfigError(f"{flag_name(name)} must be in [0, 1), "
@@ -269,6 +278,28 @@ class OptimizerSection:
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise TrainConfigError(f"need 0 < --min-loss-scale <= --initial-loss-scale, got "
                                    f"{self.min_loss_scale} and {self.initial_loss_scale}")
+
+    def _check_decay_style(self) -> None:
+        """Megatron's styles; WSD needs its decay length, which no other style takes."""
+        from pretrain.lr_schedule import STYLES, WSD_STYLES
+        if self.lr_decay_style not in STYLES:
+            raise TrainConfigError(f"--lr-decay-style must be cosine, linear or constant, or "
+                                   f"inverse-square-root or WSD; got {self.lr_decay_style!r}")
+        if self.lr_wsd_decay_style not in WSD_STYLES:
+            raise TrainConfigError(f"--lr-wsd-decay-style must be one of {', '.join(WSD_STYLES)}, "
+                                   f"got {self.lr_wsd_decay_style!r}")
+        wsd_lengths = [f for f in ("lr_wsd_decay_iters", "lr_wsd_decay_samples")
+                       if getattr(self, f) is not None]
+        if self.lr_decay_style == "WSD" and not wsd_lengths:
+            raise TrainConfigError("--lr-decay-style WSD needs the length of its decay: give "
+                                   "--lr-wsd-decay-iters (or --lr-wsd-decay-samples with "
+                                   "--train-samples)")
+        if self.lr_decay_style != "WSD" and wsd_lengths:
+            raise TrainConfigError(f"{flag_name(wsd_lengths[0])} is the decay length of "
+                                   f"--lr-decay-style WSD, not of {self.lr_decay_style}; drop it "
+                                   f"or use --lr-decay-style WSD")
+        if len(wsd_lengths) == 2:
+            raise TrainConfigError("give one of --lr-wsd-decay-iters and --lr-wsd-decay-samples")
 
     @property
     def precision(self) -> str:

@@ -150,16 +150,19 @@ def summarise(clock: PhaseClock, warmup: int) -> dict:
 def run_trainer(argv: list[str], warmup: int) -> dict:
     from pretrain.arguments import parse_args
     from pretrain.metrics import install_rank_logging
-    from pretrain.setup import build_parallel_state, build_trainer
+    from hybrid.launch_env import LaunchEnv
+    from pretrain.build import build_parallel_state
+    from pretrain.setup import build_trainer
     torch.set_num_threads(1)
     cfg, _ = parse_args(argv)
     cfg.checkpoint.save = None                      # checkpoints are not part of a step
     cfg.data.data_cache_dir = str(ROOT / cfg.data.data_cache_dir)
-    state = build_parallel_state(cfg)
+    layout = cfg.validate_for_world(LaunchEnv.from_environ().world_size)
+    state = build_parallel_state(cfg, layout)
     install_rank_logging(state.rank, logging.INFO)   # the console line is part of the cost
     with tempfile.TemporaryDirectory() as tb:
         cfg.logging.tensorboard_dir = tb
-        trainer = build_trainer(cfg, state)
+        trainer = build_trainer(cfg, layout, state)
         clock = PhaseClock()
         original = ExitCondition.should_exit
         instrument(trainer, clock)

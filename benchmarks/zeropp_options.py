@@ -100,7 +100,7 @@ def expected_bytes(train_argv: list[str], vocab: int) -> dict[str, float]:
     sharding units (the engine's own assignment, built on meta), precision and options."""
     from hybrid.parallel_state import ParallelState
     from pretrain.arguments import parse_args
-    from pretrain.setup import gpt_config
+    from pretrain.build import gpt_config
     from hybrid.zero.config import ZeroConfig
     from hybrid.zero.stage3_build import assign_units
     from models.gpt.model import GPTModel

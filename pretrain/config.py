@@ -7,8 +7,9 @@ name is the Megatron-LM flag with dashes turned into underscores (``tensor_model
 config all speak one vocabulary.
 
 Each section checks its own values in ``__post_init__``; checks that need two sections or the world
-size (global batch = micro batch x DP x accumulation steps, Megatron-LM §3 "data parallel") live in
-:meth:`TrainConfig.validate_for_world`. Messages name the flag to change.
+size live in :meth:`TrainConfig.validate_for_world`, which resolves the run's
+:class:`~hybrid.layout.RunLayout` (global batch = micro batch x DP x accumulation steps, Megatron-LM
+§3 "data parallel") once; the set-up passes it down. Messages name the flag to change.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from hybrid.layout import LayoutError, RunLayout
 from pretrain.sections import (SECTIONS, CheckpointSection, DataSection, LoggingSection,
                                       OptimizerSection, ParallelSection, TrainConfigError,
                                       TrainingSection, build_model_config)
@@ -81,18 +83,18 @@ class TrainConfig:
                                    f"(--lr-decay-samples, --lr-warmup-samples, "
                                    f"--lr-wsd-decay-samples)")
 
-    def train_iterations(self, world_size: int) -> int:
-        """Optimizer steps of the run: --train-iters, or --train-samples / global batch (Megatron's
-        rounding down), or 100."""
+    def train_iterations(self, layout: RunLayout) -> int:
+        """Optimizer steps of the run: --train-iters, or --train-samples / the layout's global batch
+        (Megatron's rounding down), or 100."""
         t = self.training
         if t.train_iters is not None:
             return t.train_iters
         if t.train_samples is None:
             return DEFAULT_TRAIN_ITERS
-        iters = t.train_samples // self.global_batch(world_size)
+        iters = t.train_samples // layout.global_batch
         if iters < 1:
             raise TrainConfigError(f"--train-samples {t.train_samples} is less than one global batch "
-                                   f"of {self.global_batch(world_size)} samples; raise it")
+                                   f"of {layout.global_batch} samples; raise it")
         return iters
 
     def _check_pipeline_layers(self) -> None:
@@ -110,62 +112,49 @@ class TrainConfig:
                                    f"divide the {layers // pp} layers of each of the {pp} stages; "
                                    f"choose a divisor of {layers // pp}")
 
-    def data_parallel_size(self, world_size: int) -> int:
-        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
-        if world_size % (tp * pp):
-            what = (f"TP groups of {tp}" if pp == 1 else
-                    f"TP {tp} x PP {pp} = {tp * pp} ranks per data-parallel replica")
-            raise TrainConfigError(f"{world_size} ranks cannot be split into {what}; launch a "
-                                   f"multiple of {tp * pp} ranks or change "
-                                   f"--tensor-model-parallel-size"
-                                   + (" / --pipeline-model-parallel-size" if pp > 1 else ""))
-        return world_size // (tp * pp)
-
-    def pipeline_config(self, world_size: int):
-        """The :class:`hybrid.pipeline.PipelineConfig` of this run (PP > 1), else None; its checks
-        (micro-batches per step m >= p and a multiple of p for interleaving, ...) as config errors."""
+    def layout(self, world_size: int) -> RunLayout:
+        """The run's :class:`~hybrid.layout.RunLayout` on ``world_size`` ranks: the degrees, and
+        global batch = micro batch x DP x m micro-batches per step (Megatron's rule; with pipeline
+        parallelism m is the pipeline's micro-batches per step), v model chunks per stage."""
         from hybrid.pipeline.config import PipelineConfig, PipelineConfigError
         p = self.parallel
-        if p.pipeline_model_parallel_size == 1:
+        try:
+            chunks = PipelineConfig.chunks_per_stage(p.pipeline_model_parallel_size,
+                                                     self.model.num_layers,
+                                                     p.num_layers_per_virtual_pipeline_stage)
+            return RunLayout.for_world(world_size, tensor_parallel=p.tensor_model_parallel_size,
+                                       pipeline_parallel=p.pipeline_model_parallel_size,
+                                       micro_batch_size=self.data.micro_batch_size,
+                                       global_batch=self.data.global_batch_size, model_chunks=chunks,
+                                       seq_length=self.model.seq_length)
+        except (LayoutError, PipelineConfigError) as err:
+            raise TrainConfigError(str(err)) from None
+
+    def pipeline_config(self, layout: RunLayout):
+        """The :class:`hybrid.pipeline.PipelineConfig` of this run on ``layout`` (PP > 1), else
+        None; its checks (micro-batches per step m >= p and a multiple of p for interleaving, ...)
+        as config errors."""
+        from hybrid.pipeline.config import PipelineConfig, PipelineConfigError
+        if layout.pipeline_parallel == 1:
             return None
         try:
-            return PipelineConfig.from_layers_per_virtual_stage(
-                p.pipeline_model_parallel_size, self.grad_accumulation_steps(world_size),
-                self.model.num_layers, p.num_layers_per_virtual_pipeline_stage, p.schedule)
+            return PipelineConfig(layout.pipeline_parallel, layout.micro_batches, self.model.num_layers,
+                                  self.parallel.schedule, layout.model_chunks)
         except PipelineConfigError as err:
             raise TrainConfigError(str(err)) from None
 
-    def grad_accumulation_steps(self, world_size: int) -> int:
-        """global batch = micro batch x DP x accumulation steps (Megatron's rule); with pipeline
-        parallelism the accumulation steps are the pipeline's micro-batches per step, m."""
-        dp = self.data_parallel_size(world_size)
-        micro = self.data.micro_batch_size
-        glob = self.global_batch(world_size)
-        if glob % (micro * dp):
-            lower = (glob // (micro * dp)) * micro * dp
-            raise TrainConfigError(
-                f"global batch {glob} is not divisible by micro batch {micro} x data-parallel size "
-                f"{dp} = {micro * dp}; set --global-batch-size to a multiple of {micro * dp} "
-                f"(e.g. {max(lower, micro * dp)}) or change --micro-batch-size")
-        return glob // (micro * dp)
-
-    def global_batch(self, world_size: int) -> int:
-        if self.data.global_batch_size is not None:
-            return self.data.global_batch_size
-        return self.data.micro_batch_size * self.data_parallel_size(world_size)
-
-    def validate_for_world(self, world_size: int) -> None:
-        """Checks that need the number of launched ranks."""
+    def validate_for_world(self, world_size: int) -> RunLayout:
+        """Checks that need the number of launched ranks; returns the run's layout."""
         p = self.parallel
         if p.world_size is not None and p.world_size != world_size:
             raise TrainConfigError(
                 f"the config is laid out for --world-size {p.world_size} but {world_size} ranks were "
                 f"launched; launch {p.world_size} ranks, or override --world-size {world_size} and "
                 f"check --global-batch-size")
-        self.grad_accumulation_steps(world_size)
+        layout = self.layout(world_size)
         self.check_sections()
-        self.pipeline_config(world_size)
-        self.train_iterations(world_size)
+        self.pipeline_config(layout)
+        self.train_iterations(layout)
         o = self.optimizer
         if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:
             raise TrainConfigError(f"--lr-decay-iters {o.lr_decay_iters} is shorter than "
@@ -175,15 +164,16 @@ class TrainConfig:
             raise TrainConfigError(f"--lr-decay-samples {o.lr_decay_samples} is shorter than "
                                    f"--lr-warmup-samples {o.lr_warmup_samples}; raise the first or "
                                    f"lower the second")
-        self._check_resolved_schedule(world_size)
+        self._check_resolved_schedule(layout)
+        return layout
 
-    def _check_resolved_schedule(self, world_size: int) -> None:
+    def _check_resolved_schedule(self, layout: RunLayout) -> None:
         """The schedule's lengths once defaults and --lr-warmup-fraction are resolved (the WSD
         decay within the decay after the warm-up, inverse-square-root's warm-up)."""
         from pretrain.lr_schedule import build_lr_schedule
         try:
-            build_lr_schedule(self.optimizer, self.train_iterations(world_size),
-                              self.global_batch(world_size), self.training.train_samples)
+            build_lr_schedule(self.optimizer, self.train_iterations(layout), layout.global_batch,
+                              self.training.train_samples)
         except ValueError as err:
             raise TrainConfigError(str(err)) from None
 

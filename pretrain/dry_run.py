@@ -42,21 +42,21 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     """Everything --dry-run prints, as numbers (also used by tests)."""
-    from pretrain.setup import gpt_config
+    from pretrain.build import gpt_config
     from models.gpt.model import GPTModel
     world = cfg.parallel.world_size
     if world is None:
         raise TrainConfigError("--dry-run needs the GPU count the config is meant for; set "
                                "--world-size (presets in pretrain/presets/ set it)")
-    cfg.validate_for_world(world)
+    layout = cfg.validate_for_world(world)
     p, m, o = cfg.parallel, cfg.model, cfg.optimizer
-    topology = Topology(world, p.tensor_model_parallel_size, gpus_per_node=p.gpus_per_node,
+    topology = Topology(world, layout.tensor_parallel, gpus_per_node=p.gpus_per_node,
                         allow_tp_across_nodes=p.allow_tp_across_nodes,
-                        pipeline_parallel_size=p.pipeline_model_parallel_size)
+                        pipeline_parallel_size=layout.pipeline_parallel)
     state = ParallelState.dry_run(topology, rank)
     gcfg = gpt_config(cfg, m.vocab_size or GPT2_VOCAB_SIZE)
     gcfg.validate_for_tp(state.tp_size)
-    pcfg = cfg.pipeline_config(world)
+    pcfg = cfg.pipeline_config(layout)
     stage_layers = m.num_layers // state.pp_size
     if pcfg is None:
         chunks = [GPTModel(gcfg, state, sequence_parallel=p.sequence_parallel, device="meta")]
@@ -79,11 +79,10 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
         states["total"] += states["params_16bit_secondary"]
     dp = state.dp_size
     dp_ops = expected_dp_collectives(p, state, float(psi_rank), param_bytes, topology.gpus_per_node,
-                                     micro_batches=cfg.grad_accumulation_steps(world), model=gcfg)
+                                     micro_batches=layout.micro_batches, model=gcfg)
     comm_bytes, dp_cross = sum(c[2] for c in dp_ops), sum(c[3] for c in dp_ops)
-    global_batch = cfg.global_batch(world)
     arch = dict(heads=gcfg.num_attention_heads, arch=gcfg.perf_architecture())   # GQA, SwiGLU, ...
-    flops = model_flops_per_iteration(global_batch, m.seq_length, m.num_layers, m.hidden_size,
+    flops = model_flops_per_iteration(layout.global_batch, m.seq_length, m.num_layers, m.hidden_size,
                                       gcfg.padded_vocab_size(state.tp_size), **arch)
     mode = cfg.training.recompute
     if mode == "auto":   # the planner's per-layer plan, estimated for a GPU rank
@@ -105,7 +104,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     pp_bytes = _pp_bytes_sent(pcfg, state.pp_rank, cfg.data.micro_batch_size * m.seq_length
                               * m.hidden_size * param_bytes
                               / (state.tp_size if p.sequence_parallel else 1))
-    tp_bytes = cfg.grad_accumulation_steps(world) * tp_ring_bytes_per_microbatch(
+    tp_bytes = layout.micro_batches * tp_ring_bytes_per_microbatch(
         stage_layers, m.hidden_size, m.seq_length, cfg.data.micro_batch_size, state.tp_size,
         full_recompute=mode.startswith("full"), partition_activations=mode.startswith("full-pa"),
         activation_bytes=param_bytes)[0]
@@ -128,7 +127,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                                    if p.offload_optimizer != "none" else 0.0),
             "recompute": mode, "activations_per_rank": activations,
             "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
-            "global_batch": global_batch, "accumulation_steps": cfg.grad_accumulation_steps(world),
+            "global_batch": layout.global_batch, "accumulation_steps": layout.micro_batches,
             "precision": o.precision,
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
@@ -217,7 +216,7 @@ def format_report(r: dict) -> str:
 
 
 def _pipeline_lines(r: dict) -> list[str]:
-    from pretrain.setup import pipeline_report
+    from pretrain.startup_report import pipeline_report
     return [pipeline_report(r["pipeline"], r["pp_rank"]),
             f"PP rank {r['pp_rank']} in {_span(r['pp_group'])}; activations of "
             f"{r['micro_batches_held']:g} micro-batch(es) held at the peak; PP traffic sent per "
@@ -273,6 +272,6 @@ def _auto_plan_mode(cfg, gcfg, state) -> str:
     """The most memory-saving mode of the ``--recompute auto`` plan, for the layer-uniform
     estimate of :func:`hybrid.perf.memory.device_memory` (conservative: every layer gets it)."""
     from hybrid.recompute.plan import MODES
-    from pretrain.setup import recompute_plan
+    from pretrain.build import recompute_plan
     plan = recompute_plan(cfg, gcfg, state, device="cuda")
     return max(set(plan.modes), key=MODES.index)

@@ -6,9 +6,10 @@ With ``--pipeline-model-parallel-size p`` each rank builds the model chunks of i
 (``GPTModel(layers=..., pre_process=..., post_process=...)``, one per virtual stage), shown to the ZeRO
 engine and the checkpoints as one :class:`~hybrid.pipeline.StageChunks` whose parameter names are the
 whole model's, so checkpoints reshard between PP degrees. A step is the runner's schedule over the m
-micro-batches of this DP rank (m = global batch / (micro batch x DP)); the engine counts m v
-backwards. Every stage of a PP column reads the same micro-batches (they share the DP rank): the
-first stage uses the tokens, the last the labels and the loss mask.
+micro-batches of this DP rank (the layout's m = global batch / (micro batch x DP)); the engine
+counts m v backwards (``RunLayout.backwards_per_step``). Every stage of a PP column reads the same
+micro-batches (they share the DP rank): the first stage uses the tokens, the last the labels and the
+loss mask.
 
 The loss mask reaches the last chunk through :class:`MaskedLoss`: the runner averages the per-token
 values it returns, so it returns ``loss x mask x (tokens / kept tokens)``, whose mean is the masked
@@ -47,18 +48,14 @@ class MaskedLoss:
 @dataclass
 class PipelineStage:
     """This rank's stage: ``model`` (its chunks as one module), ``tied`` (None on a middle stage or
-    with untied embeddings) and, once the engine exists, ``runner``."""
+    with untied embeddings) and ``runner`` (None until :func:`attach_runner` returns the stage
+    with the runner over its engine)."""
 
     config: PipelineConfig
     chunks: list
     model: StageChunks
     tied: TiedEmbedding | None
     runner: PipelineRunner | None = None
-
-    @property
-    def engine_backwards(self) -> int:
-        """Backwards per step on each stage: the engine's gradient_accumulation_steps (m v)."""
-        return self.config.num_micro_batches * self.config.num_model_chunks
 
 
 def build_stage(pcfg: PipelineConfig, gcfg, state: ParallelState, *, sequence_parallel: bool,
@@ -87,9 +84,11 @@ def build_stage(pcfg: PipelineConfig, gcfg, state: ParallelState, *, sequence_pa
 
 
 def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precision: str,
-                  micro_batch: int, seq_length: int, hidden: int, sequence_parallel: bool) -> None:
-    """The runner over ``engine``; the last stage's copy of the tied embedding takes the engine's
-    parameter dtype (the gradient and the weight travel in it)."""
+                  micro_batch: int, seq_length: int, hidden: int,
+                  sequence_parallel: bool) -> PipelineStage:
+    """``stage`` with its runner over ``engine`` (the engine must exist: the runner tells it every
+    backward); the last stage's copy of the tied embedding takes the engine's parameter dtype (the
+    gradient and the weight travel in it)."""
     dtype = _DTYPES[precision]
     last = stage.chunks[-1]
     if last.output_weight is not None and stage.tied is not None:
@@ -97,8 +96,9 @@ def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precisi
     seq = seq_length // (state.tp_size if sequence_parallel and state.tp_size > 1 else 1)
     calls = [MaskedLoss(c) if stage.config.is_last(state.pp_rank, i) else c
              for i, c in enumerate(stage.chunks)]
-    stage.runner = PipelineRunner(state, stage.config, calls, activation_shape=(seq, micro_batch, hidden),
-                                  dtype=dtype, engine=engine, tied=stage.tied)
+    runner = PipelineRunner(state, stage.config, calls, activation_shape=(seq, micro_batch, hidden),
+                            dtype=dtype, engine=engine, tied=stage.tied)
+    return dataclasses.replace(stage, runner=runner)
 
 
 def micro_batches(loader, m: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:

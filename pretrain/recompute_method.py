@@ -20,7 +20,7 @@ def apply_recompute_method(plan, cfg, world_size: int):
         return plan
     if t.recompute_method == "uniform":
         return dataclasses.replace(plan, granularity=t.recompute_num_layers)
-    pcfg = cfg.pipeline_config(world_size)
+    pcfg = cfg.pipeline_config(cfg.layout(world_size))
     chunks = ([pcfg.layer_range(s, c) for s in range(pcfg.num_stages)
                for c in range(pcfg.num_model_chunks)] if pcfg else [(0, len(plan.modes))])
     modes = ["none"] * len(plan.modes)

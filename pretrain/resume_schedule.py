@@ -80,8 +80,9 @@ def run_schedule(cfg, world_size: int, resumed=None) -> LRSchedule:
     loaded :class:`~pretrain.resume.TrainState` (None: a new run). --finetune starts the flags'
     schedule at iteration 0; --no-load-optim starts it at the loaded iteration; a full resume
     reconciles it with the checkpoint's (:func:`resume_schedule`)."""
-    global_batch = cfg.global_batch(world_size)
-    schedule = build_lr_schedule(cfg.optimizer, cfg.train_iterations(world_size), global_batch,
+    layout = cfg.layout(world_size)
+    global_batch = layout.global_batch
+    schedule = build_lr_schedule(cfg.optimizer, cfg.train_iterations(layout), global_batch,
                                  cfg.training.train_samples)
     c = cfg.checkpoint
     if resumed is None or c.finetune:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid import comm
+from hybrid.layout import RunLayout
 from hybrid.parallel_state import ParallelState
 from hybrid.perf.links import describe_collectives
 from pretrain import resume
@@ -62,22 +63,22 @@ class IntervalStats:
 
 
 class Trainer:
-    def __init__(self, cfg, state: ParallelState, model, optimizer, *, schedule, make_loader,
-                 metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
+    def __init__(self, cfg, layout: RunLayout, state: ParallelState, model, optimizer, *, schedule,
+                 make_loader, metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
                  train_state: TrainState | None = None, pipeline=None, compile_clock=None):
-        """``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank;
+        """``layout``: the run's micro-batches per step and global batch;
+        ``make_loader(split, consumed_samples)`` -> iterator of micro-batches of this DP rank;
         ``pipeline``: this rank's :class:`~pretrain.pipeline_stage.PipelineStage` (PP > 1);
         ``compile_clock``: the :class:`~models.gpt.compile.CompileClock` of a --compile run."""
-        self.cfg, self.state, self.model, self.optimizer = cfg, state, model, optimizer
+        self.cfg, self.layout, self.state = cfg, layout, state
+        self.model, self.optimizer = model, optimizer
         self.schedule, self.make_loader, self.metrics = schedule, make_loader, metrics
         self.throughput, self.rng, self.pipeline = throughput, rng, pipeline
         self._step_bubble = 0.0
         self._links_logged = False   # the first interval's bytes per group and op, logged once
         self.ts = train_state or TrainState()
-        self.accum = cfg.grad_accumulation_steps(state.world_size)
-        self.global_batch = cfg.global_batch(state.world_size)
-        self.train_iters = cfg.train_iterations(state.world_size)
-        self.ts.lr_schedule = schedule.record(self.global_batch)   # stored with every checkpoint
+        self.train_iters = cfg.train_iterations(layout)
+        self.ts.lr_schedule = schedule.record(layout.global_batch)   # stored with every checkpoint
         self._guard_nonfinite = cfg.optimizer.precision != "fp16"   # fp16: the scaler skips
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
@@ -118,19 +119,19 @@ class Trainer:
         return self.ts
 
     def train_step(self, loader, lr: float):
-        """One optimizer step over ``accum`` micro-batches; returns (DP-mean loss, StepResult)."""
+        """One optimizer step over the layout's m micro-batches; returns (DP-mean loss, StepResult)."""
         self.model.train()
         self.optimizer.zero_grad()
         if self.pipeline is not None:
             total, nonfinite = self._pipeline_losses(loader)
         else:
-            total, nonfinite = 0.0, False
-            for _ in range(self.accum):
+            total, nonfinite, m = 0.0, False, self.layout.micro_batches
+            for _ in range(m):
                 loss = self._micro_batch_loss(next(loader))
-                self.optimizer.backward(loss / self.accum)
+                self.optimizer.backward(loss / m)
                 value = loss.item()
                 nonfinite |= not math.isfinite(value)
-                total += value / self.accum
+                total += value / m
         mean_loss, any_nonfinite = self._step_agreement(total, nonfinite)
         if any_nonfinite and self._guard_nonfinite:
             self._on_nonfinite(f"non-finite loss (this rank: {total})")
@@ -148,7 +149,8 @@ class Trainer:
         """One run of the pipeline schedule over the step's m micro-batches: (this rank's mean
         loss, 0 off the last stage; whether it is non-finite); measures the step's bubble."""
         from pretrain.pipeline_stage import micro_batches, pipeline_bubble
-        output = self.pipeline.runner.step(micro_batches(loader, self.accum, self.state.device))
+        m = self.layout.micro_batches
+        output = self.pipeline.runner.step(micro_batches(loader, m, self.state.device))
         self._step_bubble = pipeline_bubble(self.pipeline, output, self.state)
         loss = output.loss if output.loss is not None else 0.0
         return loss, not math.isfinite(loss)
@@ -203,17 +205,17 @@ class Trainer:
         """Validation loss over ``eval_iters`` global batches, continuing the validation stream."""
         self.model.eval()
         loader = self.make_loader("valid", self.ts.consumed_valid_samples)
-        total, n = 0.0, self.cfg.training.eval_iters * self.accum
+        total, n = 0.0, self.cfg.training.eval_iters * self.layout.micro_batches
         if self.pipeline is not None:   # the forward-only schedule, m micro-batches at a time
             from pretrain.pipeline_stage import micro_batches
             for _ in range(self.cfg.training.eval_iters):
                 loss = self.pipeline.runner.forward_only(
-                    micro_batches(loader, self.accum, self.state.device))
+                    micro_batches(loader, self.layout.micro_batches, self.state.device))
                 total += (loss or 0.0) / self.cfg.training.eval_iters
         else:
             for _ in range(n):
                 total += self._micro_batch_loss(next(loader)).item() / n
-        self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.global_batch
+        self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.layout.global_batch
         _close(loader)
         loss, _ = self._step_agreement(total, False)
         ppl = math.exp(min(loss, 20.0))
@@ -274,7 +276,7 @@ class Trainer:
 
     def _advance(self, stats: IntervalStats, loss: float, result) -> None:
         self.ts.iteration += 1
-        self.ts.consumed_train_samples += self.global_batch
+        self.ts.consumed_train_samples += self.layout.global_batch
         self.losses.append(loss)
         stats.iterations += 1
         stats.bubble_sum += self._step_bubble
@@ -296,8 +298,8 @@ class Trainer:
         m = {"lm loss": stats.loss_sum / good if good else float("nan"),
              "learning-rate": self.schedule(self.ts.iteration - 1),
              "loss-scale": stats.last_loss_scale, "grad-norm": stats.last_grad_norm,
-             "batch-size": float(self.global_batch), "iteration-time": seconds,
-             "tokens-per-second": self.global_batch * self.cfg.model.seq_length / seconds,
+             "batch-size": float(self.layout.global_batch), "iteration-time": seconds,
+             "tokens-per-second": self.layout.tokens_per_step / seconds,
              "throughput": self.throughput.tflops_per_rank(seconds),      # Megatron: TFLOP/s/GPU
              "mfu": self.throughput.mfu(seconds), **self.throughput.roofline(seconds),
              "skipped-iterations": float(self.ts.skipped_iterations),

@@ -9,7 +9,9 @@ import torch
 
 from hybrid.data.loader import build_pretraining_loader
 from pretrain.arguments import parse_args
-from pretrain.setup import DataBundle, build_parallel_state, build_trainer
+from hybrid.launch_env import LaunchEnv
+from pretrain.build import DataBundle, build_parallel_state
+from pretrain.setup import build_trainer
 
 VOCAB = 200          # padded to 224 at TP 1, 256 at TP 2 and 4: resharding crosses padding
 SEQ = 16
@@ -48,7 +50,8 @@ def make_trainer(args: list[str], record: list | None = None):
     """Trainer on the synthetic corpus; ``record`` collects the sample tags of every micro-batch."""
     torch.set_num_threads(1)   # the CI machine has 2 shared cores: no intra-op oversubscription
     cfg, _ = parse_args(args)
-    state = build_parallel_state(cfg)
+    layout = cfg.validate_for_world(LaunchEnv.from_environ().world_size)
+    state = build_parallel_state(cfg, layout)
     data = DataBundle(IndexedSamples(4096), IndexedSamples(512), VOCAB, eod=-1)
 
     def make_loader(split, consumed):
@@ -62,4 +65,4 @@ def make_trainer(args: list[str], record: list | None = None):
                 record.append(batch["tokens"][:, 0].tolist())
             yield batch
 
-    return build_trainer(cfg, state, data=data, make_loader=make_loader)
+    return build_trainer(cfg, layout, state, data=data, make_loader=make_loader)

@@ -58,7 +58,7 @@ def training_run_config(load: str) -> dict | None:
 
 def default_corpus(run: dict) -> tuple[str, str]:
     """``(data prefix, tokenizer)`` of the embedded corpus a run without --data-path trained on
-    (built with the requested vocab, as pretrain.setup does; cached, so normally a lookup)."""
+    (built with the requested vocab, as pretrain.build does; cached, so normally a lookup)."""
     from hybrid.data import ensure_default_dataset
     return ensure_default_dataset(run["data"].get("data_cache_dir"), run["model"].get("vocab_size") or 4096)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hybrid.layout import LayoutError, RunLayout  # noqa: E402
 from hybrid.perf.flops import model_flops_per_iteration  # noqa: E402
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster  # noqa: E402
 from hybrid.perf.pipeline import Layout, LayoutEstimate, estimate_layout  # noqa: E402
@@ -80,13 +81,18 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidates(layers, hidden, heads, gpus, global_batch, gpus_per_node):
+def candidates(layers, hidden, heads, seq, gpus, global_batch, gpus_per_node):
     for tp in (k for k in _divisors(gpus_per_node) if hidden % k == 0 and heads % k == 0):
         for pp in (k for k in _divisors(layers) if gpus % (tp * k) == 0):
-            dp = gpus // (tp * pp)
             for virtual in (v for v in (1, 2, 4) if layers % (pp * v) == 0 and (v == 1 or pp > 1)):
-                for b in (b for b in MICRO_BATCHES if global_batch % (b * dp) == 0):
-                    m = global_batch // (b * dp)
+                for b in MICRO_BATCHES:
+                    try:
+                        run = RunLayout.for_world(gpus, tensor_parallel=tp, pipeline_parallel=pp,
+                                                  micro_batch_size=b, global_batch=global_batch,
+                                                  model_chunks=virtual, seq_length=seq)
+                    except LayoutError:   # the global batch does not split into b x DP
+                        continue
+                    m, dp = run.micro_batches, run.data_parallel
                     if virtual > 1 and (m < pp or m % pp):
                         continue
                     for stage in runnable_stages(pp):   # the engine's, as hybrid.zero_policy says
@@ -97,7 +103,7 @@ def candidates(layers, hidden, heads, gpus, global_batch, gpus_per_node):
 def rank(preset: Preset) -> list[LayoutEstimate]:
     """Every candidate layout that fits the preset cluster's memory, fastest first."""
     found = []
-    for layout in candidates(preset.layers, preset.hidden, preset.heads, preset.gpus,
+    for layout in candidates(preset.layers, preset.hidden, preset.heads, preset.seq, preset.gpus,
                              preset.global_batch, preset.cluster.gpus_per_node):
         try:
             est = estimate_layout(layout, **preset.model())

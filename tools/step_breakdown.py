@@ -199,13 +199,15 @@ def _rank_main(rank, world, argv, steps, warmup, threads):
     import logging
     import torch
     from pretrain.arguments import parse_args
-    from pretrain.setup import build_parallel_state, build_trainer
+    from pretrain.build import build_parallel_state
+    from pretrain.setup import build_trainer
     logging.disable(logging.INFO)
     torch.set_num_threads(threads)
     cfg, _ = parse_args(argv)
     cfg.logging.tensorboard_dir, cfg.checkpoint.save, cfg.training.eval_iters = None, None, 0
-    state = build_parallel_state(cfg)
-    trainer = build_trainer(cfg, state)
+    layout = cfg.validate_for_world(world)
+    state = build_parallel_state(cfg, layout)
+    trainer = build_trainer(cfg, layout, state)
     loader = trainer.make_loader("train", 0)
     lr = trainer.schedule(0)
     result = profile_steps(lambda: trainer.train_step(loader, lr), trainer.optimizer,

@@ -3,7 +3,7 @@ the point-to-point cost and the activations a stage holds, on top of the TP x Ze
 :mod:`hybrid.perf.throughput` and :mod:`hybrid.perf.memory`.
 
 A layout is (TP t, PP p, virtual stages v, DP d, ZeRO stage, recompute, micro-batch b) with
-m = global batch / (b d) micro-batches per step. The stage modelled is the last one: L / p layers
+m = global batch / (b d) micro-batches per step (:class:`hybrid.layout.RunLayout`). The stage modelled is the last one: L / p layers
 plus the output layer and loss (the embedding's parameters too, as on the first stage), so it is the
 slowest stage and holds the most model states. Its iteration on t x d GPUs is
 :func:`~hybrid.perf.throughput.estimate_iteration` of L / p layers and m micro-batches, under the
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.layout import LayoutError, RunLayout
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.memory import device_memory
@@ -97,9 +98,14 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
                     assumptions: ThroughputAssumptions = ThroughputAssumptions()) -> LayoutEstimate:
     cluster = cluster or dgx2_v100_cluster()
     t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.virtual, layout.micro_batch
-    if layers % (p * v) or global_batch % (b * d):
-        raise ValueError(f"{layout.describe()}: {layers} layers or batch {global_batch} do not split")
-    m = global_batch // (b * d)
+    if layers % (p * v):
+        raise ValueError(f"{layout.describe()}: {layers} layers do not split into {p * v} chunks")
+    try:
+        run = RunLayout.for_world(t * p * d, tensor_parallel=t, pipeline_parallel=p, micro_batch_size=b,
+                                  global_batch=global_batch, model_chunks=v, seq_length=seq)
+    except LayoutError as err:
+        raise ValueError(f"{layout.describe()}: {err}") from None
+    m = run.micro_batches
     stage_layers = layers // p
     zero_stage = check_layout(layout.stage, p)   # the stage the engine runs (ValueError: refused)
     it = estimate_iteration(layers=stage_layers, hidden=hidden, seq=seq, vocab=vocab, micro_batch=b,
@@ -119,7 +125,7 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
     held = mem.checkpoints * flight + mem.working * (1 if layout.recompute == "full" else flight)
     activations = held + mem.logits
     total = mem.model_states.total + activations + mem.buffers + mem.reserved
-    model_flops = model_flops_per_iteration(global_batch, seq, layers, hidden, vocab) / (t * p * d)
+    model_flops = model_flops_per_iteration(run.global_batch, seq, layers, hidden, vocab) / run.world_size
     return LayoutEstimate(layout, m, work + bubble + p2p + it.dp_comm_s + it.optimizer_s, work + bubble,
                           bubble, p2p, it.dp_comm_s, it.optimizer_s, total, activations,
                           mem.model_states.total, model_flops)

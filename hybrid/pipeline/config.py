@@ -60,17 +60,22 @@ class PipelineConfig:
     def from_layers_per_virtual_stage(cls, num_stages: int, num_micro_batches: int, num_layers: int,
                                       layers_per_virtual_stage: int | None,
                                       schedule: str | None = None) -> "PipelineConfig":
-        """Megatron's flags: ``--num-layers-per-virtual-pipeline-stage`` sets v = L / (p x that)."""
-        schedule = schedule or default_schedule(layers_per_virtual_stage)
+        """Megatron's flags: ``--num-layers-per-virtual-pipeline-stage`` sets v (:meth:`chunks_per_stage`)."""
+        v = cls.chunks_per_stage(num_stages, num_layers, layers_per_virtual_stage)
+        return cls(num_stages, num_micro_batches, num_layers,
+                   schedule or default_schedule(layers_per_virtual_stage), v)
+
+    @staticmethod
+    def chunks_per_stage(num_stages: int, num_layers: int, layers_per_virtual_stage: int | None) -> int:
+        """v = L / (p x ``--num-layers-per-virtual-pipeline-stage``); 1 without the flag."""
         if layers_per_virtual_stage is None:
-            return cls(num_stages, num_micro_batches, num_layers, schedule)
+            return 1
         if layers_per_virtual_stage < 1 or num_layers % (num_stages * layers_per_virtual_stage):
             raise PipelineConfigError(
                 f"{num_layers} layers are not a whole number of {num_stages} stages x "
                 f"{layers_per_virtual_stage} layers per virtual stage; choose a divisor of "
                 f"{num_layers // num_stages}")
-        v = num_layers // (num_stages * layers_per_virtual_stage)
-        return cls(num_stages, num_micro_batches, num_layers, schedule, v)
+        return num_layers // (num_stages * layers_per_virtual_stage)
 
     @property
     def layers_per_chunk(self) -> int:

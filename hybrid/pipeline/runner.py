@@ -98,15 +98,15 @@ class PipelineRunner:
         if len(chunks) != config.num_model_chunks:
             raise ValueError(f"{len(chunks)} model chunks on this stage, the config says "
                              f"{config.num_model_chunks}")
-        backwards = config.num_micro_batches * config.num_model_chunks
-        if engine is not None and engine.config.gradient_accumulation_steps != backwards:
-            raise ValueError(f"the ZeRO engine expects {engine.config.gradient_accumulation_steps} "
-                             f"backward passes per step, the pipeline runs {backwards} on each stage "
-                             f"(micro-batches x model chunks); set gradient_accumulation_steps to it")
         self.state, self.config, self.chunks = state, config, chunks
         self.shape, self.dtype, self.engine, self.tied = activation_shape, dtype, engine, tied
         self.stage, self.p, self.v = state.pp_rank, config.num_stages, config.num_model_chunks
         self.actions = build_schedule(config)[self.stage]
+        backwards = sum(a.kind == "B" for a in self.actions)   # m v (RunLayout.backwards_per_step)
+        if engine is not None and engine.config.gradient_accumulation_steps != backwards:
+            raise ValueError(f"the ZeRO engine expects {engine.config.gradient_accumulation_steps} "
+                             f"backward passes per step, the pipeline runs {backwards} on each stage "
+                             f"(micro-batches x model chunks); set gradient_accumulation_steps to it")
         if prefetch is None:   # module docstring: gloo posts receives ahead, NCCL batches them
             pg = state.pp.pg
             prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"

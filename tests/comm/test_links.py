@@ -158,7 +158,7 @@ def test_start_up_report_gives_each_dp_group_and_op_its_bytes(options):
     the host's half Ψ_b/2, 2 (1/2) of it, all across hosts. The dry run lists the same lines."""
     from pretrain.arguments import parse_args
     from pretrain.dry_run import dry_run_report, format_report
-    from pretrain.setup import expected_dp_report
+    from pretrain.startup_report import expected_dp_report
     from tests.training_helpers import tiny_args
     cfg = parse_args(tiny_args(zero=2, precision="bf16",
                                extra=["--gpus-per-node", "2", "--world-size", "4", *options]))[0]
@@ -173,11 +173,11 @@ def test_start_up_report_gives_each_dp_group_and_op_its_bytes(options):
         rows = [("dp", op, 0.75 * psi_b, 0.375 * psi_b) for op in ("all_gather", "reduce_scatter")]
     lines = [f"{g} {op}: {total:,.0f} B per step, {total - cross:,.0f} B inside hosts, "
              f"{cross:,.0f} B across hosts" for g, op, total, cross in rows]
-    text = expected_dp_report(cfg, state, psi)
+    text = expected_dp_report(cfg, cfg.layout(4), state, psi)
     assert text.splitlines() == ["DP bytes per rank per step, expected (ZeRO's formulas over NCCL "
                                  "rings):", *lines]
     report = dry_run_report(cfg, rank=1)
-    assert expected_dp_report(cfg, state, report["params_per_rank"]).splitlines()[1:] == [
+    assert expected_dp_report(cfg, cfg.layout(4), state, report["params_per_rank"]).splitlines()[1:] == [
         line.strip() for line in format_report(report).splitlines() if line.startswith("  dp")]
 
 

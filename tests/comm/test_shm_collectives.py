@@ -177,13 +177,15 @@ TRANSPORT_FLAGS = {None: True, "auto": True, "shm": True, "gloo": False}   # fla
 
 def _from_flags(rank, world_size):
     from pretrain.arguments import parse_args
-    from pretrain.setup import build_parallel_state
+    from hybrid.launch_env import LaunchEnv
+    from pretrain.build import build_parallel_state
     from tests.training_helpers import tiny_args
     on = {}
     for transport in TRANSPORT_FLAGS:
         cfg, _ = parse_args(tiny_args(extra=["--gpus-per-node", str(world_size)])
                             + ([] if transport is None else ["--dp-transport", transport]))
-        on[transport] = build_parallel_state(cfg).dp.shm is not None
+        layout = cfg.validate_for_world(LaunchEnv.from_environ().world_size)
+        on[transport] = build_parallel_state(cfg, layout).dp.shm is not None
     return on
 
 

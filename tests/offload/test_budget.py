@@ -55,7 +55,7 @@ def child(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     budget = args.budget if args.mode != "none" else None
-    if budget is not None:   # as pretrain.setup.build_trainer, before any model state
+    if budget is not None:   # as pretrain.build.prepare_host_memory, before any model state
         return_freed_buffers_to_os()
     config = GPTConfig(args.layers, args.hidden, 8, vocab_size=512, seq_length=8,
                        hidden_dropout=0.0, attention_dropout=0.0)

@@ -74,11 +74,11 @@ def test_unknown_file_keys_are_named(tmp_path):
 def test_batch_arithmetic_against_the_world():
     cfg, _ = parse_args(["--micro-batch-size", "4", "--global-batch-size", "48",
                          "--tensor-model-parallel-size", "2"])
-    assert cfg.grad_accumulation_steps(8) == 3                # 48 = 4 x DP 4 x 3
+    assert cfg.layout(8).micro_batches == 3                # 48 = 4 x DP 4 x 3
     with pytest.raises(TrainConfigError, match=r"global batch 48 is not divisible by micro batch 4 x "
                                                r"data-parallel size 8 = 32; set --global-batch-size "
                                                r"to a multiple of 32"):
-        cfg.grad_accumulation_steps(16)
+        cfg.layout(16)
     with pytest.raises(TrainConfigError, match="cannot be split into TP groups of 2"):
         cfg.validate_for_world(3)
     cfg.parallel.world_size = 16
@@ -107,8 +107,8 @@ def test_table5_presets_match_the_paper():
         assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (
             run.config.num_layers, run.config.hidden_size, run.config.num_attention_heads), name
         assert (p.world_size, p.tensor_model_parallel_size) == (run.gpus, run.tp), name
-        assert cfg.data.micro_batch_size * cfg.grad_accumulation_steps(run.gpus) == run.micro_batch
-        assert cfg.global_batch(run.gpus) == run.global_batch, name
+        assert cfg.data.micro_batch_size * cfg.layout(run.gpus).micro_batches == run.micro_batch
+        assert cfg.layout(run.gpus).global_batch == run.global_batch, name
         assert (p.zero_stage > 0) == run.zero, name
 
 

@@ -88,7 +88,7 @@ def test_native_values_reach_the_config():
     assert (cfg.checkpoint.load_optim, cfg.checkpoint.load_rng) == (False, False)
     assert (cfg.training.recompute_method, cfg.training.recompute_num_layers) == ("block", 1)
     assert cfg.optimizer.override_opt_param_scheduler
-    assert cfg.train_iterations(world_size=2) == 64 // (4 * 2)   # samples / (micro 4 x DP 2)
+    assert cfg.train_iterations(cfg.layout(2)) == 64 // (4 * 2)   # samples / (micro 4 x DP 2)
 
 
 @pytest.mark.parametrize("name", _by_kind(mf.NOOP))

@@ -14,7 +14,7 @@ from pretrain.config import TrainConfigError
 from pretrain.lr_schedule import LRSchedule
 from hybrid.recompute import RecomputePlan
 from pretrain.recompute_method import apply_recompute_method
-from pretrain.setup import recompute_plan
+from pretrain.build import recompute_plan
 from tests.training_helpers import make_trainer, tiny_args
 
 # tiny_args: --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 1, global batch 8, decay = --train-iters

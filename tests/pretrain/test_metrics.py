@@ -153,7 +153,7 @@ def _train_heavy_eval(rank, world_size, tb_dir, save_dir):
     trainer = make_trainer(args)
     trainer.train()
     trainer.metrics.close()
-    return {"config": trainer.cfg.to_dict(), "tokens_per_iteration": trainer.global_batch * SEQ,
+    return {"config": trainer.cfg.to_dict(), "tokens_per_iteration": trainer.layout.global_batch * SEQ,
             "run_dir": str(trainer.metrics.run_dir)}
 
 

@@ -126,12 +126,12 @@ def test_start_up_report_names_the_pipeline_layout():
     from hybrid.parallel_state import ParallelState
     from hybrid.topology import Topology
     from pretrain.arguments import parse_args
-    from pretrain.setup import link_report
+    from pretrain.startup_report import link_report
     cfg, _ = parse_args(["--world-size", "8", "--gpus-per-node", "2", "--num-layers", "8",
                          "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage",
                          "1", "--micro-batch-size", "1", "--global-batch-size", "8"])
     state = ParallelState.dry_run(Topology(8, 1, gpus_per_node=2, pipeline_parallel_size=4), rank=3)
-    text = link_report(state, cfg)
+    text = link_report(state, cfg.pipeline_config(cfg.layout(8)))
     assert "pp group [1, 3, 5, 7]: 3 of its 3 stage boundaries cross hosts" in text
     assert ("pipeline: interleaved, PP 4 stages x 2 model chunk(s) of 1 layers, m 4 micro-batches "
             "per step; stage 1 holds layers [1, 2), [5, 6); bubble (p-1)/(v m+p-1) = 0.273") in text

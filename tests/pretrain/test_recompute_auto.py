@@ -8,7 +8,7 @@ from hybrid.parallel_state import ParallelState
 from hybrid.recompute.plan import MODES
 from pretrain.arguments import parse_args
 from pretrain.config import TrainConfigError
-from pretrain.setup import build_model, gpt_config, recompute_plan
+from pretrain.build import build_model, gpt_config, recompute_plan
 
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--world-size", "1"]
@@ -39,7 +39,7 @@ def test_auto_plan_tightens_with_the_budget_and_trains():
     assert "planned for 1,048,576 B" in str(tight)           # what the trainer prints
     with pytest.raises(ValueError, match="no recompute plan fits"):
         _plan("1KiB")
-    model, _ = build_model(cfg, state, 512)
+    model = build_model(cfg, None, state, 512).model
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     model(tokens, tokens).mean().backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -29,8 +29,9 @@ ENTRY_POINT_DIRS = ("benchmarks", "tools", "launch")
 # docs/design.md §Architecture: one row per layer, lowest first. Rows whose order matters (a package
 # may import only packages to its left) are lists; in a set the order is free (only no cycles).
 LAYERS: list[tuple[str, list[str] | set[str]]] = [
-    ("0 pure", {"hybrid.topology", "hybrid.perf", "hybrid.processes", "hybrid.launch_env",
-                "hybrid.adamw_config", "hybrid.precision_config", "hybrid.zero_policy"}),
+    ("0 pure", {"hybrid.topology", "hybrid.layout", "hybrid.perf", "hybrid.processes",
+                "hybrid.launch_env", "hybrid.adamw_config", "hybrid.precision_config",
+                "hybrid.zero_policy"}),
     ("1 communication", ["hybrid.comm", "hybrid.shm_collectives", "hybrid.parallel_state"]),
     ("2 parallelism", ["hybrid.tensor_parallel", "hybrid.recompute", "hybrid.offload", "hybrid.zero",
                        "hybrid.pipeline", "hybrid.data", "hybrid.generation", "hybrid.testing"]),

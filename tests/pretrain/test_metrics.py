@@ -241,7 +241,7 @@ def test_validation_at_the_end_of_training(iters, evaluated_at):
     trainer.train()
     trainer.metrics.close()
     assert at == evaluated_at
-    assert trainer.ts.consumed_valid_samples == len(evaluated_at) * trainer.global_batch
+    assert trainer.ts.consumed_valid_samples == len(evaluated_at) * trainer.layout.global_batch
 
 
 # --- run directories ------------------------------------------------------------------------

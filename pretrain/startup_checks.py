@@ -22,7 +22,7 @@ def check_save_dir(cfg: TrainConfig) -> None:
     if not cfg.checkpoint.save:
         return
     save = Path(cfg.checkpoint.save)
-    problem = writable_dir_problem(save)
+    problem = writable_dir_problem(save, mode=0o755)   # checkpoints: never world-writable
     if problem:
         raise CheckpointError(f"cannot write checkpoints to --save {str(save)!r} ({problem}); "
                               f"choose a writable directory")
@@ -41,12 +41,13 @@ def check_output_dirs(cfg: TrainConfig) -> None:
                              f"directory this job can create and write")
 
 
-def writable_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be used as an output directory, or None; tries it for real."""
+def writable_dir_problem(path: Path, mode: int = 0o777) -> str | None:
+    """Why ``path`` cannot be used as an output directory, or None; tries it for real, creating it
+    (with ``mode``, less the umask) when it is missing."""
     if path.exists() and not path.is_dir():
         return "it is a file"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()

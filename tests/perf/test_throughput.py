@@ -103,7 +103,7 @@ def test_paper_tables_tool_writes_every_output(tmp_path, capsys):
                  "table1.csv", "table2.csv", "table3.csv", "table5.csv", "table6.csv", "table10.csv",
                  "assumptions.csv", "predictions.csv"):
         assert (tmp_path / name).stat().st_size > 100, name
-    committed = Path(__file__).resolve().parents[1] / "docs" / "paper"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "paper"
     stale = [p.name for p in sorted(tmp_path.glob("*")) if p.suffix in (".md", ".csv")
              and p.read_text() != (committed / p.name).read_text()]
     assert not stale, f"docs/paper is stale: {stale}; regenerate with python -m tools.paper_tables"

@@ -1,7 +1,13 @@
 """Read the tensors of a torch.distributed.checkpoint (DCP) directory, whole, without DCP's loader.
 
-DCP's own ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load``; here every pickle
-goes through :mod:`hybrid.checkpoint.restricted_pickle`. The layout (torch's filesystem storage,
+DCP's own ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load``, which imports and
+calls whatever the file names. Here the ``torch.save`` chunks go through ``torch.load(weights_only=
+True)`` (:func:`hybrid.checkpoint.foreign_files.load_torch`), and ``.metadata`` - a protocol-4
+pickle that torch's weights-only unpickler cannot parse - through :func:`read_metadata`, an
+unpickler whose only way to reach a class or function is the allow-list of
+:func:`~hybrid.checkpoint.foreign_files.grant` (Python's "restricting globals"): a name outside it is
+refused before it is imported. This module is the only one in the framework that imports
+``pickle`` (tests/project/test_security.py checks that). The layout (torch's filesystem storage,
 as Megatron's ``torch_dist`` format writes it):
 
     .metadata          pickled ``Metadata``: per tensor key its global size, dtype and chunks
@@ -18,12 +24,13 @@ refused by name.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
 
+from hybrid.checkpoint.foreign_files import ForbiddenPickleError, grant, load_torch
 from hybrid.checkpoint.format import CheckpointError
-from hybrid.checkpoint.restricted_pickle import load_pickle, load_torch
 
 METADATA_FILE = ".metadata"
 
@@ -35,7 +42,7 @@ class DCPReader:
         if not path.is_file():
             raise CheckpointError(f"{self.directory} has no {METADATA_FILE}: it is not a "
                                   f"torch.distributed.checkpoint directory")
-        metadata = load_pickle(path)
+        metadata = read_metadata(path)
         entries = getattr(metadata, "state_dict_metadata", None)
         storage = getattr(metadata, "storage_data", None)
         if not isinstance(entries, dict) or not isinstance(storage, dict):
@@ -91,3 +98,27 @@ class DCPReader:
             raise CheckpointError(f"{path} holds a {type(tensor).__name__} where chunk "
                                   f"{list(offsets)} of {key} should be a tensor")
         return tensor
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Resolves a pickle's names only through the allow-list (a placeholder for Megatron's)."""
+
+    def __init__(self, file, label: str):
+        super().__init__(file)
+        self.label = label
+
+    def find_class(self, module: str, name: str):
+        granted = grant(f"{module}.{name}", self.label)
+        return granted[0] if isinstance(granted, tuple) else granted
+
+
+def read_metadata(path: str | Path):
+    """DCP's ``.metadata`` pickle, unpickled with names resolved only by the allow-list."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        try:
+            return _AllowListUnpickler(f, str(path)).load()
+        except ForbiddenPickleError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{path} is not a readable pickle ({err}); is it truncated?") from None

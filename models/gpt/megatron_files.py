@@ -24,7 +24,7 @@ iteration (a number, or ``release``):
 :func:`read_megatron` returns a :class:`MegatronCheckpoint`: ``args`` (None when not stored),
 the iteration, and ``{name: full tensor}`` with names ``decoder.layers.<global i>.<param>``, each tensor in Megatron's global layout except SwiGLU's fc1,
 put in ``[gate; up]`` order for both formats. Every pickle is read through
-:mod:`hybrid.checkpoint.restricted_pickle`.
+:mod:`hybrid.checkpoint.foreign_files`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 from hybrid.checkpoint.dcp_reader import DCPReader
 from hybrid.checkpoint.format import CheckpointError
-from hybrid.checkpoint.restricted_pickle import load_torch
+from hybrid.checkpoint.foreign_files import load_torch
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"

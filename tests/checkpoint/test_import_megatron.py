@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hybrid.checkpoint.restricted_pickle import ForbiddenPickleError, load_torch
+from hybrid.checkpoint.foreign_files import ForbiddenPickleError, load_torch
 from hybrid.parallel_state import ParallelState
 from models.gpt.weights import canonical_state_dict, load_model
 from tests.checkpoint import megatron_env

@@ -3,9 +3,10 @@
 * a static scan (``ast``) of every tracked ``.py`` file: no ``torch.load`` without
   ``weights_only=True``, no ``pickle.load(s)``, no ``import pickle`` in hybrid/ models/ launch/ tools/,
   no ``np.load(..., allow_pickle=True)``, no ``yaml.load`` without a safe loader, no ``eval``/``exec``;
-  one file is exempt from the pickle rules: the allow-list unpickler that reads foreign checkpoints
-  (hybrid/checkpoint/restricted_pickle.py), whose ``torch.load`` must pass it as ``pickle_module``
-  and which is checked here to refuse a pickled ``os.system``;
+  one file may import ``pickle``: the reader of torch.distributed.checkpoint's ``.metadata``
+  (hybrid/checkpoint/dcp_reader.py), a protocol-4 pickle torch's weights-only unpickler cannot
+  parse, read by an unpickler that resolves names only through the allow-list; it and the
+  weights-only reader of foreign ``torch.save`` files are checked here to refuse ``os.system``;
 * a checkpoint saved under umask 000 has no world-writable file or directory;
 * the single-machine launchers bind the rendezvous to localhost (``--standalone``);
 * exported weights are safetensors (and nothing pickled is written next to them)."""
@@ -25,7 +26,7 @@ from hybrid.testing.corpus import build_corpus
 from tests.reliability_helpers import ROOT, load_entry, tiny_cli
 
 PICKLE_FREE_DIRS = ("hybrid/", "models/", "launch/", "tools/")
-RESTRICTED_UNPICKLER = "hybrid/checkpoint/restricted_pickle.py"
+ALLOW_LIST_UNPICKLER = "hybrid/checkpoint/dcp_reader.py"   # imports pickle; no pickle.load(s)
 SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader"}
 
 
@@ -69,13 +70,12 @@ def unsafe_calls(path: str, source: str) -> list[str]:
         where = f"{path}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-            if "pickle" in names and path.startswith(PICKLE_FREE_DIRS) and path != RESTRICTED_UNPICKLER:
+            if "pickle" in names and path.startswith(PICKLE_FREE_DIRS) and path != ALLOW_LIST_UNPICKLER:
                 found.append(f"{where}: imports pickle")
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func)
-        if name == "torch.load" and not _is_true(_keyword(node, "weights_only")) and not (
-                path == RESTRICTED_UNPICKLER and _keyword(node, "pickle_module") is not None):
+        if name == "torch.load" and not _is_true(_keyword(node, "weights_only")):
             found.append(f"{where}: torch.load without weights_only=True")
         elif name in ("pickle.load", "pickle.loads", "cPickle.load", "cPickle.loads"):
             if not _round_trip(node):
@@ -105,17 +105,17 @@ def test_scanner_catches_each_pattern():
     assert unsafe_calls("tests/x.py", good) == []
 
 
-def test_restricted_unpickler_is_the_only_exemption_and_refuses_code(tmp_path):
-    from hybrid.checkpoint.restricted_pickle import ForbiddenPickleError, load_pickle, load_torch
+def test_foreign_checkpoint_readers_refuse_code(tmp_path):
+    from hybrid.checkpoint.dcp_reader import read_metadata
+    from hybrid.checkpoint.foreign_files import ForbiddenPickleError, load_torch
 
-    bad = "import pickle\nimport torch\ntorch." "load(f, weights_only=False)\n"
-    assert len(unsafe_calls(RESTRICTED_UNPICKLER, bad)) == 1   # only with its own pickle_module
-    assert len(unsafe_calls("hybrid/checkpoint/other.py", bad)) == 2
+    assert unsafe_calls(ALLOW_LIST_UNPICKLER, "import pickle\n") == []
+    assert len(unsafe_calls("hybrid/checkpoint/other.py", "import pickle\n")) == 1
     marker = tmp_path / "ran"
     payload = b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR."   # os.system(...)
     (tmp_path / "evil.pkl").write_bytes(payload)
     with pytest.raises(ForbiddenPickleError, match="system"):
-        load_pickle(tmp_path / "evil.pkl")
+        read_metadata(tmp_path / "evil.pkl")
     import torch
     torch.save({"x": 1}, tmp_path / "ok.pt")
     assert load_torch(tmp_path / "ok.pt") == {"x": 1}

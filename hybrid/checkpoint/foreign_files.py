@@ -1,0 +1,131 @@
+"""Read the pickled checkpoint files of other frameworks with torch's weights-only unpickler.
+
+A pickle names every class and function it needs and the unpickler imports and calls them: a
+crafted file can name ``os.system``. Our own checkpoints hold no pickle (safetensors + JSON,
+docs/design.md §8); foreign ones do - Megatron-LM's ``model_optim_rng.pt`` and ``common.pt``,
+torch.distributed.checkpoint's ``.metadata`` and the ``torch.save`` blobs in its ``.distcp`` files.
+The ``torch.save`` files are read only by torch's weights-only unpickler
+(``torch.load(weights_only=True)``), which resolves tensors, containers and torch's own types,
+plus the names of :data:`ALLOWED` that a file really holds, granted for that one load through
+``torch.serialization.safe_globals``. ``.metadata`` is a plain protocol-4 pickle that torch's
+weights-only unpickler cannot parse (it has no FRAME, STACK_GLOBAL or MEMOIZE); it goes through
+:func:`hybrid.checkpoint.dcp_reader.read_metadata`, which resolves names by the same
+:func:`grant`. The allow-list:
+
+    tensors    torch's rebuild functions, torch.Size, dtypes and devices (torch.load grants them
+               itself; listed for .metadata)
+    containers collections.OrderedDict, set, frozenset, slice, _codecs.encode (bytes, protocol 2)
+    metadata   argparse.Namespace (Megatron-LM's ``args``); numpy arrays, dtypes and scalars (the
+               numpy RNG state); io.BytesIO (Transformer Engine's ``_extra_state``); the
+               dataclasses of torch.distributed.checkpoint's ``.metadata``
+
+Megatron's own classes (enums in ``args`` such as ``AttnBackend``) are granted as inert
+:class:`ForeignObject` placeholders under their names: Megatron is never imported and nothing of
+theirs runs. Any other name is refused with :class:`ForbiddenPickleError` naming it and the file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+from pathlib import Path
+
+import torch
+
+from hybrid.checkpoint.format import CheckpointError
+
+_DCP = ("torch.distributed.checkpoint.metadata",
+        ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"))
+_DCP_PLANNER = ("torch.distributed.checkpoint.planner",
+                ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"))
+ALLOWED = frozenset({
+    "collections.OrderedDict", "_codecs.encode", "torch.Size", "torch.device",
+    "torch.serialization._get_layout", "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
+    "argparse.Namespace", "_io.BytesIO", "builtins.set", "builtins.frozenset", "builtins.slice",
+    "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar",
+    "numpy._core.multiarray.scalar", "torch.distributed.checkpoint.filesystem._StorageInfo",
+    *(f"{module}.{name}" for module, names in (_DCP, _DCP_PLANNER) for name in names),
+})
+_PLACEHOLDER_PACKAGES = ("megatron",)
+
+
+class ForbiddenPickleError(CheckpointError):
+    """A pickled file names a class or function outside the allow-list."""
+
+
+class ForeignObject:
+    """Inert stand-in for an object of a foreign framework's class (e.g. a Megatron enum in
+    ``args``): records what the pickle asked for, runs none of that class's code."""
+
+    qualified_name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.qualified_name}{self.args!r} (not imported)>"
+
+
+_placeholders: dict[str, type] = {}
+
+
+def _placeholder(qualified: str) -> type:
+    if qualified not in _placeholders:
+        name = qualified.rpartition(".")[2]
+        _placeholders[qualified] = type(name, (ForeignObject,), {"qualified_name": qualified})
+    return _placeholders[qualified]
+
+
+def _allowed(qualified: str) -> bool:
+    module, _, name = qualified.rpartition(".")
+    return (qualified in ALLOWED
+            or (module == "numpy.dtypes" and name.endswith("DType"))   # numpy >= 1.25's dtypes
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+
+
+def grant(qualified: str, label: str):
+    """What ``safe_globals`` grants for the pickle's name ``qualified``: the allowed object, or a
+    placeholder under that name; anything else is refused before it is imported."""
+    if _allowed(qualified):
+        module, _, name = qualified.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+    if qualified.split(".")[0] in _PLACEHOLDER_PACKAGES:
+        return (_placeholder(qualified), qualified)
+    raise ForbiddenPickleError(
+        f"{label} holds a pickled {qualified}, which is not one of the tensor and metadata types a "
+        f"checkpoint needs (docs/checkpoints.md, From Megatron-LM); refusing to unpickle it, since "
+        f"that could run arbitrary code. Import only checkpoints written by Megatron-LM or "
+        f"megatron-core")
+
+
+def load_torch(source: str | Path | bytes, *, name: str | None = None):
+    """``torch.load(weights_only=True)`` of a file (or of the bytes of one, named ``name`` in
+    errors), granting the allowed names it holds; tensors land on the CPU."""
+    label = name or str(source)
+    stream = (lambda: io.BytesIO(source)) if isinstance(source, bytes) else (lambda: source)
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(stream())
+    except Exception as err:
+        raise CheckpointError(f"{label} is not a readable torch.save file ({err}); is it "
+                              f"truncated?") from None
+    granted = [grant(n, label) for n in unsafe]
+    if "numpy.dtype" in unsafe:   # the unpickler builds a dtype as its class (numpy.dtypes.*DType)
+        import numpy.dtypes
+        granted += [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+    with torch.serialization.safe_globals(granted):
+        try:
+            return torch.load(stream(), map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"{label} is not a readable torch.save file ({err}); is it "
+                                  f"truncated?") from None

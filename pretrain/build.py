@@ -153,19 +153,20 @@ def build_model(cfg: TrainConfig, pipeline, state: ParallelState, vocab_size: in
     if pipeline is not None:
         from pretrain.pipeline_stage import build_stage
         stage = build_stage(pipeline, gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
-                            device=state.device, rng=rng, plan=recompute_plan(cfg, gcfg, state),
+                            device=state.device, rng=rng, plan=recompute_plan(cfg, gcfg, state, pipeline),
                             seed=cfg.training.seed)
         return BuiltModel(stage.model, rng, stage)
     meta = cfg.parallel.zero_stage == 3
     model = GPTModel(gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
                      device="meta" if meta else state.device, dtype=torch.float32, rng=rng,
-                     recompute=recompute_plan(cfg, gcfg, state))
+                     recompute=recompute_plan(cfg, gcfg, state, pipeline))
     if not meta:
         model.init_weights(cfg.training.seed)
     return BuiltModel(model, rng, None)
 
 
-def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | None = None):
+def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, pipeline=None,
+                   device: str | None = None):
     """--recompute as a hybrid.recompute plan (None: keep every activation). ``auto`` asks the
     planner for the cheapest per-layer plan whose activations fit --memory-budget on one rank."""
     if cfg.training.recompute == "none":
@@ -177,7 +178,7 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, device: str | N
         memory_budget=cfg.training.memory_budget_bytes,
         bytes_per_element=4 if cfg.optimizer.precision == "fp32" else 2,
         device=device or state.device.type)
-    plan = apply_recompute_method(plan, cfg, state.world_size)
+    plan = apply_recompute_method(plan, cfg, pipeline)
     if state.rank == 0:
         log.info("activation recompute: %s", plan)
     return plan
@@ -234,8 +235,8 @@ def build_pipeline_runner(cfg: TrainConfig, state: ParallelState, built: BuiltMo
                          hidden=cfg.model.hidden_size, sequence_parallel=cfg.parallel.sequence_parallel)
 
 
-def build_train_state(cfg: TrainConfig, built: BuiltModel, optimizer, state: ParallelState,
-                      pipeline, resuming: bool) -> tuple[TrainState, LRSchedule]:
+def build_train_state(cfg: TrainConfig, layout: RunLayout, built: BuiltModel, optimizer,
+                      state: ParallelState, pipeline, resuming: bool) -> tuple[TrainState, LRSchedule]:
     """Where training starts, and its learning-rate schedule: the --load checkpoint's weights,
     optimizer state and counters (``resuming``; its stored schedule against this command line's,
     pretrain.resume_schedule), or a fresh run (also with --finetune: the loaded weights from
@@ -243,7 +244,7 @@ def build_train_state(cfg: TrainConfig, built: BuiltModel, optimizer, state: Par
     or initial) weights. ``pipeline``: the stage with its runner (PP > 1)."""
     train_state = (load_checkpoint(cfg.checkpoint.load, built.model, optimizer, state, cfg,
                                    rng=built.rng) if resuming else None)
-    schedule = run_schedule(cfg, state.world_size, train_state)
+    schedule = run_schedule(cfg, layout, train_state)
     if train_state is None or cfg.checkpoint.finetune:   # iteration 0, a new run id
         train_state = TrainState(run_id=fresh_run_id(state))
     if pipeline is not None and pipeline.tied is not None:

@@ -86,7 +86,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                                       gcfg.padded_vocab_size(state.tp_size), **arch)
     mode = cfg.training.recompute
     if mode == "auto":   # the planner's per-layer plan, estimated for a GPU rank
-        mode = _auto_plan_mode(cfg, gcfg, state)
+        mode = _auto_plan_mode(cfg, gcfg, state, pcfg)
     estimate = device_memory(layers=stage_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                              seq=m.seq_length, vocab=gcfg.vocab_size,
                              micro_batch=cfg.data.micro_batch_size,
@@ -268,10 +268,10 @@ def _span(ranks: list[int]) -> str:
     return str(ranks)
 
 
-def _auto_plan_mode(cfg, gcfg, state) -> str:
+def _auto_plan_mode(cfg, gcfg, state, pipeline) -> str:
     """The most memory-saving mode of the ``--recompute auto`` plan, for the layer-uniform
     estimate of :func:`hybrid.perf.memory.device_memory` (conservative: every layer gets it)."""
     from hybrid.recompute.plan import MODES
     from pretrain.build import recompute_plan
-    plan = recompute_plan(cfg, gcfg, state, device="cuda")
+    plan = recompute_plan(cfg, gcfg, state, pipeline, device="cuda")
     return max(set(plan.modes), key=MODES.index)

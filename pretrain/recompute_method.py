@@ -13,16 +13,17 @@ from __future__ import annotations
 import dataclasses
 
 
-def apply_recompute_method(plan, cfg, world_size: int):
-    """``plan`` shaped by the config's --recompute-method (unchanged without one)."""
+def apply_recompute_method(plan, cfg, pipeline=None):
+    """``plan`` shaped by the config's --recompute-method (unchanged without one); ``pipeline``:
+    the run's :class:`~hybrid.pipeline.PipelineConfig` (None without PP), whose model chunks
+    ``block`` counts its layers in."""
     t = cfg.training
     if t.recompute_method is None:
         return plan
     if t.recompute_method == "uniform":
         return dataclasses.replace(plan, granularity=t.recompute_num_layers)
-    pcfg = cfg.pipeline_config(cfg.layout(world_size))
-    chunks = ([pcfg.layer_range(s, c) for s in range(pcfg.num_stages)
-               for c in range(pcfg.num_model_chunks)] if pcfg else [(0, len(plan.modes))])
+    chunks = ([pipeline.layer_range(s, c) for s in range(pipeline.num_stages)
+               for c in range(pipeline.num_model_chunks)] if pipeline else [(0, len(plan.modes))])
     modes = ["none"] * len(plan.modes)
     for start, stop in chunks:
         for i in range(start, min(stop, start + t.recompute_num_layers)):

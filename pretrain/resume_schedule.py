@@ -75,12 +75,12 @@ def resume_schedule(mine: LRSchedule, saved_record: dict | None, global_batch: i
         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
-def run_schedule(cfg, world_size: int, resumed=None) -> LRSchedule:
-    """The schedule a run trains with: its flags' (:func:`build_lr_schedule`); ``resumed``: the
+def run_schedule(cfg, layout, resumed=None) -> LRSchedule:
+    """The schedule a run on ``layout`` (its :class:`~hybrid.layout.RunLayout`) trains with: its
+    flags' (:func:`build_lr_schedule`); ``resumed``: the
     loaded :class:`~pretrain.resume.TrainState` (None: a new run). --finetune starts the flags'
     schedule at iteration 0; --no-load-optim starts it at the loaded iteration; a full resume
     reconciles it with the checkpoint's (:func:`resume_schedule`)."""
-    layout = cfg.layout(world_size)
     global_batch = layout.global_batch
     schedule = build_lr_schedule(cfg.optimizer, cfg.train_iterations(layout), global_batch,
                                  cfg.training.train_samples)

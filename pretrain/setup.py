@@ -85,8 +85,8 @@ def build_trainer(cfg: TrainConfig, layout: RunLayout, state: ParallelState,
         log.info("%s", expected_dp_report(cfg, layout, state, optimizer.num_local_params,
                                           gpt_config(cfg, data.vocab_size)))
     pipeline = build_pipeline_runner(cfg, state, built, optimizer)   # PP: the schedule drives the engine
-    train_state, schedule = build_train_state(cfg, built, optimizer, state, pipeline,   # --load
-                                              resuming)
+    train_state, schedule = build_train_state(cfg, layout, built, optimizer, state,   # --load
+                                              pipeline, resuming)
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name,
                             run_id=train_state.run_id)   # a resume continues its run's curves
     metrics.log_config(cfg.to_dict())

@@ -42,7 +42,7 @@ def test_wsd_lr_is_megatrons_at_every_iteration(shape):
         "--lr", str(PEAK), "--min-lr", str(FLOOR), "--lr-warmup-iters", "4", "--lr-decay-iters",
         "20", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "8", "--lr-wsd-decay-style",
         shape]))
-    schedule = run_schedule(cfg, world_size=1)
+    schedule = run_schedule(cfg, cfg.layout(1))
     got = [schedule(n) for n in range(24)]
     assert got == pytest.approx([_wsd_expected(n, 4, 20, 8, shape) for n in range(24)],
                                 rel=1e-12, abs=1e-15)
@@ -59,7 +59,7 @@ def test_sample_based_wsd_in_fractional_iterations():
     cfg, _ = parse_args(args + ["--train-samples", "96", "--lr-warmup-samples", "12",
                                 "--lr-decay-samples", "80", "--lr-decay-style", "WSD",
                                 "--lr-wsd-decay-samples", "36", "--lr-wsd-decay-style", "linear"])
-    schedule = run_schedule(cfg, world_size=1)   # global batch 8: W 1.5, D 10, anneal 4.5
+    schedule = run_schedule(cfg, cfg.layout(1))   # global batch 8: W 1.5, D 10, anneal 4.5
     assert [schedule(n) for n in range(12)] == pytest.approx(
         [_wsd_expected(n, 1.5, 10, 4.5, "linear") for n in range(12)], rel=1e-12, abs=1e-15)
 
@@ -69,7 +69,7 @@ def test_inverse_square_root_is_megatrons_at_every_iteration():
     cfg, _ = parse_args(tiny_args(iters=110, extra=[
         "--lr", str(PEAK), "--min-lr", str(floor), "--lr-warmup-iters", "4", "--lr-decay-iters",
         "100", "--lr-decay-style", "inverse-square-root"]))
-    schedule = run_schedule(cfg, world_size=1)
+    schedule = run_schedule(cfg, cfg.layout(1))
     expected = [_warmup(n, 4) if n < 4 else floor if n > 100 else max(floor, PEAK * (4 / n) ** 0.5)
                 for n in range(110)]
     got = [schedule(n) for n in range(110)]

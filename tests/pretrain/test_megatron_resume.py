@@ -111,7 +111,8 @@ def test_recompute_method_shapes_the_plan():
     cfg, _ = parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                          "--global-batch-size", "8", "--recompute-granularity", "full",
                          "--recompute-method", "block", "--recompute-num-layers", "1"])
-    plan = apply_recompute_method(RecomputePlan.uniform("full", 4), cfg, world_size=2)
+    plan = apply_recompute_method(RecomputePlan.uniform("full", 4), cfg,
+                                  cfg.pipeline_config(cfg.layout(2)))
     assert plan.modes == ("full", "none", "full", "none")
 
 

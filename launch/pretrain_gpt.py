@@ -89,6 +89,8 @@ def train(cfg: TrainConfig, options: LaunchOptions, env: LaunchEnv) -> int:
     try:
         trainer = run(cfg, env)
     except user_errors as err:   # found at launch: data, --load, --save, a peer's host
+        if getattr(err, "every_rank", False) and env.local_rank != 0:
+            return 2   # the flags against the checkpoint: the first rank of each host says it
         return report_error(err, env)
     except FloatingPointError as err:   # NaN/Inf loss with --on-nonfinite stop: every rank stops
         report_error(err, env)

@@ -98,6 +98,8 @@ def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type
                                default=argparse.SUPPRESS, help=f"same as --no-{flag[2:]}")
     elif hint == list[str]:
         group.add_argument(flag, nargs="+", metavar="ITEM", **kw)
+    elif list[int] in (hint, *get_args(hint)):
+        group.add_argument(flag, nargs="+", type=int, metavar="INT", **kw)
     else:
         base = next(t for t in (*get_args(hint), hint) if t in (int, float, str))  # X | None -> X
         group.add_argument(flag, type=base, metavar=base.__name__.upper(), **kw)

@@ -90,7 +90,9 @@ def build_data(cfg: TrainConfig, layout: RunLayout, state: ParallelState) -> Dat
     t = cfg.training
     train_iters = cfg.train_iterations(layout)
     evals = train_iters // t.eval_interval + 1
-    counts = (train_iters * layout.global_batch, evals * t.eval_iters * layout.global_batch, 0)
+    ramp = cfg.batch_schedule()
+    trained = ramp.samples_after(train_iters) if ramp else train_iters * layout.global_batch
+    counts = (trained, evals * t.eval_iters * layout.global_batch, 0)
     if state.rank == 0:   # build (and cache) the sample indices once
         build_gpt_datasets(data_path, d.split, cfg.model.seq_length, counts, t.seed,
                            vocab_size=tokenizer.vocab_size, cache_dir=d.data_cache_dir)

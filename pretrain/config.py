@@ -91,6 +91,9 @@ class TrainConfig:
             return t.train_iters
         if t.train_samples is None:
             return DEFAULT_TRAIN_ITERS
+        ramp = self.batch_schedule()
+        if ramp is not None:   # Megatron walks the schedule; the last step may pass the samples
+            return ramp.iterations_for(t.train_samples)
         iters = t.train_samples // layout.global_batch
         if iters < 1:
             raise TrainConfigError(f"--train-samples {t.train_samples} is less than one global batch "
@@ -125,9 +128,32 @@ class TrainConfig:
             return RunLayout.for_world(world_size, tensor_parallel=p.tensor_model_parallel_size,
                                        pipeline_parallel=p.pipeline_model_parallel_size,
                                        micro_batch_size=self.data.micro_batch_size,
-                                       global_batch=self.data.global_batch_size, model_chunks=chunks,
+                                       global_batch=self.nominal_global_batch(), model_chunks=chunks,
                                        seq_length=self.model.seq_length)
         except (LayoutError, PipelineConfigError) as err:
+            raise TrainConfigError(str(err)) from None
+
+    def batch_schedule(self):
+        """The batch ramp (--step-batch-size-schedule / --rampup-batch-size) or None."""
+        return self.data.batch_schedule(self.model.seq_length)
+
+    def nominal_global_batch(self) -> int | None:
+        """--global-batch-size, or a batch schedule's final batch: the layout's global batch, the
+        unit the learning-rate schedule counts in (Megatron's ``global_batch_size``)."""
+        ramp = self.batch_schedule()
+        return ramp.nominal if ramp is not None else self.data.global_batch_size
+
+    def _check_batch_schedule(self, layout: RunLayout) -> None:
+        """Every batch of a ramp is whole micro-batches on each DP rank (x p, interleaved)."""
+        from hybrid.batch_schedule import BatchScheduleError
+        ramp = self.batch_schedule()
+        if ramp is None:
+            return
+        interleaved = layout.pipeline_parallel > 1 and self.parallel.schedule == "interleaved"
+        try:
+            ramp.check_divisible(layout.micro_batch_size, layout.data_parallel,
+                                 layout.pipeline_parallel if interleaved else 1)
+        except BatchScheduleError as err:
             raise TrainConfigError(str(err)) from None
 
     def pipeline_config(self, layout: RunLayout):
@@ -154,6 +180,7 @@ class TrainConfig:
         layout = self.layout(world_size)
         self.check_sections()
         self.pipeline_config(layout)
+        self._check_batch_schedule(layout)
         self.train_iterations(layout)
         o = self.optimizer
         if o.lr_decay_iters is not None and o.lr_decay_iters < o.lr_warmup_iters:

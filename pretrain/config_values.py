@@ -32,6 +32,11 @@ def coerce_value(where: str, hint, value):
                                f"the key to use the default")
     if base == list[str]:
         return _as_list(where, value)
+    if base == list[int]:   # a YAML list, or '16 16 5859375'
+        items = value.split() if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise _wrong(where, value, "a list of integers", "[16, 16, 5859375]")
+        return [_as_int(where, v) for v in items]
     convert = {bool: _as_bool, int: _as_int, float: _as_float, str: _as_str}[base]
     return convert(where, value)
 

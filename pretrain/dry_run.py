@@ -128,9 +128,18 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "recompute": mode, "activations_per_rank": activations,
             "buffers_per_rank": estimate.buffers, "reserved_per_rank": estimate.reserved,
             "global_batch": layout.global_batch, "accumulation_steps": layout.micro_batches,
+            "batch_ramp": _batch_ramp(cfg),
             "precision": o.precision,
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
+
+
+def _batch_ramp(cfg) -> str:
+    """'batch 16 from sample 0, 320 from sample 1171875, ...' for a batch ramp, else ''."""
+    ramp = cfg.batch_schedule()
+    if ramp is None:
+        return ""
+    return ", ".join(f"{batch} from sample {first}" for first, batch in ramp.entries)
 
 
 def _micro_batches_held(pcfg, stage: int) -> float:
@@ -207,7 +216,8 @@ def format_report(r: dict) -> str:
              f"across nodes)",
              *(f"  {line}" for line in describe_collectives(r["dp_collectives"])),
              *(_pipeline_lines(r) if r["pipeline"] is not None else []),
-             f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation",
+             f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation"
+             + (f"; ramp: {r['batch_ramp']}" if r["batch_ramp"] else ""),
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
              f"rank; " + (f"at the {r['peak_tflops']:.0f} TFLOP/s peak, >= "
                           f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"

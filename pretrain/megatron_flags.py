@@ -333,11 +333,11 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     # ---- batches, length, recompute ----
     _native("--micro-batch-size", "data.micro_batch_size", "samples per rank per micro-step", int),
     _native("--global-batch-size", "data.global_batch_size", "samples per optimizer step", int),
-    _refused("--rampup-batch-size", "grow the global batch over the first samples",
-             "train with a constant --global-batch-size (batch ramps are not implemented)"),
-    _refused("--step-batch-size-schedule", "step-wise global-batch schedule over the consumed "
-             "tokens", "train with a constant --global-batch-size (batch schedules are not "
-             "implemented)"),
+    _native("--rampup-batch-size", "data.rampup_batch_size", "grow the global batch linearly "
+            "from START by INCREMENT over SAMPLES samples (deprecated in Megatron, which now "
+            "ignores it; here it is the step schedule it describes)", int),
+    _native("--step-batch-size-schedule", "data.step_batch_size_schedule", "step-wise "
+            "global-batch schedule over the consumed tokens", str),
     _native("--train-iters", "training.train_iters", "optimizer steps", int),
     _native("--train-samples", "training.train_samples", "samples to train on", int),
     _native("--exit-interval", "training.exit_interval", "save and exit after an iteration that "
@@ -603,9 +603,10 @@ python launch/pretrain_gpt.py --num-layers 96 --hidden-size 12288 --num-attentio
 
 Where a flag's behaviour differs in a detail, it is said here:
 
-- Batch-size ramps (`--rampup-batch-size`, `--step-batch-size-schedule`) are refused, so Megatron's
-  GPT-3 175B example runs with a constant `--global-batch-size` (tests/pretrain/test_megatron_flags.py runs
-  its flag set, scaled to a tiny model, without that one flag).
+- `--step-batch-size-schedule` may be given with a `--global-batch-size` equal to its last batch
+  (Megatron refuses the pair, though its GPT-3 175B example passes both); every batch of the
+  schedule must be whole micro-batches on each DP rank from the start (Megatron checks the current
+  one). `--rampup-batch-size`, which Megatron now ignores, ramps linearly as its help describes.
 - The warm-up is one iteration ahead of Megatron's: the first step trains at `lr / warmup` where
   Megatron's trains at 0, and the peak is reached one step earlier; the decay is the same.
 - `--sequence-parallel` at `--tensor-model-parallel-size 1` is an error here (Megatron switches it

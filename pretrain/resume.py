@@ -35,6 +35,7 @@ from hybrid.tensor_parallel.random import RNGStates
 from models.gpt.config import GPTConfig
 from hybrid.pipeline.stage import StageChunks
 from models.gpt.model import GPTModel
+from pretrain.sections import found_by_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,9 @@ def check_model_compatible(saved: dict, mine: dict) -> None:
              f"{mine.get(k, defaults[k])!r}"
              for k in _DIMS if saved.get(k, defaults[k]) != mine.get(k, defaults[k])]
     if diffs:
-        raise CheckpointError("the checkpoint was written by a model with other dims (" +
-                              "; ".join(diffs) + "); use the checkpoint's dims (its metadata.json "
-                              "holds its config) or another checkpoint")
+        raise found_by_every_rank(CheckpointError(
+            "the checkpoint was written by a model with other dims (" + "; ".join(diffs) + "); use "
+            "the checkpoint's dims (its metadata.json holds its config) or another checkpoint"))
 
 
 def load(path: str | Path, model: GPTModel | StageChunks, optimizer: CheckpointState, state: ParallelState, config,

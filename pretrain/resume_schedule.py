@@ -20,7 +20,7 @@ import logging
 import math
 
 from pretrain.lr_schedule import LRSchedule, build_lr_schedule
-from pretrain.sections import TrainConfigError
+from pretrain.sections import TrainConfigError, found_by_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,10 @@ def resume_schedule(mine: LRSchedule, saved_record: dict | None, global_batch: i
         log.info("--use-checkpoint-opt_param-scheduler: training with the checkpoint's schedule (%s)",
                  "; ".join(diffs))
         return saved
-    raise TrainConfigError(
+    raise found_by_every_rank(TrainConfigError(
         "the learning-rate schedule differs from the checkpoint's: " + "; ".join(diffs) + "; pass "
         "--override-opt_param-scheduler to train with this command line's schedule, or "
-        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"))
 
 
 def run_schedule(cfg, layout, resumed=None) -> LRSchedule:

@@ -27,6 +27,14 @@ class TrainConfigError(ValueError):
     """An invalid training configuration; the message says which flag to change and how."""
 
 
+def found_by_every_rank(err: Exception) -> Exception:
+    """Mark ``err`` as bad input every rank finds alike (this command line against the checkpoint
+    they all read): the entry point prints it once per host, as it does config errors, instead of
+    once per rank."""
+    err.every_rank = True
+    return err
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -322,6 +330,12 @@ class DataSection:
     micro_batch_size: int = _help("samples per rank per forward/backward", default=4)
     global_batch_size: int | None = _help("samples per optimizer step (default: micro x DP)",
                                           default=None)
+    step_batch_size_schedule: str | None = _help(
+        "global batch by tokens consumed, 'THRESHOLD:BATCH ...' with K/M/B/T suffixes, e.g. "
+        "'0:16 2.4B:320 12B:1536' (hybrid/batch_schedule.py)", default=None)
+    rampup_batch_size: list[int] | None = _help(
+        "START INCREMENT SAMPLES: grow the batch linearly from START to --global-batch-size over "
+        "SAMPLES samples", default=None)
     data_path: list[str] = _help("'prefix' or 'w1 prefix1 w2 prefix2 ...' (empty: embedded corpus)",
                                  default_factory=list)
     split: str = _help("train,valid,test proportions", default="969,30,1")
@@ -340,6 +354,7 @@ class DataSection:
     def __post_init__(self) -> None:
         _positive(self, "micro_batch_size")
         _positive(self, "global_batch_size", allow_none=True)
+        self._check_batch_ramp()
         if isinstance(self.data_path, str):
             self.data_path = self.data_path.split()
         self.weighted_data_paths()  # validates
@@ -355,6 +370,30 @@ class DataSection:
         if len(weights) > 3 or any(w < 0 for w in weights) or weights[0] <= 0:
             raise TrainConfigError(f"--split {self.split!r} needs up to 3 non-negative weights with a "
                                    f"positive training share, e.g. '969,30,1'")
+
+    def _check_batch_ramp(self) -> None:
+        ramp, steps = self.rampup_batch_size, self.step_batch_size_schedule
+        if ramp is not None and steps is not None:
+            raise TrainConfigError("give one of --rampup-batch-size and --step-batch-size-schedule")
+        if ramp is not None:
+            if len(ramp) != 3:
+                raise TrainConfigError(f"--rampup-batch-size takes three numbers, START INCREMENT "
+                                       f"SAMPLES, got {' '.join(map(str, ramp))}")
+            if self.global_batch_size is None:
+                raise TrainConfigError("--rampup-batch-size ramps up to --global-batch-size; set it")
+
+    def batch_schedule(self, seq_length: int):
+        """The :class:`~hybrid.batch_schedule.BatchSchedule` of a batch ramp, else None."""
+        from hybrid.batch_schedule import BatchSchedule, BatchScheduleError
+        try:
+            if self.step_batch_size_schedule is not None:
+                return BatchSchedule.parse(self.step_batch_size_schedule, seq_length,
+                                           self.global_batch_size)
+            if self.rampup_batch_size is not None:
+                return BatchSchedule.rampup(*self.rampup_batch_size, final=self.global_batch_size)
+        except BatchScheduleError as err:
+            raise TrainConfigError(str(err)) from None
+        return None
 
     def weighted_data_paths(self) -> list[tuple[float, str]]:
         """``[(weight, prefix), ...]``; a single bare prefix gets weight 1."""

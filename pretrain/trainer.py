@@ -12,7 +12,8 @@
 
 Global batch = micro batch x DP x accumulation steps; each DP rank reads its slice of every micro-step
 from a sampler driven by the consumed-samples count, which the checkpoint stores, so a resumed run
-continues at exactly the next sample.
+continues at exactly the next sample. With a batch ramp (hybrid/batch_schedule.py) each step's
+global batch comes from that count too, and so does the learning rate (in steps of the final batch).
 
 With pipeline parallelism (:mod:`pretrain.pipeline_stage`) the accumulation steps are the
 pipeline's m micro-batches: a step is one run of the schedule over them, the loss comes from the last
@@ -27,6 +28,7 @@ So does ``--compile``'s compilation in the first steps (``compile-time``, the to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -60,6 +62,7 @@ class IntervalStats:
     last_loss_scale: float = 1.0
     ledger_mark: int = 0
     bubble_sum: float = 0.0       # pipeline: measured bubble fractions of the iterations
+    samples: int = 0              # trained (a batch ramp changes the global batch per step)
 
 
 class Trainer:
@@ -78,6 +81,9 @@ class Trainer:
         self._links_logged = False   # the first interval's bytes per group and op, logged once
         self.ts = train_state or TrainState()
         self.train_iters = cfg.train_iterations(layout)
+        self.ramp = cfg.batch_schedule()   # a batch ramp, or None: every step is ``layout``
+        self.step_layout = layout          # this step's micro-batches and global batch
+        self.last_lr = float("nan")
         self.ts.lr_schedule = schedule.record(layout.global_batch)   # stored with every checkpoint
         self._guard_nonfinite = cfg.optimizer.precision != "fp16"   # fp16: the scaler skips
         self.last_saved_iteration: int | None = None
@@ -93,7 +99,8 @@ class Trainer:
         with ExitCondition(self.state.world, self.cfg.training.exit_duration_in_mins,
                            device=self.state.device) as stop:
             while self.ts.iteration < self.train_iters:
-                loss, result = self.train_step(loader, self.schedule(self.ts.iteration))
+                self._follow_batch_ramp()
+                loss, result = self.train_step(loader, self._learning_rate())
                 self._account_compile(stats, on_clock=True)
                 self._advance(stats, loss, result)
                 if self._due(self.cfg.logging.log_interval):
@@ -125,7 +132,7 @@ class Trainer:
         if self.pipeline is not None:
             total, nonfinite = self._pipeline_losses(loader)
         else:
-            total, nonfinite, m = 0.0, False, self.layout.micro_batches
+            total, nonfinite, m = 0.0, False, self.step_layout.micro_batches
             for _ in range(m):
                 loss = self._micro_batch_loss(next(loader))
                 self.optimizer.backward(loss / m)
@@ -149,11 +156,38 @@ class Trainer:
         """One run of the pipeline schedule over the step's m micro-batches: (this rank's mean
         loss, 0 off the last stage; whether it is non-finite); measures the step's bubble."""
         from pretrain.pipeline_stage import micro_batches, pipeline_bubble
-        m = self.layout.micro_batches
+        m = self.step_layout.micro_batches
         output = self.pipeline.runner.step(micro_batches(loader, m, self.state.device))
         self._step_bubble = pipeline_bubble(self.pipeline, output, self.state)
         loss = output.loss if output.loss is not None else 0.0
         return loss, not math.isfinite(loss)
+
+    def _learning_rate(self) -> float:
+        """The schedule where this step stands: its iteration, or with a batch ramp the samples
+        consumed in steps of the nominal global batch (Megatron steps its scheduler by samples)."""
+        position = (self.ts.iteration if self.ramp is None
+                    else self.ramp.position(self.ts.consumed_train_samples))
+        self.last_lr = self.schedule(position)
+        return self.last_lr
+
+    def _follow_batch_ramp(self) -> None:
+        """With a batch ramp, this step's global batch from the samples consumed: the micro-batches
+        per step of the loop, the ZeRO engine's backward count and the pipeline's schedule."""
+        if self.ramp is None:
+            return
+        batch = self.ramp.batch_at(self.ts.consumed_train_samples)
+        if batch == self.step_layout.global_batch and self.ts.iteration:
+            return
+        layout = self.layout
+        step = dataclasses.replace(layout, micro_batches=batch // (layout.micro_batch_size
+                                                                   * layout.data_parallel))
+        self.optimizer.set_gradient_accumulation_steps(step.backwards_per_step)
+        if self.pipeline is not None:
+            self.pipeline.runner.set_micro_batches(step.micro_batches)
+        if step.global_batch != self.step_layout.global_batch:
+            log.info("iteration %d: global batch %d (%d micro-batches per DP rank), batch ramp",
+                     self.ts.iteration + 1, step.global_batch, step.micro_batches)
+        self.step_layout = step
 
     def _step_agreement(self, loss: float, nonfinite: bool) -> tuple[float, bool]:
         """One world all-reduce per step (bookkeeping, kept out of the comm ledger): the DP-mean
@@ -276,9 +310,10 @@ class Trainer:
 
     def _advance(self, stats: IntervalStats, loss: float, result) -> None:
         self.ts.iteration += 1
-        self.ts.consumed_train_samples += self.layout.global_batch
+        self.ts.consumed_train_samples += self.step_layout.global_batch
         self.losses.append(loss)
         stats.iterations += 1
+        stats.samples += self.step_layout.global_batch
         stats.bubble_sum += self._step_bubble
         stats.last_loss_scale = result.loss_scale
         if result.skipped:
@@ -295,13 +330,16 @@ class Trainer:
         wall = time.perf_counter() - stats.start
         seconds = (wall - stats.off_clock) / stats.iterations     # training only
         good = stats.iterations - stats.skipped
+        # the throughput model counts the FLOPs of a nominal global batch: per nominal batch, a
+        # ramp's smaller steps take proportionally less time
+        nominal = seconds * self.layout.global_batch * stats.iterations / stats.samples
         m = {"lm loss": stats.loss_sum / good if good else float("nan"),
-             "learning-rate": self.schedule(self.ts.iteration - 1),
+             "learning-rate": self.last_lr,
              "loss-scale": stats.last_loss_scale, "grad-norm": stats.last_grad_norm,
-             "batch-size": float(self.layout.global_batch), "iteration-time": seconds,
-             "tokens-per-second": self.layout.tokens_per_step / seconds,
-             "throughput": self.throughput.tflops_per_rank(seconds),      # Megatron: TFLOP/s/GPU
-             "mfu": self.throughput.mfu(seconds), **self.throughput.roofline(seconds),
+             "batch-size": float(self.step_layout.global_batch), "iteration-time": seconds,
+             "tokens-per-second": self.layout.tokens_per_step / nominal,
+             "throughput": self.throughput.tflops_per_rank(nominal),      # Megatron: TFLOP/s/GPU
+             "mfu": self.throughput.mfu(nominal), **self.throughput.roofline(nominal),
              "skipped-iterations": float(self.ts.skipped_iterations),
              "consumed-samples": float(self.ts.consumed_train_samples),
              **memory_bytes(self.state.device), **self._model_state_bytes(),

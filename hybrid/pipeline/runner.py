@@ -42,6 +42,7 @@ activation gradient is posted right after its backward, never behind the tied em
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -98,27 +99,39 @@ class PipelineRunner:
         if len(chunks) != config.num_model_chunks:
             raise ValueError(f"{len(chunks)} model chunks on this stage, the config says "
                              f"{config.num_model_chunks}")
-        self.state, self.config, self.chunks = state, config, chunks
+        self.state, self.chunks = state, chunks
         self.shape, self.dtype, self.engine, self.tied = activation_shape, dtype, engine, tied
         self.stage, self.p, self.v = state.pp_rank, config.num_stages, config.num_model_chunks
-        self.actions = build_schedule(config)[self.stage]
-        backwards = sum(a.kind == "B" for a in self.actions)   # m v (RunLayout.backwards_per_step)
-        if engine is not None and engine.config.gradient_accumulation_steps != backwards:
-            raise ValueError(f"the ZeRO engine expects {engine.config.gradient_accumulation_steps} "
-                             f"backward passes per step, the pipeline runs {backwards} on each stage "
-                             f"(micro-batches x model chunks); set gradient_accumulation_steps to it")
+        self._plan(config)
         if prefetch is None:   # module docstring: gloo posts receives ahead, NCCL batches them
             pg = state.pp.pg
             prefetch = pg is None or torch.distributed.get_backend(pg) == "gloo"
         self.prefetch = prefetch
-        groups = exchange_groups(self.actions)   # NCCL: after group g, its sends + g+1's receives
-        self._exchange_after = {g[-1]: (groups[k + 1] if k + 1 < len(groups) else [])
-                                for k, g in enumerate(groups)}
-        self._last_backward = {c: max(i for i, a in enumerate(self.actions)
-                                      if a.kind == "B" and a.chunk == c) for c in range(self.v)}
         # receive buffers, reused across micro-batches and steps: an activation's once the
         # backward that consumed it is done, a gradient's once its backward is done
         self._free: dict[str, list[torch.Tensor]] = {"F": [], "B": []}
+
+    def _plan(self, config: PipelineConfig) -> None:
+        """This stage's actions for ``config`` and what the step derives from them."""
+        actions = build_schedule(config)[self.stage]
+        backwards = sum(a.kind == "B" for a in actions)   # m v (RunLayout.backwards_per_step)
+        engine = self.engine
+        if engine is not None and engine.config.gradient_accumulation_steps != backwards:
+            raise ValueError(f"the ZeRO engine expects {engine.config.gradient_accumulation_steps} "
+                             f"backward passes per step, the pipeline runs {backwards} on each stage "
+                             f"(micro-batches x model chunks); set gradient_accumulation_steps to it")
+        self.config, self.actions = config, actions
+        groups = exchange_groups(actions)   # NCCL: after group g, its sends + g+1's receives
+        self._exchange_after = {g[-1]: (groups[k + 1] if k + 1 < len(groups) else [])
+                                for k, g in enumerate(groups)}
+        self._last_backward = {c: max(i for i, a in enumerate(actions)
+                                      if a.kind == "B" and a.chunk == c) for c in range(self.v)}
+
+    def set_micro_batches(self, m: int) -> None:
+        """Run ``m`` micro-batches per step from the next step on (a batch ramp); the engine must
+        already count m v backwards (``ZeroEngine.set_gradient_accumulation_steps``)."""
+        if m != self.config.num_micro_batches:
+            self._plan(dataclasses.replace(self.config, num_micro_batches=m))
 
     # ---- messages ------------------------------------------------------------------------------
     def _virtual(self, action: Action) -> int:

@@ -132,6 +132,17 @@ class ZeroEngine:
         self.optimizer_state.drop_staged_grads()
         self._micro_batches = 0
 
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Count ``steps`` backwards per step from the next step on (a batch ramp changes them
+        between steps); the config object is shared with the engine's parts, so it changes in
+        place."""
+        if self._micro_batches not in (0, self.config.gradient_accumulation_steps):
+            raise RuntimeError(f"the accumulation count changes between steps only; "
+                               f"{self._micro_batches} backward() calls are pending")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps!r}")
+        self.config.gradient_accumulation_steps = steps
+
     def check_micro_batches(self) -> None:
         accum = self.config.gradient_accumulation_steps
         if self._micro_batches != accum:

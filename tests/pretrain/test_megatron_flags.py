@@ -196,11 +196,12 @@ def test_keep_all_checkpoints_and_detected_peak_by_default():
 # ---- Megatron's GPT-3 175B example (examples/gpt3/train_gpt3_175b_distributed.sh) ---------------
 # Its flag set, each value scaled to a tiny model where it is a size, everything else as written;
 # --data-path points at a tiny corpus and --tokenizer-model stands for --vocab-file/--merge-file.
-# Left out: --step-batch-size-schedule (a batch ramp, refused: test_gpt3_batch_ramp_is_refused).
+# Its batch ramp, scaled: 2 samples per step until 32 tokens (2 samples of 16) are consumed, then 4.
 def gpt3_175b_flags(data: dict, ckpt: Path, runs: Path) -> list[str]:
     model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--attention-backend", "auto"]
-    training = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3",
+    training = ["--micro-batch-size", "1", "--global-batch-size", "4",
+                "--step-batch-size-schedule", "0:2 32:4", "--train-iters", "3",
                 "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
                 "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
                 "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
@@ -214,16 +215,12 @@ def gpt3_175b_flags(data: dict, ckpt: Path, runs: Path) -> list[str]:
     return model + training + model_parallel + data_args + eval_and_logging
 
 
-def test_gpt3_batch_ramp_is_refused():
-    with pytest.raises(TrainConfigError, match="step-wise global-batch schedule .* constant "
-                                               "--global-batch-size"):
-        parse_args(["--step-batch-size-schedule", "0:16 2.4B:320 12B:1536"])
-
-
 def test_gpt3_175b_example_runs(tmp_path):
-    """Two CPU ranks (PP 2), fp16, the example's schedule: Megatron's learning rate at every
-    iteration (warm-up of .001 x 3 iterations, cosine to --min-lr at --lr-decay-iters) and a
-    checkpoint that stores it. Resume semantics: tests/pretrain/test_megatron_resume.py."""
+    """Two CPU ranks (PP 2), fp16, the example's schedules: the batch ramp (2 samples, then 4:
+    the pipeline runs 2 then 4 micro-batches, the ZeRO engine counts them), Megatron's learning
+    rate at the samples consumed before each step in units of the final batch (warm-up of .001 x 3
+    iterations, cosine to --min-lr at --lr-decay-iters) and a checkpoint that stores both.
+    Resume semantics: tests/pretrain/test_megatron_resume.py."""
     from hybrid.testing.corpus import build_corpus
     from hybrid.testing.subprocesses import child_env
     from tests.reliability_helpers import torchrun
@@ -236,8 +233,11 @@ def test_gpt3_175b_example_runs(tmp_path):
     assert "done: 3 iterations" in run.stderr
     schedule = LRSchedule(6.0e-5, 6.0e-6, 0.001 * 3, 3, "cosine")
     logged = [float(x) for x in re.findall(r"\| lr ([0-9.e+-]+) \|", run.stderr)]
-    assert logged == pytest.approx([schedule(i) for i in range(3)], rel=1e-3)
+    consumed_before = [0, 2, 6]   # batches 2, 4, 4
+    assert logged == pytest.approx([schedule(c / 4) for c in consumed_before], rel=1e-3)
+    assert "iteration 2: global batch 4 (4 micro-batches per DP rank), batch ramp" in run.stderr
     meta = json.loads((ckpt / "iter_0000003" / "metadata.json").read_text())
+    assert meta["train_state"]["consumed_train_samples"] == 10
     cfg = meta["config"]
     assert (cfg["parallel"]["pipeline_model_parallel_size"], cfg["optimizer"]["fp16"]) == (2, True)
     assert meta["train_state"]["lr_schedule"] == pytest.approx(schedule.record(4))

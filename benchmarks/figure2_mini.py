@@ -71,7 +71,11 @@ READING = """How to read it. ZeRO (b) trains the same model 1.6-2.2x faster than
 across hosts (a), the paper's Figure 2 effect: (a) sends half of its TP ring bytes across hosts (2
 of the 4 ring hops cross), 3.94 MB per rank per step, while (b) sends only its DP bytes, 0.93 MB
 (Ψ/TP fp32 elements: one reduce-scatter and one all-gather over DP 2), and its TP bytes stay inside
-the host. Both reach the same loss. The model predicts all six points within 25% (-4% to -17%).
+the host. Both reach the same loss. The model predicts all six points of this run within 25% (-4%
+to -17%), but not in every run: it is low for ZeRO (b) in each, and a fresh run on a loaded machine
+measured -35% and -28% at 25 and 50 Mbit/s. So the error it really has is: Megatron (a) -4% to
+-10%, ZeRO (b) -14% to -35%, the low end where the link is slowest and the machine busiest (the
+reasons below).
 
 What the link really delivers to each collective (the probe, at the run's message sizes): gloo's
 ring all-reduce over TP 4 gets 93-95% of the filter's rate (one crossing stream per host and

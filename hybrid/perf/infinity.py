@@ -88,6 +88,18 @@ def working_memory_bytes(largest_operator_params: float, *, tile_factor: int = 1
     return bytes_per_element * largest_operator_params / tile_factor
 
 
+def largest_gather(params, tile_factor: int = 1) -> tuple[str, float]:
+    """(name, elements) of the largest piece gathered at once from ``params``, an iterable of
+    (name, elements, tileable): under memory-centric tiling a tileable parameter (a linear layer's
+    weight) is gathered one of ``tile_factor`` tiles at a time, the others whole."""
+    _positive(tile_factor=tile_factor)
+    best = max(((name, n / tile_factor if tileable else float(n)) for name, n, tileable in params),
+               key=lambda item: item[1], default=None)
+    if best is None:
+        raise ValueError("no parameters: the model has nothing to gather")
+    return best
+
+
 def paper_working_memory_bytes(hidden: int, tile_factor: int = 1) -> float:
     """§3's model-state working memory of a transformer: the hd -> 4hd linear, 4 x hd x 4hd bytes
     (divided by the tile factor with tiling)."""

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.perf.architecture import GPT2, Architecture
+
 MODEL_STATE_BYTES_PER_PARAM = 20    # §3: fp16 param + grad (4), fp32 master, m, v, grad (16)
 OPTIMIZER_STATE_BYTES_PER_PARAM = 16
 WORKING_BYTES_PER_ELEMENT = 4       # §3: the operator's fp16 parameters and gradients together
@@ -98,6 +100,18 @@ def largest_gather(params, tile_factor: int = 1) -> tuple[str, float]:
     if best is None:
         raise ValueError("no parameters: the model has nothing to gather")
     return best
+
+
+def gpt_largest_parameter(hidden: int, vocab_padded: int, *, tp: int = 1, heads: int | None = None,
+                          arch: Architecture = GPT2) -> tuple[str, float]:
+    """(name, elements) of the largest parameter one TP rank of a GPT holds: the word embedding
+    (V / t x h), the fused QKV (h x (h + 2 g d) / t) or the MLP's input weight (h x f / t; gate and
+    up fused with SwiGLU) - the piece ZeRO-3 gathers whole without tiling."""
+    _positive(hidden=hidden, vocab_padded=vocab_padded, tp=tp)
+    h, f = hidden, arch.ffn(hidden)
+    return max((("word embedding", vocab_padded * h / tp),
+                ("QKV", h * (h + 2 * arch.kv_hidden(h, heads)) / tp),
+                ("MLP input", h * f * (2 if arch.swiglu else 1) / tp)), key=lambda item: item[1])
 
 
 def paper_working_memory_bytes(hidden: int, tile_factor: int = 1) -> float:

@@ -88,3 +88,15 @@ def test_tool_refuses_to_overwrite(tmp_path, capsys):
     assert run_cli(tables.main, ["--out", str(tmp_path)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert (tmp_path / tables.PAGE).read_text() == "keep"
+
+
+def test_largest_parameter_and_tiling():
+    from hybrid.perf.architecture import Architecture
+    assert inf.gpt_largest_parameter(768, 50304) == ("word embedding", 50304 * 768)
+    assert inf.gpt_largest_parameter(16384, 1024, tp=2) == ("MLP input", 16384 * 65536 / 2)
+    swiglu = Architecture(ffn_hidden=1000, swiglu=True)
+    assert inf.gpt_largest_parameter(512, 128, arch=swiglu) == ("MLP input", 512 * 2000)
+    sizes = [("embedding", 100, False), ("fc1", 400, True), ("qkv", 300, True)]
+    assert inf.largest_gather(sizes) == ("fc1", 400)
+    assert inf.largest_gather(sizes, tile_factor=4) == ("embedding", 100)   # 400 / 4 = 100 ties
+    assert inf.largest_gather(sizes, tile_factor=2) == ("fc1", 200)

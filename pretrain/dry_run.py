@@ -21,6 +21,11 @@ from the meta-built chunks), the activations of the micro-batches its schedule k
 through its L / p layers, and the logits on the last stage only; its point-to-point bytes are the
 activations and gradients it sends per step. ZeRO stage 2 with PP is counted as stage 1, which the
 engine runs instead (:func:`hybrid.zero_policy.stage_with_pipeline`).
+
+ZeRO-Infinity §3-§4 (:mod:`hybrid.perf.infinity`, issue 35): the working memory (the largest
+parameter gathered whole with its gradient; one recomputed layer's activations) and, for what the
+run offloads, the bandwidth per GPU the step needs for --offload-target-efficiency at --peak-tflops
+against the declared --host-offload-bandwidth / --nvme-offload-bandwidth.
 """
 
 from __future__ import annotations

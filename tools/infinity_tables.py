@@ -288,7 +288,8 @@ and the activation working memory of one layer's recompute - and, for offloaded 
 (`--offload-optimizer cpu|nvme`, `--offload-params nvme`), the bandwidth per GPU the step needs for
 the stated efficiency (`--offload-target-efficiency`, default 0.9) against the host's declared
 bandwidth (`--host-offload-bandwidth`, `--nvme-offload-bandwidth`, GB/s per GPU; DGX-2 figures by
-default) at `--peak-tflops`. `tools/rank_layouts.py` prints the same working-memory line for the
+default; `python -m benchmarks.offload_bandwidth` measures them on a host) at `--peak-tflops`.
+`tools/rank_layouts.py` prints the same working-memory line for the
 top layout and the published one, and with `--offload cpu|nvme` the optimizer-state bandwidth each
 layout needs on the preset's cluster."""
 

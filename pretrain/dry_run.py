@@ -21,11 +21,18 @@ from the meta-built chunks), the activations of the micro-batches its schedule k
 through its L / p layers, and the logits on the last stage only; its point-to-point bytes are the
 activations and gradients it sends per step. ZeRO stage 2 with PP is counted as stage 1, which the
 engine runs instead (:func:`hybrid.zero_policy.stage_with_pipeline`).
+
+ZeRO-Infinity §3-§4 (:mod:`hybrid.perf.infinity`, issue 35): the working memory (the largest
+parameter gathered whole with its gradient; one recomputed layer's activations) and, for what the
+run offloads, the bandwidth per GPU the step needs for --offload-target-efficiency at --peak-tflops
+against the declared --host-offload-bandwidth / --nvme-offload-bandwidth.
 """
 
 from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
+from hybrid.perf import infinity
+from hybrid.perf.hardware import DGX2_PARAM_GATHER_BANDWIDTH
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
@@ -130,6 +137,9 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "global_batch": layout.global_batch, "accumulation_steps": layout.micro_batches,
             "batch_ramp": _batch_ramp(cfg),
             "precision": o.precision,
+            **_working_memory(chunks, param_bytes, estimate.working),
+            "offload_needs": _offload_needs(cfg, mode, dp if zero_stage else 1, shard.size),
+            "offload_target": p.offload_target_efficiency,
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
             "peak_tflops": cfg.logging.peak_tflops}
 
@@ -140,6 +150,69 @@ def _batch_ramp(cfg) -> str:
     if ramp is None:
         return ""
     return ", ".join(f"{batch} from sample {first}" for first, batch in ramp.entries)
+
+
+def _working_memory(chunks, param_bytes: int, activation_working: float,
+                    tile_factor: int = 1) -> dict:
+    """ZeRO-Infinity §3's working memory of this rank: the largest parameter (its TP shard) gathered
+    whole with its gradient in the run's precision, and one layer's recompute activations (the
+    memory model's working term). Issue 35's --tile-factor passes ``tile_factor``: a linear's weight
+    is then gathered a tile at a time (hybrid.perf.infinity.largest_gather)."""
+    from hybrid.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelOutput
+    tileable = set()
+    for chunk in chunks:
+        for module in chunk.modules():
+            if (isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                    and not isinstance(module, VocabParallelOutput)):
+                tileable.update(id(t) for t in module.parameters(recurse=False))
+    sizes = [(name, t.numel(), id(t) in tileable) for chunk in chunks
+             for name, t in chunk.named_parameters()]
+    name, elements = infinity.largest_gather(sizes, tile_factor)
+    return {"largest_gather": (name, elements), "tile_factor": tile_factor,
+            "working_memory_per_rank": infinity.working_memory_bytes(
+                elements, bytes_per_element=2 * param_bytes),
+            "activation_working_per_rank": activation_working}
+
+
+def _offload_needs(cfg: TrainConfig, mode: str, dp: int, shard: int) -> list:
+    """ZeRO-Infinity §4 for what this run offloads: the bandwidth per GPU each kind of offloaded
+    data needs for --offload-target-efficiency at --peak-tflops, against the declared host
+    (--host-offload-bandwidth) or NVMe (--nvme-offload-bandwidth) bandwidth. Optimizer states are
+    the rank's 1/shard partition; parameters offloaded to NVMe are read 1/dp per rank and
+    all-gathered (bandwidth-centric partitioning, capped by the GPU-to-GPU 70 GB/s of a DGX-2);
+    Pa+cpu checkpoints go to host memory (one per layer, ci 1)."""
+    p, m = cfg.parallel, cfg.model
+    if cfg.logging.peak_tflops is None:
+        return []
+    link = {"cpu": p.host_offload_bandwidth * 1e9, "nvme": p.nvme_offload_bandwidth * 1e9}
+    params = (infinity.partitioned_param_bandwidth(link["nvme"], dp, DGX2_PARAM_GATHER_BANDWIDTH)
+              if p.offload_params == "nvme" else None)
+    return infinity.offload_needs(
+        micro_batch=cfg.data.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size, dp=shard,
+        peak_flops=cfg.logging.peak_tflops * 1e12, target=p.offload_target_efficiency,
+        optimizer_bandwidth=link.get(p.offload_optimizer), param_bandwidth=params,
+        checkpoint_bandwidth=link["cpu"] if mode == "full-pa-cpu" else None)
+
+
+_KIND_NAMES = {"params_grads": "parameters and gradients",
+               "optimizer_states": "optimizer states", "activation_checkpoints": "activation checkpoints"}
+
+
+def _working_lines(r: dict) -> list[str]:
+    name, elements = r["largest_gather"]
+    lines = [f"working memory per rank (ZeRO-Infinity §3): largest gathered parameter {name} "
+             f"({elements:,.0f} elements) with its gradient {_bytes(r['working_memory_per_rank'])}"
+             + (f" (tile factor {r['tile_factor']})" if r["tile_factor"] > 1 else "")
+             + (f"; activation working memory (one layer's recompute) "
+                f"{_bytes(r['activation_working_per_rank'])}" if r["recompute"].startswith("full")
+                else "; no recompute: every layer's activations stay live (the activations line)")]
+    for need in r["offload_needs"]:
+        verdict = "enough" if need.sufficient else "NOT enough"
+        lines.append(f"  offloaded {_KIND_NAMES[need.kind]}: {need.required / 1e9:.2f} GB/s per GPU "
+                     f"for {r['offload_target']:.0%} efficiency at {r['peak_tflops']:.0f} TFLOP/s "
+                     f"(ait {need.ait:,.0f} FLOP/B); the host gives {need.available / 1e9:.2f} GB/s: "
+                     f"{verdict}, {need.efficiency:.1%} efficient")
+    return lines
 
 
 def _micro_batches_held(pcfg, stage: int) -> float:
@@ -209,6 +282,7 @@ def format_report(r: dict) -> str:
              *([f"optimizer state offloaded to {r['offload_optimizer']}: "
                 f"{_bytes(r['offloaded_per_rank'])} per rank off the device"]
                if r["offloaded_per_rank"] else []),
+             *_working_lines(r),
              f"DP traffic per rank per step: {_bytes(r['dp_bytes_per_step'])} "
              f"({_bytes(r['dp_cross_host_bytes_per_step'])} across nodes"
              + "".join(f"; {q}" for q in r["dp_quantized"]) + "); TP traffic "

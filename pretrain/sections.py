@@ -15,7 +15,8 @@ from pathlib import Path
 
 from hybrid.adamw_config import AdamWConfig
 from hybrid.data.tokenizer_types import MEGATRON_TOKENIZER_TYPES
-from hybrid.perf.hardware import Cluster
+from hybrid.perf.hardware import (DGX2_HOST_OFFLOAD_BANDWIDTH, DGX2_NVME_OFFLOAD_BANDWIDTH,
+                                  Cluster)
 from hybrid.pipeline.config import SCHEDULES, default_schedule
 from hybrid.precision_config import LossScaleConfig
 from hybrid.topology import DEFAULT_TIMEOUT, DP_TRANSPORTS, Topology
@@ -111,6 +112,16 @@ class ParallelSection:
                                 "--offload-optimizer nvme)", default="none")
     offload_nvme_path: str | None = _help("directory for --offload-optimizer nvme", default=None)
     host_memory_budget: str | None = _help("host memory for offloaded state, e.g. 8GiB", default=None)
+    host_offload_bandwidth: float = _help("GB/s per GPU between host memory and the GPU (declared; "
+                                          "--dry-run compares it with what offloaded state needs, "
+                                          "ZeRO-Infinity §4; default: a DGX-2's)",
+                                          default=DGX2_HOST_OFFLOAD_BANDWIDTH / 1e9)
+    nvme_offload_bandwidth: float = _help("GB/s per GPU between NVMe and the GPU (declared; used as "
+                                          "--host-offload-bandwidth; default: a DGX-2's)",
+                                          default=DGX2_NVME_OFFLOAD_BANDWIDTH / 1e9)
+    offload_target_efficiency: float = _help("efficiency --dry-run asks offloaded state's bandwidth "
+                                             "for (ZeRO-Infinity §4: ait bw / (ait bw + peak))",
+                                             default=0.9)
     distributed_timeout_minutes: float = _help("a collective waiting longer than this for a lost rank "
                                                "fails (process-group timeout)",
                                                default=DEFAULT_TIMEOUT.total_seconds() / 60)
@@ -135,6 +146,13 @@ class ParallelSection:
         if not self.distributed_timeout_minutes > 0:
             raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
                                    f"{self.distributed_timeout_minutes}")
+        for name in ("host_offload_bandwidth", "nvme_offload_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise TrainConfigError(f"--{name.replace('_', '-')} must be a positive GB/s per GPU, "
+                                       f"got {getattr(self, name)!r}")
+        if not 0 < self.offload_target_efficiency < 1:
+            raise TrainConfigError(f"--offload-target-efficiency must lie strictly between 0 and 1, "
+                                   f"got {self.offload_target_efficiency!r}")
         if self.dp_transport not in DP_TRANSPORTS:
             raise TrainConfigError(f"--dp-transport must be auto, shm or gloo, got {self.dp_transport!r}")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybrid.layout import LayoutError, RunLayout  # noqa: E402
-from hybrid.perf.flops import model_flops_per_iteration  # noqa: E402
+from hybrid.perf import infinity  # noqa: E402
+from hybrid.perf.activations import activation_bytes_per_layer  # noqa: E402
+from hybrid.perf.flops import model_flops_per_iteration, pad_vocab  # noqa: E402
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster  # noqa: E402
 from hybrid.perf.pipeline import Layout, LayoutEstimate, estimate_layout  # noqa: E402
 from hybrid.zero_policy import runnable_stages  # noqa: E402
@@ -157,7 +159,51 @@ def published_verdict(preset: Preset, found: list[LayoutEstimate]) -> list[str]:
     return lines
 
 
-def report(preset: Preset, top: int) -> list[str] | None:
+def working_memory_line(preset: Preset, layout: Layout, label: str) -> str:
+    """ZeRO-Infinity §3 for a layout: the largest parameter of a TP rank gathered whole with its
+    16-bit gradient (4 bytes per element; with --tile-factor T a linear's weight / T), and with full
+    recompute the activations of one layer recomputed (hybrid.perf.activations)."""
+    name, elements = infinity.gpt_largest_parameter(preset.hidden, pad_vocab(preset.vocab, layout.tp),
+                                                    tp=layout.tp, heads=preset.heads)
+    line = (f"  working memory of {label}: largest gathered parameter ({name}, "
+            f"{elements / 1e6:,.1f}M elements per TP rank) with its gradient "
+            f"{infinity.working_memory_bytes(elements) / 1e9:.2f} GB")
+    if layout.recompute != "full":
+        return line + f"; recompute {layout.recompute}: every layer's activations stay live"
+    one = activation_bytes_per_layer(preset.seq, layout.micro_batch, preset.hidden, preset.heads,
+                                     tp=layout.tp, sequence_parallel=layout.sequence_parallel)
+    return line + f"; activation working memory (one layer recomputed) {one / 1e9:.2f} GB"
+
+
+def offload_lines(preset: Preset, found: list[LayoutEstimate], top: int, where: str,
+                  target: float) -> list[str]:
+    """ZeRO-Infinity §4 for the top layouts with their optimizer states offloaded to ``where``
+    (cpu | nvme): the bandwidth per GPU the step needs for ``target`` efficiency at the cluster's
+    peak against the cluster's host or NVMe bandwidth (each GPU's ZeRO partition: 1/DP of the
+    optimizer states)."""
+    c = preset.cluster
+    available = c.host_offload_bandwidth if where == "cpu" else c.nvme_offload_bandwidth
+    lines = [f"optimizer states offloaded to {where}: bandwidth per GPU for {target:.0%} efficiency "
+             f"at {c.peak_flops / 1e12:.0f} TFLOP/s (ZeRO-Infinity §4) vs the {c.name}'s "
+             f"{available / 1e9:.2f} GB/s"]
+    for i, e in enumerate(found[:top], 1):
+        lay = e.layout
+        if lay.stage == 0:
+            lines.append(f"{i:>3} {lay.describe():<62} ZeRO 0 offloads nothing (the trainer's "
+                         f"--offload-optimizer needs stage 1-3)")
+            continue
+        need, = infinity.offload_needs(micro_batch=lay.micro_batch, seq=preset.seq,
+                                       hidden=preset.hidden, dp=lay.dp,
+                                       peak_flops=c.peak_flops, target=target,
+                                       optimizer_bandwidth=available)
+        lines.append(f"{i:>3} {lay.describe():<62} needs {need.required / 1e9:9.2f} GB/s: "
+                     f"{'enough' if need.sufficient else 'NOT enough'} "
+                     f"({need.efficiency:.1%} efficient)")
+    return lines
+
+
+def report(preset: Preset, top: int, offload: str = "none",
+           target: float = 0.9) -> list[str] | None:
     """The ranking of one model and cluster, with the published layout's verdict; None if nothing
     fits."""
     found = rank(preset)
@@ -167,8 +213,12 @@ def report(preset: Preset, top: int) -> list[str] | None:
              f"global batch {preset.global_batch} on {preset.gpus} GPUs ({preset.cluster.name}, "
              f"{preset.cluster.memory_bytes / 1e9:.0f} GB): {len(found)} layouts fit"]
     lines += table(found, top)
+    lines.append(working_memory_line(preset, found[0].layout, "#1"))
+    if offload != "none":
+        lines += offload_lines(preset, found, top, offload, target)
     if preset.published is not None:
         lines += published_verdict(preset, found)
+        lines.append(working_memory_line(preset, preset.published, "the published layout"))
     return lines
 
 
@@ -197,9 +247,18 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=PAPER_SEQ_LENGTH)
     parser.add_argument("--vocab-size", type=int, default=GPT2_VOCAB_SIZE)
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                        help="also print the bandwidth per GPU each top layout needs with its "
+                             "optimizer states offloaded there (ZeRO-Infinity §4)")
+    parser.add_argument("--target-efficiency", type=float, default=0.9,
+                        help="efficiency --offload asks the bandwidth for (default 0.9)")
     parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
+    if not 0 < args.target_efficiency < 1:
+        print(f"error: --target-efficiency must lie strictly between 0 and 1, got "
+              f"{args.target_efficiency}", file=sys.stderr)
+        return 2
     if args.all_presets:
         text = render_presets(args.top)
         if args.out is None:
@@ -227,7 +286,7 @@ def main(argv=None) -> int:
             return 2
         preset = Preset(args.layers, args.hidden, args.heads, args.seq_length, args.vocab_size,
                         args.gpus, args.global_batch, dgx2_v100_cluster(), None, "")
-    lines = report(preset, args.top)
+    lines = report(preset, args.top, args.offload, args.target_efficiency)
     if lines is None:
         print(f"error: no layout of this model fits {preset.cluster.memory_bytes / 1e9:.0f} GB per GPU "
               f"on {preset.gpus} GPUs; add GPUs or lower the global batch", file=sys.stderr)

@@ -12,6 +12,8 @@ tools/paper_tables.py, tools/dry_run.py and the tests:
 - :mod:`~hybrid.perf.throughput`   - iteration time and TFLOP/s on that cluster (Figure 2)
 - :mod:`~hybrid.perf.zeropp`       - stage 3 with ZeRO++ hpZ / qwZ / qgZ and hybrid sharding: DP
   traffic by link, its time, model states
+- :mod:`~hybrid.perf.infinity`     - ZeRO-Infinity §3-§4: memory requirements, working memory
+  (with tiling), arithmetic intensity and the bandwidth offloaded data needs for an efficiency
 - :mod:`~hybrid.perf.roofline`     - the GEMMs of a step and its GEMM-bound time at measured rates
 - :mod:`~hybrid.perf.gemm_rate`    - those rates, measured on this machine once and cached (torch)
 """

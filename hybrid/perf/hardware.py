@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+# Per-GPU bandwidths of a DGX-2 node to offloaded state (the ZeRO-Infinity authors' SC21 slides,
+# pp. 8-9: 64 GB/s CPU and 28 GB/s NVMe per 16-GPU node; a parameter partitioned over many GPUs is
+# gathered at up to 70 GB/s, the GPU-to-GPU bound of bandwidth-centric partitioning).
+DGX2_HOST_OFFLOAD_BANDWIDTH = 4e9
+DGX2_NVME_OFFLOAD_BANDWIDTH = 1.75e9
+DGX2_PARAM_GATHER_BANDWIDTH = 70e9
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -55,11 +62,18 @@ class Cluster:
     # unlimited inter-host bandwidth minus the model's estimate of that step (host work outside the
     # layers, gloo calls' CPU time, ranks sharing cores); 0 on the V100 (folded into the efficiency).
     step_overhead_s: float = 0.0
+    # Bytes/s per GPU to offloaded state (ZeRO-Offload / ZeRO-Infinity): host memory over PCIe,
+    # NVMe through host memory, and the GPU-to-GPU bound of gathering an offloaded parameter
+    # partitioned over the DP group (hybrid.perf.infinity.partitioned_param_bandwidth).
+    host_offload_bandwidth: float = DGX2_HOST_OFFLOAD_BANDWIDTH
+    nvme_offload_bandwidth: float = DGX2_NVME_OFFLOAD_BANDWIDTH
+    param_gather_bandwidth: float = DGX2_PARAM_GATHER_BANDWIDTH
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "peak_flops", "memory_bytes", "hbm_bandwidth",
                      "intra_node_bandwidth", "ib_link_bandwidth", "ib_links_per_node",
-                     "elementwise_bandwidth"):
+                     "elementwise_bandwidth", "host_offload_bandwidth", "nvme_offload_bandwidth",
+                     "param_gather_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster {self.name!r}: {name} must be positive, got {getattr(self, name)}")
         for name in ("intra_node_efficiency", "ib_efficiency"):

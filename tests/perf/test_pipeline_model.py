@@ -93,3 +93,26 @@ def test_rank_layouts_tool_refuses_bad_input(capsys, tmp_path):
     existing.write_text("keep")
     assert rank_layouts.main(["--all-presets", "--out", str(existing)]) == 2
     assert "already exists" in capsys.readouterr().err and existing.read_text() == "keep"
+
+
+def test_rank_layouts_working_memory_and_offload_lines_by_hand():
+    """ZeRO-Infinity §3 / §4 lines of the layout chooser for ZeRO's 100B (TP 16 + SP, DP 25, b 32):
+    the largest parameter of a TP rank is the word embedding, 51200 / 16 x 8192 elements, 4 bytes
+    each with its gradient; one recomputed layer keeps s b h / t (34 + 5 a s / h) bytes; offloading
+    the optimizer states (1/25 per GPU) at ait 25 x 32 x 1024 / 4 needs 0.9 x 125e12 / (0.1 ait) B/s
+    for 90% at the V100's peak, against the DGX-2's 1.75 GB/s per GPU of NVMe; ZeRO 0 offloads none."""
+    from hybrid.perf.pipeline import Layout, LayoutEstimate
+    preset = rank_layouts.PRESETS["zero-100b"]
+    line = rank_layouts.working_memory_line(preset, preset.published, "x")
+    assert f"(word embedding, {51200 // 16 * 8192 / 1e6:.1f}M elements" in line
+    assert f"gradient {4 * 3200 * 8192 / 1e9:.2f} GB" in line
+    assert f"one layer recomputed) {1024 * 32 * 8192 / 16 * (34 + 5 * 64 * 1024 / 8192) / 1e9:.2f} GB" in line
+
+    def est(layout):
+        return LayoutEstimate(layout, 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0)
+    zero0 = Layout(16, 1, 25, 1, 0, "full", 32, True)
+    lines = rank_layouts.offload_lines(preset, [est(preset.published), est(zero0)], 2, "nvme", 0.9)
+    need = 0.9 * 125e12 / (0.1 * 25 * 32 * 1024 / 4)
+    assert f"needs {need / 1e9:9.2f} GB/s: NOT enough" in lines[1] and "1.75 GB/s" in lines[0]
+    assert "ZeRO 0 offloads nothing" in lines[2]
+    assert rank_layouts.main(["--preset", "zero-100b", "--target-efficiency", "1"]) == 2

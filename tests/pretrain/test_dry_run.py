@@ -92,3 +92,52 @@ def test_pipeline_dry_run_counts_each_stage():
                                                         2 * m * message, m * message]
     assert reports[1]["pp_cross_host_bytes_per_step"] == m * message    # to stage 2, on node 1
     assert "pipeline: 1f1b, PP 4 stages" in format_report(reports[0])
+
+
+_SMALL = ["--world-size", "4", "--gpus-per-node", "4", "--tensor-model-parallel-size", "2",
+          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+          "--zero-stage", "3", "--peak-tflops", "70"]
+
+
+def test_working_memory_is_the_largest_gathered_parameter():
+    """ZeRO-Infinity §3 in the dry run: GPT-2's vocab is the largest parameter of this model; on TP
+    rank 0 its shard is (50257 padded to 256) / 2 x 64 elements, gathered whole with its fp32
+    gradient (8 bytes per element); with full recompute the activation working memory is the
+    memory model's one-layer term."""
+    r = dry_run_report(parse_args(_SMALL + ["--recompute", "full"])[0])
+    name, elements = r["largest_gather"]
+    assert name == "embedding.word.weight" and elements == 50432 // 2 * 64
+    assert r["working_memory_per_rank"] == 8 * elements
+    assert r["activation_working_per_rank"] > 0 and r["offload_needs"] == []
+    assert "largest gathered parameter embedding.word.weight (1,613,824 elements) with its " \
+           "gradient 12.91 MB; activation working memory (one layer's recompute)" in format_report(r)
+
+
+def test_offload_bandwidth_against_the_declared_host():
+    """ZeRO-Infinity §4 for an offloaded run, by hand: the optimizer states are the rank's 1/2
+    partition, so their intensity is 2 x (2 x 128) / 4 = 128 FLOP/B and 90% of 70 TFLOP/s needs
+    0.9 x 70e12 / (0.1 x 128) B/s; NVMe parameters are read half per rank and all-gathered
+    (2 x 1.5 GB/s) at seq x bsz = 256 FLOP/B; Pa+cpu checkpoints at 24 hd = 1536 FLOP/B over the
+    declared host link."""
+    flags = ["--offload-optimizer", "nvme", "--offload-params", "nvme", "--offload-nvme-path", "/tmp/x",
+             "--recompute", "full-pa-cpu", "--nvme-offload-bandwidth", "1.5",
+             "--host-offload-bandwidth", "30"]
+    r = dry_run_report(parse_args(_SMALL + flags)[0])
+    needs = {n.kind: n for n in r["offload_needs"]}
+    opt, par, ckpt = needs["optimizer_states"], needs["params_grads"], needs["activation_checkpoints"]
+    assert opt.ait == 128 and opt.required == pytest.approx(0.9 * 70e12 / (0.1 * 128))
+    assert opt.available == 1.5e9 and not opt.sufficient
+    assert par.ait == 256 and par.available == 3e9
+    assert ckpt.ait == 24 * 64 and ckpt.available == 30e9
+    assert ckpt.required == pytest.approx(0.9 * 70e12 / (0.1 * 1536)) and not ckpt.sufficient
+    text = format_report(r)
+    assert "offloaded optimizer states: 4921.88 GB/s per GPU for 90% efficiency at 70 TFLOP/s " \
+           "(ait 128 FLOP/B); the host gives 1.50 GB/s: NOT enough, 0.3% efficient" in text
+
+
+def test_offload_bandwidth_flags_refuse_bad_values():
+    with pytest.raises(TrainConfigError, match="--offload-target-efficiency must lie strictly"):
+        parse_args(_SMALL + ["--offload-target-efficiency", "1"])
+    with pytest.raises(TrainConfigError, match="--host-offload-bandwidth must be a positive"):
+        parse_args(_SMALL + ["--host-offload-bandwidth", "0"])

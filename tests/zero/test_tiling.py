@@ -113,20 +113,23 @@ def _checkpoint_switch(state: ParallelState, save_factor: int, load_factor: int)
             "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a)}
 
 
-def _rank_main(rank: int, world: int, nvme_dir: str) -> dict:
+def _rank_main(rank: int, world: int, nvme_dir: str, full: bool) -> dict:
+    """Every case of this world size; ``full``: the slow ones too (more tile factors, NVMe,
+    prefetch, recompute, the second checkpoint direction)."""
     out = {}
     if world == 2:
         state = ParallelState.initialize(Topology(2, 1, gpus_per_node=2))
-        for t in (1, 2, 4):
+        for t in ((1, 2, 4) if full else (1, 2)):
             out[("dp2", t)] = _train(state, ZeroConfig(stage=3, tile_factor=t))
-        nvme = OffloadConfig("nvme", f"{nvme_dir}/r{rank}", kernel="exact", params="nvme")
-        out[("dp2-nvme", 2)] = _train(state, ZeroConfig(stage=3, tile_factor=2), offload=nvme)
         for t in (1, 4):
-            for prefetch in (False, True):
+            for prefetch in ((False, True) if full else (False,)):
                 out[("memory", t, prefetch)] = _peak_gathered(
                     state, ZeroConfig(stage=3, tile_factor=t, stage3_prefetch=prefetch))
         out["ckpt 2->1"] = _checkpoint_switch(state, 2, 1)
-        out["ckpt 1->4"] = _checkpoint_switch(state, 1, 4)
+        if full:
+            nvme = OffloadConfig("nvme", f"{nvme_dir}/r{rank}", kernel="exact", params="nvme")
+            out[("dp2-nvme", 2)] = _train(state, ZeroConfig(stage=3, tile_factor=2), offload=nvme)
+            out["ckpt 1->4"] = _checkpoint_switch(state, 1, 4)
     else:
         state = ParallelState.initialize(Topology(4, 2, gpus_per_node=4))
         for t in (1, 2):
@@ -137,9 +140,9 @@ def _rank_main(rank: int, world: int, nvme_dir: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def world_results(world: int) -> list[dict]:
+def world_results(world: int, full: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
-        return run_on_ranks(_rank_main, world, args=(d,), timeout=600)
+        return run_on_ranks(_rank_main, world, args=(d, full), timeout=900)
 
 
 def _same(a: dict, b: dict, what: str) -> None:
@@ -152,26 +155,32 @@ def _same(a: dict, b: dict, what: str) -> None:
                                    msg=lambda m: f"{what} {name}: {m}")
 
 
-def test_tiled_training_equals_untiled_at_dp2_and_with_nvme_parameters():
-    for rank in world_results(2):
+def test_tiled_training_equals_untiled_at_dp2():
+    results = world_results(2)
+    for rank in results:
         _same(rank[("dp2", 2)], rank[("dp2", 1)], "DP 2, T 2")
+    # the comparison can fail: training moved the parameters
+    assert results[0][("dp2", 1)]["losses"][0] != results[0][("dp2", 1)]["losses"][-1]
+
+
+@pytest.mark.slow
+def test_tiled_training_equals_untiled_at_dp2_t4_and_with_nvme_parameters():
+    for rank in world_results(2, True):
         _same(rank[("dp2", 4)], rank[("dp2", 1)], "DP 2, T 4")
         _same(rank[("dp2-nvme", 2)], rank[("dp2", 1)], "DP 2, T 2, parameters on NVMe")
-    # the comparison can fail: training moved the parameters
-    first = world_results(2)[0]
-    assert first[("dp2", 1)]["losses"][0] != first[("dp2", 1)]["losses"][-1]
 
 
-def test_tiled_training_equals_untiled_at_tp2_dp2():
-    for rank in world_results(4):
+@pytest.mark.slow
+def test_tiled_training_equals_untiled_at_tp2_dp2_with_and_without_recompute():
+    for rank in world_results(4, True):
         _same(rank[("tp2dp2", 2)], rank[("tp2dp2", 1)], "TP 2 x DP 2, T 2")
         _same(rank[("tp2dp2-recompute", 2)], rank[("tp2dp2", 1)], "TP 2 x DP 2, T 2, recompute")
 
 
-def test_gathered_working_memory_falls_by_the_tile_factor():
+def _check_working_memory(results: list[dict], prefetches) -> None:
     h, f = CONFIG.hidden_size, CONFIG.ffn_hidden_size
-    for rank in world_results(2):
-        for prefetch in (False, True):
+    for rank in results:
+        for prefetch in prefetches:
             whole, tiled = rank[("memory", 1, prefetch)], rank[("memory", 4, prefetch)]
             assert tiled["after_step"] == 0 and whole["after_step"] == 0
             # untiled: a layer's four weights at once; tiled: a quarter of an MLP weight
@@ -186,14 +195,31 @@ def test_gathered_working_memory_falls_by_the_tile_factor():
         assert "with --tile-factor 4" in measured["text"] and "untiled" in measured["text"]
 
 
-@pytest.mark.parametrize("switch", ["ckpt 2->1", "ckpt 1->4"])
-def test_checkpoint_saved_at_one_tile_factor_resumes_at_another(switch):
-    for rank in world_results(2):
+def test_gathered_working_memory_falls_by_the_tile_factor():
+    _check_working_memory(world_results(2), (False,))
+
+
+@pytest.mark.slow
+def test_gathered_working_memory_falls_by_the_tile_factor_with_prefetch():
+    _check_working_memory(world_results(2, True), (False, True))
+
+
+def _check_switch(results: list[dict], switch: str) -> None:
+    for rank in results:
         case = rank[switch]
         assert case["keys_equal"]
         torch.testing.assert_close(torch.tensor(case["resumed"]), torch.tensor(case["losses"]),
                                    rtol=1e-5, atol=0)
         assert case["max_diff"] < 1e-6
+
+
+def test_checkpoint_saved_tiled_resumes_untiled():
+    _check_switch(world_results(2), "ckpt 2->1")
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_untiled_resumes_tiled():
+    _check_switch(world_results(2, True), "ckpt 1->4")
 
 
 def test_working_memory_budget_refuses_untiled_and_trains_tiled():

@@ -122,9 +122,9 @@ class TiledWeight:
         self.params = [u.slots[0].param for u in units]
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., cols] -> [..., rows]``, one autograd node per tile."""
-        outs = [_TileLinear.apply(x, param, self, k) for k, param in enumerate(self.params)]
-        return torch.cat(outs, dim=-1)
+        """``x [..., cols] -> [..., rows]``, one autograd node per tile (eager: under a compiled
+        layer, models/gpt/compile.py, the gathers and releases run outside the graph)."""
+        return _tiled_linear(self, x)
 
     def acquire(self, k: int, step: int) -> None:
         """Gather tile k now and start the gather of the tile used next (``k + step``)."""
@@ -135,6 +135,12 @@ class TiledWeight:
 
     def done(self, k: int) -> None:
         self.units[k].release()
+
+
+@torch.compiler.disable
+def _tiled_linear(tiles: TiledWeight, x: torch.Tensor) -> torch.Tensor:
+    outs = [_TileLinear.apply(x, param, tiles, k) for k, param in enumerate(tiles.params)]
+    return torch.cat(outs, dim=-1)                                         # [..., rows]
 
 
 class _TileLinear(torch.autograd.Function):

@@ -246,3 +246,16 @@ def test_tile_factor_misuse_is_refused_with_the_fix():
         ZeroConfig(stage=2, tile_factor=2)
     with pytest.raises(ValueError, match=r"do not divide by 5; use one of"):
         build(ParallelState.single_process(), ZeroConfig(stage=3, tile_factor=5))
+
+
+def test_trainer_flags_train_tiled_and_refuse_the_untiled_layer():
+    """--tile-factor / --max-working-memory through the trainer (tiny GPT: a layer gathers
+    0.048 MiB whole, its MLP weights 128 x 32 are the largest)."""
+    from tests.training_helpers import make_trainer, tiny_args
+    trainer = make_trainer(tiny_args(zero=3, iters=2, extra=["--tile-factor", "2",
+                                                             "--max-working-memory", "40KiB"]))
+    trainer.train()
+    memory = trainer.optimizer.working_memory()
+    assert memory["tiled"] <= 40 * 1024 < memory["untiled"]
+    with pytest.raises(ValueError, match=r"layers\.0.*use --tile-factor 2 \(or more\)"):
+        make_trainer(tiny_args(zero=3, iters=2, extra=["--max-working-memory", "40KiB"]))

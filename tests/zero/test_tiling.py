@@ -26,6 +26,7 @@ import torch
 from hybrid.checkpoint.state import load_state, save_state
 from hybrid.offload.budget import OffloadConfig
 from hybrid.parallel_state import ParallelState
+from hybrid.perf.tiling import gpt_layer_working_memory
 from hybrid.recompute import RecomputePlan
 from hybrid.testing.multirank import run_on_ranks
 from hybrid.topology import Topology
@@ -234,6 +235,9 @@ def test_working_memory_budget_refuses_untiled_and_trains_tiled():
         build(state, ZeroConfig(stage=3, tile_factor=2, max_working_memory=budget))
     model, opt = build(state, ZeroConfig(stage=3, tile_factor=4, max_working_memory=budget))
     assert opt.working_memory()["tiled"] <= budget < opt.working_memory()["untiled"]
+    # the pure formula the dry run can use gives the built engine's figures
+    assert opt.working_memory() == gpt_layer_working_memory(
+        h, CONFIG.ffn_hidden_size, CONFIG.qkv_size, tile_factor=4, param_bytes=4)
     tokens, labels = _batches(1)
     loss, _ = train_step(model, opt, state, tokens[0], labels[0], 1)
     assert loss == loss   # trained a step

@@ -101,6 +101,14 @@ class ParallelSection:
     zero_hpz: bool = _help("ZeRO stage 3 keeps a secondary 16-bit partition inside each host, so the "
                            "backward's parameter all-gather never crosses hosts (ZeRO++ hpZ)",
                            default=False)
+    tile_factor: int = _help("ZeRO stage 3 memory-centric tiling (ZeRO-Infinity): each column- and "
+                             "row-parallel linear weight split into this many row tiles, each "
+                             "gathered, used and released on its own (1 = whole weights)",
+                             default=1)
+    max_working_memory: str | None = _help("ZeRO stage 3: largest parameter memory one layer may "
+                                           "gather at once, e.g. 2GiB; a layer over it is refused "
+                                           "with the --tile-factor that fits (default: no bound)",
+                                           default=None)
     world_size: int | None = _help("GPUs the preset is meant for (checked at launch; used by --dry-run)",
                                    default=None)
     gpus_per_node: int = _help("GPUs per node (16 on a DGX-2)", default=Topology.gpus_per_node)
@@ -197,11 +205,20 @@ class ParallelSection:
 
     def zero_config_options(self) -> dict:
         """The topology-aware fields of hybrid.zero.ZeroConfig (hybrid sharding, ZeRO++ hpZ, qwZ,
-        qgZ), checked against the stage now (the hosts are only known at launch, where the engine
+        qgZ) and memory-centric tiling (tile factor, working-memory bound), checked against the
+        stage now (the hosts are only known at launch, where the engine
         checks them)."""
         options = {"hybrid_shard": self.zero_hybrid_shard, "hpz": self.zero_hpz,
                    "quantized_weights": self.zero_quantized_weights,
                    "quantized_gradients": self.zero_quantized_gradients}
+        if self.tile_factor != 1:
+            options["tile_factor"] = self.tile_factor
+        if self.max_working_memory is not None:
+            from hybrid.offload.budget import parse_bytes
+            try:
+                options["max_working_memory"] = parse_bytes(self.max_working_memory)
+            except ValueError as err:
+                raise TrainConfigError(f"--max-working-memory: {err}") from None
         if any(options.values()):
             from hybrid.zero.config import ZeroConfig
             try:

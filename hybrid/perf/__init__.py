@@ -16,6 +16,8 @@ tools/paper_tables.py, tools/dry_run.py and the tests:
   (with tiling), arithmetic intensity and the bandwidth offloaded data needs for an efficiency
 - :mod:`~hybrid.perf.roofline`     - the GEMMs of a step and its GEMM-bound time at measured rates
 - :mod:`~hybrid.perf.gemm_rate`    - those rates, measured on this machine once and cached (torch)
+- :mod:`~hybrid.perf.tiling`       - ZeRO-3's gathered working memory per layer with and without
+  memory-centric tiling (ZeRO-Infinity), and the tile factor a budget needs
 """
 
 from hybrid.perf.activations import (activation_bytes_per_layer, checkpoint_bytes,

@@ -37,8 +37,8 @@ from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.async_linear import column_parallel_linear
 from hybrid.tensor_parallel.linear_cross_entropy import linear_cross_entropy
-from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                             reduce_scatter_to_sequence)
+from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
+                                             reduce_from_tp, reduce_scatter_to_sequence)
 
 DEFAULT_INIT_STD = 0.02  # GPT-2 / Megatron default for normal(0, std) weights
 
@@ -140,6 +140,7 @@ class ColumnParallelLinear(_TPModule):
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.weight_tiles = None   # hybrid.zero.tiling.TiledWeight under ZeRO-3 tiling
         local_out = _divide(out_features, group, "ColumnParallelLinear output size")
         self._new_param("weight", (local_out, in_features), 0, device, dtype)
         if bias:
@@ -153,14 +154,28 @@ class ColumnParallelLinear(_TPModule):
         """weight ~ normal(0, std) of the full ``[out, in]`` matrix named ``prefix + "weight"``; bias 0."""
         self._init_weight_and_bias(seed, std, prefix)
 
+    supports_tiling = True   # ZeRO-3 memory-centric tiling may set ``weight_tiles``
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # = F.linear(g_bar(x) if SP else f(x), W, b); backward overlaps the input-gradient
-        # all-reduce (reduce-scatter with SP) with the weight-gradient GEMM
-        y = column_parallel_linear(x, self.weight, self.bias, self.group,
-                                   self.sequence_parallel)                     # [s, b, out/tp]
+        if self.weight_tiles is not None:
+            y = self._tiled(x)                                                 # [s, b, out/tp]
+        else:
+            # = F.linear(g_bar(x) if SP else f(x), W, b); backward overlaps the input-gradient
+            # all-reduce (reduce-scatter with SP) with the weight-gradient GEMM
+            y = column_parallel_linear(x, self.weight, self.bias, self.group,
+                                       self.sequence_parallel)                 # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.group)         # [s, b, out]
         return y
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The same ``F.linear(g_bar(x) or f(x), W, b)`` with W in row tiles gathered one at a time
+        (hybrid.zero.tiling); the TP collectives run once around the tiles, without the
+        overlapped backward (under SP the gathered input ``[s, b, in]`` is what the tiles keep)."""
+        total = (gather_from_sequence(x, self.group) if self.sequence_parallel
+                 else copy_to_tp(x, self.group))                              # [s, b, in]
+        y = self.weight_tiles.linear(total)                                   # [s, b, out/tp]
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.group.size}, "
@@ -171,7 +186,10 @@ class ColumnParallelLinear(_TPModule):
 class VocabParallelOutput(ColumnParallelLinear):
     """An untied output layer ``[V/tp, h]`` (no bias) that, given targets, returns the per-token
     loss through :func:`~hybrid.tensor_parallel.linear_cross_entropy.linear_cross_entropy` instead
-    of the logits (called as the module, so ZeRO-3's module hooks gather its weight)."""
+    of the logits (called as the module, so ZeRO-3's module hooks gather its weight). Not tiled:
+    its fused loss reads the whole weight."""
+
+    supports_tiling = False
 
     def __init__(self, hidden_size: int, padded_vocab_size: int, group: Group, *,
                  sequence_parallel: bool = False, device=None, dtype=None):
@@ -200,6 +218,7 @@ class RowParallelLinear(_TPModule):
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
+        self.weight_tiles = None   # hybrid.zero.tiling.TiledWeight under ZeRO-3 tiling
         local_in = _divide(in_features, group, "RowParallelLinear input size")
         self._new_param("weight", (out_features, local_in), 1, device, dtype)
         if bias:
@@ -214,8 +233,13 @@ class RowParallelLinear(_TPModule):
         (Megatron scales ``std`` by 1/sqrt(2 * layers) for output projections: the caller's choice.)"""
         self._init_weight_and_bias(seed, std, prefix)
 
+    supports_tiling = True   # ZeRO-3 memory-centric tiling may set ``weight_tiles``
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = grad_fusion.linear(x, self.weight)                  # [s, b, out], partial sum
+        if self.weight_tiles is not None:   # row tiles of W gathered one at a time (ZeRO-Infinity)
+            partial = self.weight_tiles.linear(x)                     # [s, b, out], partial sum
+        else:
+            partial = grad_fusion.linear(x, self.weight)              # [s, b, out], partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.group)       # [s/tp, b, out]
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)

@@ -59,6 +59,11 @@ class ZeroConfig:
     # stages 0-2: weight-gradient GEMMs and the embedding's lookup accumulate straight into the
     # gradient buffer or staging bucket (hybrid.tensor_parallel.grad_fusion); False: autograd's
     grad_accumulation_fusion: bool = True
+    # stage 3, memory-centric tiling (ZeRO-Infinity, hybrid.zero.tiling): linear weights split
+    # into this many row tiles, each its own sharding unit; and the bound (bytes) on the
+    # parameters one unit gathers at once, None: no bound
+    tile_factor: int = 1
+    max_working_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -101,6 +106,21 @@ class ZeroConfig:
             raise ValueError("--zero-quantized-gradients quantizes the gradient reduce-scatter of "
                              "ZeRO stages 1-3; stage 0 all-reduces whole gradients instead. Use "
                              "--zero-stage 1, 2 or 3, or drop the flag")
+
+        if int(self.tile_factor) != self.tile_factor or self.tile_factor < 1:
+            raise ValueError(f"--tile-factor is a number of tiles >= 1 (1 = no tiling), got "
+                             f"{self.tile_factor!r}")
+        if self.tile_factor > 1 and self.stage != 3:
+            raise ValueError(f"--tile-factor {self.tile_factor} tiles the weights ZeRO stage 3 "
+                             f"gathers one unit at a time; ZeRO stage {self.stage} keeps every "
+                             f"parameter whole: use --zero-stage 3 or drop the flag")
+        if self.max_working_memory is not None and self.max_working_memory <= 0:
+            raise ValueError(f"--max-working-memory must be a positive size, got "
+                             f"{self.max_working_memory!r}")
+        if self.max_working_memory is not None and self.stage != 3:
+            raise ValueError(f"--max-working-memory bounds the parameters ZeRO stage 3 gathers per "
+                             f"unit; ZeRO stage {self.stage} keeps every parameter whole: use "
+                             f"--zero-stage 3 or drop the flag")
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -68,6 +68,10 @@ class MemoryReport:
     psi: int                       # parameters held by this TP rank (unpadded)
     measured: dict[str, int]       # bytes per category, real storages
     formula: dict[str, float]      # bytes per model-state category, ZeRO §5
+    # stage 3: parameter bytes gathered while one unit computes, "tiled" (with ``tile_factor``)
+    # and "untiled" (hybrid.zero.tiling.working_memory); None for stages 0-2
+    working_memory: dict[str, int] | None = None
+    tile_factor: int = 1
 
     @property
     def measured_model_states(self) -> int:
@@ -86,6 +90,10 @@ class MemoryReport:
             rows.append(f"  {c:<14}{self.measured[c] / 2**20:14.3f}{paper}")
         rows.append(f"  {'model states':<14}{self.measured_model_states / 2**20:14.3f}"
                     f"{self.formula_model_states / 2**20:14.3f}")
+        if self.working_memory is not None:
+            tiled, untiled = self.working_memory["tiled"], self.working_memory["untiled"]
+            rows.append(f"  gathered working memory {tiled / 2**20:.3f} MiB with --tile-factor "
+                        f"{self.tile_factor}, {untiled / 2**20:.3f} MiB untiled (largest unit whole)")
         return "\n".join(rows)
 
 

@@ -52,6 +52,7 @@ from hybrid import comm
 from hybrid.adamw_config import AdamWConfig, uses_weight_decay
 from hybrid.parallel_state import ParallelState
 from hybrid.zero import stage3_build as build
+from hybrid.zero import tiling
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.host_groups import secondary_group
@@ -87,17 +88,26 @@ class ParameterPartitioning(ZeroEngine):
                             f"ordered submodules it gathers one at a time")
         self.model = model
         modules = list(model.sharding_units())
-        groups, small = build.assign_units(model, modules,
-                                           zero_config.stage3_param_persistence_threshold)
+        threshold = zero_config.stage3_param_persistence_threshold
+        self.tile_factor = zero_config.tile_factor
+        tiling.check_working_memory(model, modules, threshold, self.tile_factor,
+                                    zero_config.max_working_memory, self.dtype.itemsize)
+        plans = tiling.plan_tiles(model, modules, self.tile_factor, threshold)
+        groups, small = build.assign_units(model, modules, threshold,
+                                           tiled={id(t.param) for mine in plans for t in mine})
         self.psi = sum(p.numel() for p in model.parameters())
         self.persistent_numel = sum(p.numel() for _, p in small)
         init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
         self.secondary_group = secondary_group(state, zero_config)
-        self.units, self.persistent = build.make_units(
-            model, groups, small, self.shard_group, dtype=self.dtype, device=self.device,
-            alignment=zero_config.alignment_elements, replicas=self.replicas,
-            secondary_group=self.secondary_group)
-        self.all_units: list[ShardedUnit] = [u for u in self.units if u is not None]
+        layout = dict(dtype=self.dtype, device=self.device, alignment=zero_config.alignment_elements,
+                      replicas=self.replicas, secondary_group=self.secondary_group)
+        self.units, self.persistent = build.make_units(model, groups, small, self.shard_group,
+                                                       **layout)
+        self.tiles = build.make_tile_units(model, plans, self.shard_group, **layout,
+                                           prefetch=zero_config.stage3_prefetch)
+        self.all_units: list[ShardedUnit] = []   # each unit, then its tiles (ZeRO-Infinity tiling)
+        for unit, mine in zip(self.units, self.tiles):
+            self.all_units += ([unit] if unit is not None else []) + [u for t in mine for u in t.units]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
         reduce_scatter = gradient_reduce_scatter(state, zero_config.quantized_gradients)
@@ -122,7 +132,10 @@ class ParameterPartitioning(ZeroEngine):
         self.scheduler = Stage3Scheduler(model, modules, self.units,
                                          tied=build.tied_units(model, modules),
                                          backward_reads=build.backward_reads(modules),
-                                         prefetch=zero_config.stage3_prefetch)
+                                         prefetch=zero_config.stage3_prefetch,
+                                         sizes=[(u.numel if u is not None else 0) +
+                                                sum(t.numel for w in mine for t in w.units)
+                                                for u, mine in zip(self.units, self.tiles)])
         self._remaining = [len(u.slots) for u in self.all_units]
         self._backward_open = False
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
@@ -203,6 +216,9 @@ class ParameterPartitioning(ZeroEngine):
             self._finish_reduce(k)
         self._in_flight = []
         self.scheduler.release_all()
+        for unit in self.all_units:   # a tile gathered ahead that autograd did not run next
+            if unit.gathered and unit is not self.persistent:
+                unit.release()
         self._remaining = [len(u.slots) for u in self.all_units]
 
     def drop_gradients(self) -> None:
@@ -267,7 +283,19 @@ class ParameterPartitioning(ZeroEngine):
             formula["param16_secondary"] = (param_bytes * (self.psi - self.persistent_numel)
                                             / self.secondary_group.size)
         return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
-                            self.config.precision, self.psi, measured, formula)
+                            self.config.precision, self.psi, measured, formula,
+                            working_memory=self.working_memory(), tile_factor=self.tile_factor)
+
+    def working_memory(self) -> dict[str, int]:
+        """Parameter bytes gathered while one sharding unit computes (no look-ahead): "tiled"
+        with this engine's tile factor, "untiled" with every weight whole
+        (:func:`hybrid.zero.tiling.working_memory`)."""
+        return tiling.working_memory(self.units, self.tiles, self.dtype.itemsize)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of the partitioned units' full buffers holding storage right now (the persistent
+        small parameters, always whole, apart)."""
+        return sum(u.held_bytes() for u in self.all_units if u is not self.persistent)
 
     def expected_overhead_bytes(self) -> dict[str, float]:
         """What stage 3 holds beyond (2+2+12)Ψ/Nd: alignment padding of the chunks (all state
@@ -287,14 +315,18 @@ class ParameterPartitioning(ZeroEngine):
 
     # ---- reading the parameters --------------------------------------------------------------
     def named_local_params(self) -> dict[str, tuple[int, torch.Tensor]]:
-        """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice)."""
-        shards = self.param_store.shard_views()
-        return {seg.slot.name: (seg.param_offset, seg.of(shard))
-                for unit, shard in zip(self.all_units, shards) for seg in unit.segments}
+        """name -> (offset in the flattened TP-local parameter, this rank's 16-bit slice); a tiled
+        weight of which this rank owns pieces of several tiles appears once per piece in
+        :meth:`_parameter_fragments` and only with its first piece here."""
+        out = {}
+        for fragment in self._parameter_fragments():
+            out.setdefault(fragment.param_name, (fragment.offset, fragment.tensor))
+        return out
 
     def _parameter_fragments(self) -> list[Fragment]:
-        return [Fragment(name, "model", offset, tensor)
-                for name, (offset, tensor) in self.named_local_params().items()]
+        shards = self.param_store.shard_views()
+        return [Fragment(seg.slot.name, "model", seg.param_offset, seg.of(shard))
+                for unit, shard in zip(self.all_units, shards) for seg in unit.segments]
 
     @torch.no_grad()
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
@@ -303,14 +335,27 @@ class ParameterPartitioning(ZeroEngine):
         out = {}
         for unit in self.all_units:
             if unit.quantized_gather:
-                out.update({name: value.clone() for name, value in unit.exact_values().items()})
+                for slot, value in unit.exact_values().items():
+                    _put(out, slot, value)
                 continue
             was_gathered = unit.gathered
             unit.gather(async_op=False)
-            out.update({s.name: s.param.detach().clone() for s in unit.slots})
+            for slot in unit.slots:
+                _put(out, slot, slot.param.detach())
             if not was_gathered:
                 unit.release()
         return out
+
+
+def _put(out: dict[str, torch.Tensor], slot, value: torch.Tensor) -> None:
+    """Copy a slot's gathered values into ``out[slot.name]``: the whole parameter, or a tile's
+    rows of it (memory-centric tiling: the tiles of one weight assemble the untiled tensor)."""
+    if slot.whole_shape is None:
+        out[slot.name] = value.clone()
+        return
+    whole = out.setdefault(slot.name, torch.empty(slot.whole_shape, dtype=value.dtype,
+                                                  device=value.device))
+    whole.view(-1).narrow(0, slot.base, slot.numel).copy_(value.reshape(-1))
 
 
 class _ReduceBuffers:

@@ -22,17 +22,20 @@ from torch import nn
 
 from hybrid.comm import Group
 from hybrid.zero.stage3_unit import ShardedUnit
+from hybrid.zero.tiling import TiledWeight, TilePlan, placeholder
 
 InitFn = Callable[[str], torch.Tensor]   # canonical name -> full TP-local value (any float dtype)
 
 
-def assign_units(model: nn.Module, modules: list[nn.Module], threshold: int
+def assign_units(model: nn.Module, modules: list[nn.Module], threshold: int,
+                 tiled: set[int] = frozenset()
                  ) -> tuple[list[list[tuple[str, nn.Parameter]]], list[tuple[str, nn.Parameter]]]:
     """Per unit, its (canonical name, parameter) pairs to partition; plus the persistent ones
     (fewer than ``threshold`` elements, kept whole on every rank). A tied parameter belongs to the
-    first unit that holds it; every parameter must belong to some unit."""
+    first unit that holds it; every parameter must belong to some unit. Parameters in ``tiled``
+    (ids) are left out: their tiles get units of their own (:func:`make_tile_units`)."""
     names = {id(p): n for n, p in model.named_parameters()}   # first (canonical) name of each
-    seen: set[int] = set()
+    seen: set[int] = set(tiled)
     per_unit, persistent = [], []
     for index, module in enumerate(modules):
         mine = []
@@ -91,6 +94,36 @@ def make_units(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
     return units, kept
 
 
+def make_tile_units(model: nn.Module, plans: list[list[TilePlan]], group: Group, *,
+                    dtype: torch.dtype, device: torch.device, alignment: int,
+                    replicas: Group | None = None, secondary_group: Group | None = None,
+                    prefetch: bool = True) -> list[list[TiledWeight]]:
+    """Memory-centric tiling (:mod:`hybrid.zero.tiling`): per sharding unit, one
+    :class:`TiledWeight` per planned weight, each tile a :class:`ShardedUnit` of its own whose slot
+    is the weight's name with the tile's element offset. The module reads its weight through
+    ``weight_tiles``; its registered ``weight`` becomes a storage-less placeholder."""
+    owners = _parameter_owners(model)
+    options = dict(dtype=dtype, device=device, alignment=alignment, replicas=replicas,
+                   secondary_group=secondary_group)
+    out = []
+    for index, mine in enumerate(plans):
+        tiled = []
+        for plan in mine:
+            units = []
+            for k, (tile, base, whole) in enumerate(plan.tile_params()):
+                unit = ShardedUnit(f"unit{index}.{plan.name}.tile{k}", [(plan.name, tile)], group,
+                                   tile_of={id(tile): (base, whole)}, **options)
+                unit.bind(lambda old, view: _replace(old, view, owners, dtype, device))
+                units.append(unit)
+            plan.module.weight_tiles = TiledWeight(plan.name, units, prefetch)
+            stand_in = placeholder(plan.param, dtype, device)
+            for module, key in owners[id(plan.param)]:
+                module._parameters[key] = stand_in
+            tiled.append(plan.module.weight_tiles)
+        out.append(tiled)
+    return out
+
+
 def _build_unit(name, pairs, group, owners, *, dtype, device, alignment, persistent=False,
                 replicas=None, secondary_group=None):
     unit = ShardedUnit(name, pairs, group, dtype=dtype, device=device, alignment=alignment,
@@ -114,7 +147,7 @@ def _replace(old: nn.Parameter, view: torch.Tensor, owners, dtype, device) -> nn
     new = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=old.requires_grad)
     new.__dict__.update(old.__dict__)
     new.data = view
-    for module, key in owners[id(old)]:
+    for module, key in owners.get(id(old), ()):   # a tile belongs to no module
         module._parameters[key] = new
     return new
 

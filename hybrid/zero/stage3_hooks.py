@@ -68,15 +68,20 @@ class Stage3Scheduler:
     """
 
     def __init__(self, model: nn.Module, modules: list[nn.Module], units: list[ShardedUnit | None],
-                 *, tied: list[int], backward_reads: list[bool], prefetch: bool):
+                 *, tied: list[int], backward_reads: list[bool], prefetch: bool,
+                 sizes: list[int] | None = None):
+        """``sizes``: elements each unit computes with (default its own; with memory-centric
+        tiling its tiles too), which decide the look-ahead's "small" units."""
         self.units, self.tied, self.backward_reads = units, list(tied), backward_reads
         self.prefetch = prefetch
         self.in_backward = False
         self.trace: list[tuple[str, int]] = []
         self.last = len(modules) - 1
-        largest = max((u.numel for u in units if u is not None), default=0)
+        if sizes is None:
+            sizes = [u.numel if u is not None else 0 for u in units]
+        largest = max(sizes, default=0)
         # units the look-ahead passes over: kept whole (None) or too small to hide a transfer
-        self.small = [u is None or 16 * u.numel < largest for u in units]
+        self.small = [u is None or 16 * n < largest for u, n in zip(units, sizes)]
         model.register_forward_pre_hook(self._model_pre_forward)
         model.register_forward_hook(self._model_post_forward)
         for i, module in enumerate(modules):

@@ -31,6 +31,7 @@ the gathered buffer in ``secondary``, and every later gather runs over that grou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -51,10 +52,20 @@ class Slot:
     param: nn.Parameter
     offset: int          # first element inside the flat buffer
     shape: tuple[int, ...]
+    # a tile (hybrid.zero.tiling): ``param`` is elements [base, +numel) of the flattened parameter
+    # ``name`` of shape ``whole_shape``; otherwise base 0 and ``param`` is all of it
+    base: int = 0
+    whole_shape: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        """Shape of the whole (TP-local) parameter ``name``: what an initialiser or a checkpoint
+        gives; the slot's own shape unless it is a tile."""
+        return self.whole_shape if self.whole_shape is not None else self.shape
 
 
 @dataclass(frozen=True)
@@ -77,15 +88,20 @@ class ShardedUnit:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group: Group, *,
                  dtype: torch.dtype, device: torch.device, alignment: int, persistent: bool = False,
-                 replicas: Group | None = None, secondary_group: Group | None = None):
+                 replicas: Group | None = None, secondary_group: Group | None = None,
+                 tile_of: dict[int, tuple[int, tuple[int, ...]]] | None = None):
+        """``tile_of``: id(param) -> (base, whole shape) for parameters that are tiles of a larger
+        one (memory-centric tiling, :mod:`hybrid.zero.tiling`)."""
         if not named_params:
             raise ValueError(f"sharding unit {name!r} has no parameters to partition")
         self.name, self.group, self.persistent = name, group, persistent
         self.replicas = replicas
         self.slots: list[Slot] = []
         offset = 0
+        tile_of = tile_of or {}
         for pname, param in named_params:
-            self.slots.append(Slot(pname, param, offset, tuple(param.shape)))
+            base, whole = tile_of.get(id(param), (0, None))
+            self.slots.append(Slot(pname, param, offset, tuple(param.shape), base, whole))
             offset += param.numel()
         self.numel = offset
         quantum = alignment * group.size
@@ -134,7 +150,7 @@ class ShardedUnit:
         for slot in self.slots:
             start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if start < end:
-                out.append(Segment(slot, start - slot.offset, start - lo, end - start))
+                out.append(Segment(slot, start - slot.offset + slot.base, start - lo, end - start))
         return out
 
     def bind(self, replace: Callable[[nn.Parameter, torch.Tensor], nn.Parameter]) -> None:
@@ -145,7 +161,7 @@ class ShardedUnit:
         slots = []
         for slot in self.slots:
             view = self.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
-            slots.append(Slot(slot.name, replace(slot.param, view), slot.offset, slot.shape))
+            slots.append(dataclasses.replace(slot, param=replace(slot.param, view)))
         self.slots = slots
         if not self.gathered:
             storage.resize_(0)
@@ -162,9 +178,9 @@ class ShardedUnit:
         stage)."""
         for seg in self.segments:
             value = init_value(seg.slot.name, seg.slot.param)
-            if tuple(value.shape) != seg.slot.shape:
+            if tuple(value.shape) != seg.slot.param_shape:
                 raise ValueError(f"initial value of {seg.slot.name!r} has shape {tuple(value.shape)}, "
-                                 f"expected the TP-local shape {seg.slot.shape}")
+                                 f"expected the TP-local shape {seg.slot.param_shape}")
             flat = value.reshape(-1).narrow(0, seg.param_offset, seg.length)
             if write_master is not None:
                 write_master(seg.chunk_offset, flat)
@@ -236,15 +252,15 @@ class ShardedUnit:
         self.gathered = False
 
     @torch.no_grad()
-    def exact_values(self) -> dict[str, torch.Tensor]:
-        """name -> the exact full (TP-local) parameter, gathered unquantized into a temporary
+    def exact_values(self) -> dict[Slot, torch.Tensor]:
+        """slot -> the exact full (TP-local) parameter (a tile's part of it), gathered unquantized into a temporary
         buffer (collective over DP); the unit's own buffer and state are left as they are."""
         shard = self.shard if self.store is None else self.store.fetch(self.store_index)
         full = torch.empty(self.padded, dtype=self.full.dtype, device=self.full.device)
         comm.all_gather_into(full, shard.to(full.device), self.group)
         if self.store is not None:
             self.store.release(self.store_index)
-        return {s.name: full.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots}
+        return {s: full.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots}
 
     def held_bytes(self) -> int:
         return self.full.untyped_storage().nbytes()

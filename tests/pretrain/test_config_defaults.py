@@ -60,6 +60,9 @@ FEEDS = {
         ("hybrid.zero_policy.DEFAULT_BUCKET_ELEMENTS", DEFAULT_BUCKET_ELEMENTS)],
     "parallel.zero_hybrid_shard": [("ZeroConfig.hybrid_shard", field_default(ZeroConfig, "hybrid_shard"))],
     "parallel.zero_hpz": [("ZeroConfig.hpz", field_default(ZeroConfig, "hpz"))],
+    "parallel.tile_factor": [("ZeroConfig.tile_factor", field_default(ZeroConfig, "tile_factor"))],
+    "parallel.max_working_memory": [
+        ("ZeroConfig.max_working_memory", field_default(ZeroConfig, "max_working_memory"))],
     "parallel.zero_quantized_weights": [
         ("ZeroConfig.quantized_weights", field_default(ZeroConfig, "quantized_weights"))],
     "parallel.zero_quantized_gradients": [

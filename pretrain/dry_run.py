@@ -137,7 +137,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "global_batch": layout.global_batch, "accumulation_steps": layout.micro_batches,
             "batch_ramp": _batch_ramp(cfg),
             "precision": o.precision,
-            **_working_memory(chunks, param_bytes, estimate.working),
+            **_working_memory(chunks, param_bytes, estimate.working, p.tile_factor),
             "offload_needs": _offload_needs(cfg, mode, dp if zero_stage else 1, shard.size),
             "offload_target": p.offload_target_efficiency,
             "flops_per_iteration": flops, "flops_per_rank": flops / world,

@@ -336,9 +336,9 @@ class OptimizerSection:
                if getattr(self, n) != "fp32"]
         if low and not self.use_precision_aware_optimizer:
             raise TrainConfigError(
-                f"{' and '.join(low)} bf16 take effect with Megatron's precision-aware optimizer "
-                f"only (without it Megatron keeps fp32 moments); add "
-                f"--use-precision-aware-optimizer")
+                f"{' and '.join(low)} bf16: 16-bit moments belong to Megatron's precision-aware "
+                f"optimizer (without --use-precision-aware-optimizer Megatron keeps fp32 "
+                f"moments); add --use-precision-aware-optimizer")
 
     @property
     def precision(self) -> str:

@@ -11,6 +11,10 @@ kernels of :mod:`.adamw` (ZeRO §3.1 mixed precision, §5.1 Pos):
 * ``compiled`` (:mod:`.adamw_compiled`): one pass per chunk from the 16-bit gradient to the 16-bit
   parameters, with a 1-byte weight-decay mask per owned element.
 
+The moments are stored in ``AdamWConfig.exp_avg_dtype`` / ``exp_avg_sq_dtype`` (fp32 or bf16,
+issue 33): with bf16 the fused / foreach update of a chunk runs on fp32 copies of that chunk's
+moments and rounds them back once (:func:`hybrid.zero.adamw.moments_in_fp32`).
+
 :func:`build_optimizer_state` returns it, or, with ``OffloadConfig(mode="cpu"|"nvme")``, the host
 or NVMe backend of :mod:`hybrid.offload` (ZeRO-Offload, ZeRO-Infinity). The engines hold what it
 returns and never ask which backend it is.

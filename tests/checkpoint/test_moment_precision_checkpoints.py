@@ -1,7 +1,8 @@
 """Checkpoints of runs with bf16 Adam moments (issue 33 part 5, docs/optimizer-precision.md).
 
 A GPT run with bf16 moments is saved at DP 2 x ZeRO stage 1 after 2 of 4 iterations. It is loaded
-at the same layout, at DP 2 x ZeRO 3 and at TP 2 (2 ranks, one spawn), and at DP 1 (one process).
+at the same layout, at DP 2 x ZeRO 3, at TP 2 and at PP 2 (2 ranks, one spawn), and at DP 1 (one
+process).
 Each loaded run first writes its state again from its own layout: every master and moment tensor
 of that checkpoint must equal the saved one bit for bit (the moments stay bf16: a reshard moves
 them, it never rounds them). Then the runs continue: at the saved layout the losses equal the
@@ -24,12 +25,13 @@ from tests.training_helpers import make_trainer, tiny_args
 BF16 = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 FIXED = ["--lr-decay-iters", "4"]
 SAVED = dict(tp=1, zero=1)
-TWO_RANK_LAYOUTS = [dict(tp=1, zero=1), dict(tp=1, zero=3), dict(tp=2, zero=1)]
+TWO_RANK_LAYOUTS = [dict(tp=1, zero=1), dict(tp=1, zero=3), dict(tp=2, zero=1),
+                    dict(tp=1, zero=1, pp=2)]
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _name(layout, moments="bf16", ranks=2) -> str:
-    return f"{ranks}ranks-tp{layout['tp']}-zero{layout['zero']}-{moments}"
+    return f"{ranks}ranks-tp{layout['tp']}-pp{layout.get('pp', 1)}-zero{layout['zero']}-{moments}"
 
 
 def _resume(ckpt, layout, moments, notes=None, source="saved", ranks=2):
@@ -37,7 +39,9 @@ def _resume(ckpt, layout, moments, notes=None, source="saved", ranks=2):
     ``_name(...)``), train iterations 3-4."""
     extra = FIXED + (BF16 if moments == "bf16" else []) + [
         "--load", f"{ckpt}/{source}/iter_0000002", "--save",
-        f"{ckpt}/{_name(layout, moments, ranks)}"]
+        f"{ckpt}/{_name(layout, moments, ranks)}",
+        "--pipeline-model-parallel-size", str(layout.get("pp", 1))]
+    layout = {k: v for k, v in layout.items() if k != "pp"}
     handler = _Notes(notes) if notes is not None else None
     if handler:
         logging.getLogger("hybrid.zero.engine").addHandler(handler)

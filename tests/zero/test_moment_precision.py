@@ -174,3 +174,13 @@ def test_memory_report_drops_by_the_formulas_amount_at_dp2():
             assert drop_formula == (12 - 8) * psi / 2, (stage, full, low)   # K: 12 -> 8, over DP 2
             assert full[0] - low[0] == drop_formula, (stage, full, low)      # measured, exactly
             assert low[2] * 2 == full[2], (stage, full, low)                 # half the moments
+
+
+def test_offloaded_optimizer_state_refuses_bf16_moments():
+    """The host / NVMe AdamW has no 16-bit path: one clear error, before anything is allocated."""
+    from hybrid.offload.budget import OffloadConfig, build_offload_state
+    with pytest.raises(ValueError, match="no 16-bit path"):
+        build_offload_state(OffloadConfig(mode="cpu"), SIZES, [[], []], _config("fused", "bf16",
+                                                                                  "fp32"),
+                            device=torch.device("cpu"), param_dtype=torch.bfloat16, rank=0,
+                            resident_bytes=0)

@@ -219,7 +219,8 @@ def build_optimizer(cfg: TrainConfig, layout: RunLayout, state: ParallelState, w
     offload = offload if offload is not None and offload.enabled else None
     acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                        weight_decay=o.weight_decay,   # --compile: the update in one compiled pass
-                       kernel="compiled" if cfg.training.compile and offload is None else "fused")
+                       kernel="compiled" if cfg.training.compile and offload is None else "fused",
+                       **o.adamw_moment_dtypes())
     if zcfg.stage == 3:   # meta-built model: each rank initialises only its partitions
         return build_zero_optimizer(weights.model, state, zcfg, acfg, offload, seed=cfg.training.seed,
                                     init_fn=weights.init_fn)

@@ -53,12 +53,21 @@ class TrainConfig:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
         self._check_schedule_units()
+        self._check_offloaded_moments()
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(
                 f"--sequence-parallel shards the sequence over the TP ranks, but --seq-length {seq} "
                 f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
                 f"is a multiple of {tp} or drop --sequence-parallel")
+
+    def _check_offloaded_moments(self) -> None:
+        """16-bit moments live on the device only: the offloaded AdamW has no 16-bit path."""
+        o, p = self.optimizer, self.parallel
+        if (o.exp_avg_dtype, o.exp_avg_sq_dtype) != ("fp32", "fp32") and (
+                p.offload_optimizer != "none" or p.offload_nvme_path is not None):
+            from hybrid.adamw_config import OFFLOAD_MOMENTS_REFUSAL
+            raise TrainConfigError(OFFLOAD_MOMENTS_REFUSAL)
 
     def _check_schedule_units(self) -> None:
         """Megatron's rule: an iteration-based run takes iteration-based schedule flags, a

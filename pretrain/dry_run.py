@@ -36,7 +36,7 @@ from hybrid.perf.hardware import DGX2_PARAM_GATHER_BANDWIDTH
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
-from hybrid.perf.model_states import model_state_bytes
+from hybrid.perf.model_states import model_state_bytes, optimizer_bytes_per_param
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
 from hybrid.zero_policy import stage_with_pipeline
@@ -78,8 +78,13 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     mixed = o.precision != "fp32"
     shard, intra, inter = _host_split(cfg, state)
     zero_stage = stage_with_pipeline(p.zero_stage, state.pp_size)   # the engine's stage
+    # K = master + exp_avg + exp_avg_sq bytes: 4 + 4 + 4 (the paper's 12), 4 + 2 + 2 with bf16
+    # moments (--exp-avg-dtype / --exp-avg-sq-dtype); no master in plain fp32 training
+    k_terms = ([4] if mixed else [0]) + [_BYTES[o.exp_avg_dtype], _BYTES[o.exp_avg_sq_dtype]]
+    k = optimizer_bytes_per_param(master="fp32" if mixed else None, exp_avg=o.exp_avg_dtype,
+                                  exp_avg_sq=o.exp_avg_sq_dtype)
     states = model_state_bytes(float(psi_rank), zero_stage, shard.size, param_bytes=param_bytes,
-                               grad_bytes=param_bytes, optimizer_bytes_per_param=12 if mixed else 8,
+                               grad_bytes=param_bytes, optimizer_bytes_per_param=k,
                                master_bytes_per_param=4 if mixed else 0).as_dict()
     if p.zero_hpz:
         states["params_16bit_secondary"] = param_bytes * psi_rank / intra.size
@@ -125,6 +130,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
+            "optimizer_bytes_per_param": k, "optimizer_bytes_terms": k_terms,
+            "moment_dtypes": (o.exp_avg_dtype, o.exp_avg_sq_dtype),
             "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops,
             "dp_quantized": _quantized_names(p),
             "tp_bytes_per_step": tp_bytes,
@@ -273,9 +280,12 @@ def format_report(r: dict) -> str:
              f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
              f"model states per rank: {r['precision']} params {s['params_16bit']}, "
              f"{r['precision']} grads {s['grads_16bit']}, "
-             f"fp32 master {s['master_fp32']}, fp32 Adam moments {s['adam_moments']}"
+             f"fp32 master {s['master_fp32']}, Adam moments ({r['moment_dtypes'][0]} exp_avg, "
+             f"{r['moment_dtypes'][1]} exp_avg_sq) {s['adam_moments']}"
              + (f", hpZ secondary params {s['params_16bit_secondary']}"
-                if "params_16bit_secondary" in s else "") + f", total {s['total']}",
+                if "params_16bit_secondary" in s else "") + f", total {s['total']} (optimizer "
+             f"state K = {' + '.join(map(str, r['optimizer_bytes_terms']))} = "
+             f"{r['optimizer_bytes_per_param']} bytes a parameter)",
              f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "
              f"{_bytes(r['activations_per_rank'])}; buffers {_bytes(r['buffers_per_rank'])}; reserved "
              f"{_bytes(r['reserved_per_rank'])}; total {_bytes(total_bytes(r))}",

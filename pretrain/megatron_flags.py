@@ -288,6 +288,14 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _native("--hysteresis", "optimizer.hysteresis", "overflows before shrinking", int),
     _noop("--grad-reduce-in-bf16", "reduce gradients in bf16", "with --bf16 gradients are "
           "reduced in bf16 here anyway; refused without --bf16", when=_bf16_given),
+    _native("--use-precision-aware-optimizer", "optimizer.use_precision_aware_optimizer",
+            "let the optimizer keep its state in lower precision (the dtypes below)"),
+    _native("--exp-avg-dtype", "optimizer.exp_avg_dtype", "storage dtype of Adam's first moment "
+            "(fp32 | bf16 here; Megatron's fp16 / fp8 refused)", str),
+    _native("--exp-avg-sq-dtype", "optimizer.exp_avg_sq_dtype", "storage dtype of Adam's second "
+            "moment (fp32 | bf16 here; Megatron's fp16 / fp8 refused)", str),
+    _native("--main-params-dtype", "optimizer.main_params_dtype", "dtype of the master weights "
+            "(fp32; Megatron's fp16 is refused: it needs stochastic rounding)", str),
     _noop("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN",
           "the checks are always on here; --on-nonfinite skip|stop picks what a NaN does"),
     # ---- optimizer and schedule ----

@@ -287,6 +287,16 @@ class OptimizerSection:
     use_checkpoint_opt_param_scheduler: bool = _help(
         "on resume, take the learning-rate schedule from the checkpoint, not from these flags",
         default=False)
+    # Megatron's precision-aware optimizer (issue 33 part 4, docs/optimizer-precision.md)
+    use_precision_aware_optimizer: bool = _help(
+        "let --exp-avg-dtype / --exp-avg-sq-dtype / --main-params-dtype take 16-bit values",
+        default=False)
+    exp_avg_dtype: str = _help("storage dtype of Adam's first moment: fp32 | bf16 (the step "
+                               "computes in fp32)", default="fp32")
+    exp_avg_sq_dtype: str = _help("storage dtype of Adam's second moment: fp32 | bf16 (the step "
+                                  "computes in fp32)", default="fp32")
+    main_params_dtype: str = _help("dtype of the master weights: fp32 (fp16 is refused: it needs "
+                                   "stochastic rounding, not implemented)", default="fp32")
 
     def __post_init__(self) -> None:
         _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
@@ -310,6 +320,7 @@ class OptimizerSection:
         if self.min_lr > self.lr:
             raise TrainConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; lower --min-lr")
         self._check_decay_style()
+        self._check_optimizer_dtypes()
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise TrainConfigError(f"{flag_name(name)} must be in [0, 1), "
@@ -344,9 +355,41 @@ class OptimizerSection:
         if len(wsd_lengths) == 2:
             raise TrainConfigError("give one of --lr-wsd-decay-iters and --lr-wsd-decay-samples")
 
+    def _check_optimizer_dtypes(self) -> None:
+        """Megatron's precision-aware optimizer flags: bf16 moments are implemented, fp32 master
+        weights only (docs/optimizer-precision.md says why)."""
+        from hybrid.adamw_config import MOMENT_DTYPES
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = getattr(self, name)
+            if value not in MOMENT_DTYPES:
+                raise TrainConfigError(
+                    f"{flag_name(name)} {value!r} is not implemented: Adam's moments are stored in "
+                    f"fp32 or bf16 here (Megatron's fp16 / fp8 moment storage needs per-tensor "
+                    f"scaling this optimizer does not have); use fp32 or bf16")
+        if self.main_params_dtype == "fp16":
+            raise TrainConfigError(
+                "--main-params-dtype fp16 is refused: fp16 master weights only train when each "
+                "update is rounded stochastically into them (a round-to-nearest fp16 master loses "
+                "every update smaller than half an ulp of the weight), and stochastic rounding is "
+                "not implemented here; use --main-params-dtype fp32 (the default)")
+        if self.main_params_dtype != "fp32":
+            raise TrainConfigError(f"--main-params-dtype must be fp32 (or Megatron's fp16, refused "
+                                   f"here), got {self.main_params_dtype!r}")
+        low = [flag_name(n) for n in ("exp_avg_dtype", "exp_avg_sq_dtype")
+               if getattr(self, n) != "fp32"]
+        if low and not self.use_precision_aware_optimizer:
+            raise TrainConfigError(
+                f"{' and '.join(low)} bf16: 16-bit moments belong to Megatron's precision-aware "
+                f"optimizer (without --use-precision-aware-optimizer Megatron keeps fp32 "
+                f"moments); add --use-precision-aware-optimizer")
+
     @property
     def precision(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def adamw_moment_dtypes(self) -> dict:
+        """AdamWConfig's moment storage fields of these flags."""
+        return {"exp_avg_dtype": self.exp_avg_dtype, "exp_avg_sq_dtype": self.exp_avg_sq_dtype}
 
     def loss_scale_options(self) -> dict:
         """fp16's scaler (hybrid.zero.LossScaleConfig's fields): dynamic, or pinned at --loss-scale

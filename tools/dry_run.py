@@ -9,6 +9,10 @@ a node and those on InfiniBand (hybrid.perf.links).
 
     python -m tools.dry_run > docs/paper/dry_run.txt   # table + traffic + topology summary
     python -m tools.dry_run --json
+    python -m tools.dry_run --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16   # 16-bit Adam moments
+
+With 16-bit moments (Megatron's precision-aware optimizer, docs/optimizer-precision.md) every row is
+dry-run with them and the formula column uses K = 4 + 2 + 2 instead of the paper's 12.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import sys
 
 from hybrid.perf.flops import gpt_param_count, megatron_param_count
-from hybrid.perf.model_states import GB, model_state_bytes
+from hybrid.perf.model_states import GB, model_state_bytes, optimizer_bytes_per_param
 from hybrid.topology import Topology
 from pretrain.arguments import parse_args
 from pretrain.dry_run import dry_run_report, total_bytes
@@ -31,9 +35,14 @@ DEVICE_BYTES = 32e9
 ZERO_R_CONFIG = {"full": "C3", "full-pa": "C4", "full-pa-cpu": "C5"}
 
 
-def dry_run_row(run: PaperRun) -> dict:
+def dry_run_row(run: PaperRun, moments: tuple[str, str] = ("fp32", "fp32")) -> dict:
+    """One Table 5 row; ``moments``: the storage dtypes of Adam's exp_avg and exp_avg_sq."""
     c = run.config
-    report = dry_run_report(parse_args(["--config", run.name])[0])
+    flags = ([] if moments == ("fp32", "fp32") else
+             ["--use-precision-aware-optimizer", "--exp-avg-dtype", moments[0],
+              "--exp-avg-sq-dtype", moments[1]])
+    report = dry_run_report(parse_args(["--config", run.name, *flags])[0])
+    k = optimizer_bytes_per_param(exp_avg=moments[0], exp_avg_sq=moments[1])
     counted = report["params_per_rank"]
     exact = gpt_param_count(c.num_layers, c.hidden_size, c.padded_vocab_size(run.tp),
                             c.max_position_embeddings, tp=run.tp)
@@ -46,7 +55,9 @@ def dry_run_row(run: PaperRun) -> dict:
             "megatron_formula_per_rank": megatron, "megatron_rel_diff": counted / megatron - 1,
             "model_states_gb": report["model_states_per_rank"]["total"] / GB,
             "formula_model_states_gb": model_state_bytes(megatron * run.tp, stage, run.dp,
-                                                         mp=run.tp).total / GB,
+                                                         mp=run.tp,
+                                                         optimizer_bytes_per_param=k).total / GB,
+            "optimizer_bytes_per_param": k,
             "total_gb": total / GB, "fits_32gb": total <= DEVICE_BYTES,
             "dp_traffic_gb": report["dp_bytes_per_step"] / GB,
             "dp_cross_node_gb": report["dp_cross_host_bytes_per_step"] / GB,
@@ -64,8 +75,8 @@ def topology_summary(gpus: int, tp: int) -> dict:
             "nodes_per_dp_group": sorted(dp_nodes)}
 
 
-def rows() -> list[dict]:
-    return [dry_run_row(r) for r in PAPER_RUNS.values() if r.table == "table5"]
+def rows(moments: tuple[str, str] = ("fp32", "fp32")) -> list[dict]:
+    return [dry_run_row(r, moments) for r in PAPER_RUNS.values() if r.table == "table5"]
 
 
 def layouts() -> list[dict]:
@@ -102,8 +113,11 @@ def render(table: list[dict], topo: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        parser.add_argument(flag, choices=("fp32", "bf16"), default="fp32",
+                            help="storage dtype of an Adam moment in every row (K follows)")
     args = parser.parse_args(argv)
-    table, topo = rows(), layouts()
+    table, topo = rows((args.exp_avg_dtype, args.exp_avg_sq_dtype)), layouts()
     if args.json:
         json.dump({"runs": table, "layouts": topo}, sys.stdout, indent=1)
         print()

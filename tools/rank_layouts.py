@@ -6,6 +6,12 @@ cluster by predicted throughput under the device memory limit (hybrid/perf/pipel
     python tools/rank_layouts.py --preset gpt3-175b        # GPT-3 175B on 1024 A100 80GB (DGX A100)
     python tools/rank_layouts.py --layers 48 --hidden 1600 --heads 16 --gpus 64 --global-batch 512
     python tools/rank_layouts.py --all-presets --out docs/paper/rank_layouts.txt --overwrite
+    python tools/rank_layouts.py --preset zero-100b --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+
+With 16-bit Adam moments (docs/optimizer-precision.md) the model states take K = 4 + 2 + 2 bytes a
+parameter instead of 12, and the optimizer step reads and writes 12 + 2 (2 + 2) = 20 bytes a
+parameter instead of 28 (16-bit gradient in, fp32 master and both moments in and out, 16-bit
+parameter out).
 
 Prints the top candidates with their memory and time breakdown, then the layout the published run
 used: its predicted throughput and memory, whether it fits the memory limit under this memory model
@@ -19,6 +25,7 @@ data sheet only, so its absolute TFLOP/s are not a prediction, the ranking is th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +37,9 @@ from hybrid.perf import infinity  # noqa: E402
 from hybrid.perf.activations import activation_bytes_per_layer  # noqa: E402
 from hybrid.perf.flops import model_flops_per_iteration, pad_vocab  # noqa: E402
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster  # noqa: E402
+from hybrid.perf.model_states import STATE_DTYPE_BYTES, optimizer_bytes_per_param  # noqa: E402
 from hybrid.perf.pipeline import Layout, LayoutEstimate, estimate_layout  # noqa: E402
+from hybrid.perf.throughput import ThroughputAssumptions  # noqa: E402
 from hybrid.zero_policy import runnable_stages  # noqa: E402
 from models.gpt.presets import GPT2_VOCAB_SIZE, PAPER_SEQ_LENGTH  # noqa: E402
 from tools._cli import check_output_files  # noqa: E402
@@ -53,10 +62,22 @@ class Preset:
     published: Layout | None
     source: str      # where the published layout and its measured throughput come from
 
+    moments: tuple[str, str] = ("fp32", "fp32")   # storage dtypes of exp_avg, exp_avg_sq
+
     def model(self) -> dict:
         """The keyword arguments :func:`hybrid.perf.pipeline.estimate_layout` takes besides the layout."""
         return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
-                    vocab=self.vocab, global_batch=self.global_batch, cluster=self.cluster)
+                    vocab=self.vocab, global_batch=self.global_batch, cluster=self.cluster,
+                    **optimizer_options(self.moments))
+
+
+def optimizer_options(moments: tuple[str, str]) -> dict:
+    """estimate_layout's K and optimizer-step traffic for these moment dtypes: K = 4 + m + v, the
+    step moves 2 (gradient) + 8 (master in and out) + 2 (m + v) + 2 (parameter) bytes."""
+    moment_bytes = sum(STATE_DTYPE_BYTES[d] for d in moments)
+    return dict(optimizer_bytes_per_param=optimizer_bytes_per_param(exp_avg=moments[0],
+                                                                    exp_avg_sq=moments[1]),
+                assumptions=ThroughputAssumptions(optimizer_bytes_per_param=12.0 + 2 * moment_bytes))
 
 
 # ZeRO's Pa partitions each checkpoint over the MP ranks as SP's shards do: modelled as SP.
@@ -222,7 +243,7 @@ def report(preset: Preset, top: int, offload: str = "none",
     return lines
 
 
-def render_presets(top: int = 10) -> str:
+def render_presets(top: int = 10, moments: tuple[str, str] = ("fp32", "fp32")) -> str:
     """Every preset's report: the text of docs/paper/rank_layouts.txt."""
     out = ["Layouts ranked by tools/rank_layouts.py (hybrid/perf/pipeline.py) for the papers' runs;",
            "regenerate with: python tools/rank_layouts.py --all-presets --out "
@@ -232,7 +253,7 @@ def render_presets(top: int = 10) -> str:
            "work: the slowest stage's compute, TP comm, memory-bound ops and overhead, bubble included; "
            "A100 rates are its data sheet, not calibrated.", ""]
     for name, preset in PRESETS.items():
-        out += [f"== {name}"] + report(preset, top) + [""]
+        out += [f"== {name}"] + report(dataclasses.replace(preset, moments=moments), top) + [""]
     return "\n".join(out)
 
 
@@ -252,6 +273,9 @@ def main(argv=None) -> int:
                              "optimizer states offloaded there (ZeRO-Infinity §4)")
     parser.add_argument("--target-efficiency", type=float, default=0.9,
                         help="efficiency --offload asks the bandwidth for (default 0.9)")
+    for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        parser.add_argument(flag, choices=("fp32", "bf16"), default="fp32",
+                            help="storage dtype of an Adam moment (model states and step traffic)")
     parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
@@ -259,8 +283,9 @@ def main(argv=None) -> int:
         print(f"error: --target-efficiency must lie strictly between 0 and 1, got "
               f"{args.target_efficiency}", file=sys.stderr)
         return 2
+    moments = (args.exp_avg_dtype, args.exp_avg_sq_dtype)
     if args.all_presets:
-        text = render_presets(args.top)
+        text = render_presets(args.top, moments)
         if args.out is None:
             print(text, end="")
             return 0
@@ -276,7 +301,7 @@ def main(argv=None) -> int:
         print("error: --out writes the --all-presets reports; add --all-presets", file=sys.stderr)
         return 2
     if args.preset:
-        preset = PRESETS[args.preset]
+        preset = dataclasses.replace(PRESETS[args.preset], moments=moments)
     else:
         missing = [n for n in ("layers", "hidden", "heads", "gpus", "global_batch")
                    if getattr(args, n) is None]
@@ -285,7 +310,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         preset = Preset(args.layers, args.hidden, args.heads, args.seq_length, args.vocab_size,
-                        args.gpus, args.global_batch, dgx2_v100_cluster(), None, "")
+                        args.gpus, args.global_batch, dgx2_v100_cluster(), None, "", moments)
     lines = report(preset, args.top, args.offload, args.target_efficiency)
     if lines is None:
         print(f"error: no layout of this model fits {preset.cluster.memory_bytes / 1e9:.0f} GB per GPU "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.adamw_config import AdamWConfig
+from hybrid.adamw_config import OFFLOAD_MOMENTS_REFUSAL, AdamWConfig
 from hybrid.offload.cpu_adam import KERNELS, CPUAdamW
 
 log = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ def build_offload_state(config: OffloadConfig, sizes: list[int],
     from hybrid.offload.nvme import NVMeOptimizerState
     if not config.enabled:
         raise ValueError("build_offload_state needs --offload-optimizer cpu or nvme")
+    if adamw.low_precision_moments:
+        raise ValueError(OFFLOAD_MOMENTS_REFUSAL)
     block = plan_block_elems(config, sum(sizes), resident_bytes)
     adam = CPUAdamW(adamw, kernel=config.kernel, block_elems=block)
     if config.mode == "cpu":

@@ -49,7 +49,8 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
                   sequence_parallel: bool = False, partition_activations: bool = False,
                   cpu_offload: bool = False, bucket_elements: int | None = DEFAULT_BUCKET_ELEMENTS,
                   reserved_bytes: float = DEFAULT_RESERVED_BYTES,
-                  arch: Architecture = GPT2) -> MemoryEstimate:
+                  arch: Architecture = GPT2,
+                  optimizer_bytes_per_param: int = 12) -> MemoryEstimate:
     """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
 
     ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
@@ -57,10 +58,13 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
     :data:`hybrid.zero_policy.DEFAULT_BUCKET_ELEMENTS`). Stage 3 also holds the
     gathered 16-bit parameters of two layers (the one running and the prefetched next one).
     ``arch``: the model's options (GQA, SwiGLU, untied output layer, ...); GPT-2 by default.
+    ``optimizer_bytes_per_param``: K, the paper's 12 (fp32 master and moments) or what the moment
+    dtypes make it (:func:`hybrid.perf.model_states.optimizer_bytes_per_param`: 8 with bf16 moments).
     """
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
                                arch=arch)
-    states = model_state_bytes(psi_rank, stage, dp)
+    states = model_state_bytes(psi_rank, stage, dp,
+                               optimizer_bytes_per_param=optimizer_bytes_per_param)
     checkpoints, working = _activations(layers, hidden, heads, seq, micro_batch, tp, recompute,
                                         sequence_parallel, partition_activations, cpu_offload, arch)
     logits = act.logits_bytes(seq, micro_batch, pad_vocab(vocab, tp), tp=tp)

@@ -9,6 +9,11 @@ With data parallelism of degree Nd, ZeRO partitions them:
     stage 2 (Pos+g)        2Ψ + (2 + K) Ψ / Nd
     stage 3 (Pos+g+p)      (2 + 2 + K) Ψ / Nd
 
+K is what the optimizer state really takes (issue 33 part 4, Megatron's precision-aware optimizer):
+K = master + exp_avg + exp_avg_sq bytes, :func:`optimizer_bytes_per_param`. The paper's K = 12 is
+4 + 4 + 4; with both moments in bf16 K = 4 + 2 + 2 = 8, with one of them K = 4 + 2 + 4 = 10; in plain
+fp32 training the master is the parameter itself, K = 0 + 4 + 4 (or 0 + 2 + 2).
+
 With model (tensor) parallelism of degree Nm, Ψ is the per-MP-rank share Ψ / Nm. Pure functions of
 numbers (docs/design.md §7): the runtime's start-up memory report, tools/paper_tables.py and the
 tests call these same functions.
@@ -21,6 +26,20 @@ from dataclasses import dataclass
 
 STAGE_NAMES = {0: "baseline", 1: "Pos", 2: "Pos+g", 3: "Pos+g+p"}
 GB = 1e9  # the paper's GB
+
+
+STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def optimizer_bytes_per_param(*, master: str | None = "fp32", exp_avg: str = "fp32",
+                              exp_avg_sq: str = "fp32") -> int:
+    """K of the formulas: bytes of optimizer state per parameter, the master copy (``None``: no
+    separate master, plain fp32 training) plus Adam's two moments in their storage dtypes."""
+    for name, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
+        if value not in STATE_DTYPE_BYTES and not (name == "master" and value is None):
+            raise ValueError(f"{name} dtype must be one of {tuple(STATE_DTYPE_BYTES)}, got {value!r}")
+    return ((0 if master is None else STATE_DTYPE_BYTES[master]) + STATE_DTYPE_BYTES[exp_avg]
+            + STATE_DTYPE_BYTES[exp_avg_sq])
 
 
 @dataclass(frozen=True)

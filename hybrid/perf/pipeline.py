@@ -95,7 +95,10 @@ def p2p_bytes_per_step(*, pp: int, virtual: int, micro_batches: int, micro_batch
 
 def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
                     global_batch: int, cluster: Cluster | None = None,
-                    assumptions: ThroughputAssumptions = ThroughputAssumptions()) -> LayoutEstimate:
+                    assumptions: ThroughputAssumptions = ThroughputAssumptions(),
+                    optimizer_bytes_per_param: int = 12) -> LayoutEstimate:
+    """Time and memory of one layout. ``optimizer_bytes_per_param``: K of the model states (12, or 8
+    with bf16 Adam moments); the optimizer step's memory traffic is the ``assumptions``'."""
     cluster = cluster or dgx2_v100_cluster()
     t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.virtual, layout.micro_batch
     if layers % (p * v):
@@ -120,7 +123,8 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
     p2p = sent / bandwidth + (2 * m * v * cluster.collective_latency if p > 1 else 0.0)
     mem = device_memory(layers=stage_layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
                         micro_batch=b, tp=t, dp=d, stage=zero_stage, recompute=layout.recompute,
-                        sequence_parallel=layout.sequence_parallel)
+                        sequence_parallel=layout.sequence_parallel,
+                        optimizer_bytes_per_param=optimizer_bytes_per_param)
     flight = micro_batches_in_flight(p, v)
     held = mem.checkpoints * flight + mem.working * (1 if layout.recompute == "full" else flight)
     activations = held + mem.logits

@@ -15,6 +15,12 @@ ZeRO stores the fp32 master parameters and the two Adam moments of a rank's part
 * ``compiled`` (:mod:`hybrid.zero.adamw_compiled`): one ``torch.compile``'d pass per chunk that also
   reads the 16-bit gradient and writes the 16-bit parameters (mixed precision without offload).
 
+The moments may be STORED in bf16 (``AdamWConfig.exp_avg_dtype`` / ``exp_avg_sq_dtype``, Megatron's
+precision-aware optimizer; issue 33 part 4): every kernel still computes in fp32. ``fused`` and
+``foreach`` run on fp32 copies of one chunk's moments (:func:`moments_in_fp32`), ``compiled`` reads
+the 16-bit moments into fp32 registers; the parameter update uses the new fp32 moments, and only
+what is stored is rounded (round to nearest, ties to even: ``Tensor.copy_``), once per step.
+
 Weight decay applies only to the decayed parameters' pieces: the flat chunks mix decayed and
 undecayed parameters, which ``fused`` and ``foreach`` take as lists of views (no mask tensor) and
 ``compiled`` as a 1-byte mask per element.
@@ -23,10 +29,25 @@ undecayed parameters, which ``fused`` and ``foreach`` take as lists of views (no
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
 from hybrid.adamw_config import AdamWConfig
+
+TORCH_MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@contextmanager
+def moments_in_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
+    """Yield fp32 versions of one chunk's two moments for an fp32 kernel, and store them back
+    rounded to nearest (ties to even) into their 16-bit storage on exit. An fp32 moment is yielded
+    itself (no copy); a bf16 one as a transient fp32 copy of that chunk (4 bytes an element)."""
+    wide = [t if t.dtype == torch.float32 else t.float() for t in (exp_avg, exp_avg_sq)]
+    yield wide
+    for stored, value in zip((exp_avg, exp_avg_sq), wide):
+        if value is not stored:
+            stored.copy_(value)
 
 
 def fused_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -84,13 +105,17 @@ class FlatAdamWState:
     """The two Adam moments of a list of flat fp32 partitions, plus the step counter.
 
     ``sizes`` are the numels of the partitions; moments are allocated as ONE flat tensor each
-    (so the memory report sees two storages) and handed out as views.
+    (so the memory report sees two storages) and handed out as views. ``exp_avg_dtype`` /
+    ``exp_avg_sq_dtype`` (``fp32`` or ``bf16``) are their storage dtypes.
     """
 
-    def __init__(self, sizes: list[int], device: torch.device | str):
+    def __init__(self, sizes: list[int], device: torch.device | str, *,
+                 exp_avg_dtype: str = "fp32", exp_avg_sq_dtype: str = "fp32"):
         total = sum(sizes)
-        self.exp_avg_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self.exp_avg_sq_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_flat = torch.zeros(total, dtype=TORCH_MOMENT_DTYPES[exp_avg_dtype],
+                                        device=device)
+        self.exp_avg_sq_flat = torch.zeros(total, dtype=TORCH_MOMENT_DTYPES[exp_avg_sq_dtype],
+                                           device=device)
         self.exp_avgs = list(torch.split(self.exp_avg_flat, sizes)) if sizes else []
         self.exp_avg_sqs = list(torch.split(self.exp_avg_sq_flat, sizes)) if sizes else []
         self.step = 0
@@ -98,6 +123,9 @@ class FlatAdamWState:
     def update(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                decay_views: list[torch.Tensor], config: AdamWConfig, lr: float | None = None) -> None:
         self.step += 1
+        if self.exp_avg_flat.dtype != torch.float32 or self.exp_avg_sq_flat.dtype != torch.float32:
+            raise ValueError("FlatAdamWState.update runs on fp32 moments; 16-bit moments are "
+                             "updated chunk by chunk through moments_in_fp32")
         adamw_step(params, grads, self.exp_avgs, self.exp_avg_sqs, decay_views, step=self.step,
                    config=config, lr=lr)
 

@@ -15,7 +15,8 @@ from the engine's decay spans: a chunk mixes decayed matrices and undecayed bias
 mask and ``torch.where`` make inductor's CPU loop 1.7x slower). The arithmetic is AdamW's as
 ``torch._fused_adamw_`` does it (gradient divided by the scale, decoupled decay, ``lerp`` first
 moment, second moment, bias-corrected step), but the compiled loop rounds differently now and then,
-so it agrees with the ``fused`` kernel to about an ulp per step; every element gets the same
+so it agrees with the ``fused`` kernel to about an ulp per step (with bf16 moments, issue 33: it
+reads them into fp32 and rounds the new ones once, to nearest even, after the update used them); every element gets the same
 arithmetic whatever its position in a chunk. The step's scalars are tensors, so a learning-rate
 schedule does not recompile; chunk sizes are dynamic, so one graph serves every chunk.
 """
@@ -34,10 +35,10 @@ def _adamw_pass(grad, master, exp_avg, exp_avg_sq, decay, param16, grad_scale, d
                 step_size, bias_correction2_sqrt, beta1: float, beta2: float, eps: float):
     g = grad.float() / grad_scale
     p = master * (1 + (decay_factor - 1) * decay.float())   # exactly master * factor or master
-    m = torch.lerp(exp_avg, g, 1 - beta1)
-    v = exp_avg_sq * beta2 + g * g * (1 - beta2)
+    m = torch.lerp(exp_avg.float(), g, 1 - beta1)   # 16-bit moments: read into fp32
+    v = exp_avg_sq.float() * beta2 + g * g * (1 - beta2)
     p = p - step_size * m / (v.sqrt() / bias_correction2_sqrt + eps)
-    exp_avg.copy_(m)
+    exp_avg.copy_(m)      # 16-bit moments: rounded to nearest once, after the update used m, v
     exp_avg_sq.copy_(v)
     master.copy_(p)
     if param16 is not None:
@@ -46,7 +47,7 @@ def _adamw_pass(grad, master, exp_avg, exp_avg_sq, decay, param16, grad_scale, d
 
 @functools.cache
 def _compiled_pass(dtypes: tuple):
-    """The compiled pass for one (gradient, 16-bit parameter) dtype pair. dynamo caches graphs per
+    """The compiled pass for one (gradient, 16-bit parameter, exp_avg, exp_avg_sq) dtype tuple. dynamo caches graphs per
     code object, at most 8 (its recompile limit), and compiles one per dtype pair and per layout of
     the views it is given: a process that builds engines of several precisions (the tests, the
     benchmarks) would pass that limit, and fullgraph would then fail. Each pair therefore gets its
@@ -86,7 +87,8 @@ def compiled_adamw_step(grads: list[torch.Tensor], masters: list[torch.Tensor],
         if master.numel() == 0:
             continue
         param16 = None if params16 is None else params16[k]
-        kernel = _compiled_pass((grads[k].dtype, None if param16 is None else param16.dtype))
+        kernel = _compiled_pass((grads[k].dtype, None if param16 is None else param16.dtype,
+                                 exp_avgs[k].dtype, exp_avg_sqs[k].dtype))
         args = (grads[k], master, exp_avgs[k], exp_avg_sqs[k], masks[k], param16, *scalars,
                 beta1, beta2, config.eps)
         try:

@@ -214,6 +214,17 @@ class ZeroEngine:
             self.optimizer_state.publish(out)
         self._gather_params()
 
+    def _note_moment_conversion(self, counters: dict) -> None:
+        """A checkpoint whose moments were stored in another dtype loads converted (issue 33,
+        docs/optimizer-precision.md): fp32 -> bf16 rounds each moment to nearest even once, as
+        every step of a bf16-moment run does; bf16 -> fp32 is exact. One logged note says so."""
+        for kind, ours in self._moment_dtypes().items():
+            saved = counters.get(kind, "fp32")
+            if saved != ours and self.state.rank == 0:
+                log.info("note: the checkpoint's %s is stored in %s, this run's in %s: converted on "
+                         "load (%s)", kind.removesuffix("_dtype"), saved, ours,
+                         "rounded to nearest even" if ours != "fp32" else "exact")
+
     # ---- the checkpoint state protocol (hybrid.checkpoint.state.CheckpointState) ------------
     @property
     def state_replica(self) -> int:
@@ -225,12 +236,20 @@ class ZeroEngine:
         return self._parameter_fragments() + self.owned_fragments()
 
     def checkpoint_counters(self) -> dict:
-        return {"step_count": self.step_count, "loss_scaler": self.scaler.state_dict()}
+        return {"step_count": self.step_count, "loss_scaler": self.scaler.state_dict(),
+                **self._moment_dtypes()}
+
+    def _moment_dtypes(self) -> dict:
+        """The storage dtypes of the saved moments (absent in checkpoints from before issue 33:
+        fp32)."""
+        return {"exp_avg_dtype": self.adamw.exp_avg_dtype,
+                "exp_avg_sq_dtype": self.adamw.exp_avg_sq_dtype}
 
     def load_checkpoint_pieces(self, pieces: list[Fragment], counters: dict) -> None:
         """The master and moments of ``pieces`` become this rank's (the 16-bit parameters are
         rebuilt from the master, so ``model`` pieces only matter through it). Collective over DP."""
         self.step_count = counters["step_count"]
+        self._note_moment_conversion(counters)
         self.load_fragments([f for f in pieces if f.kind != "model"])
         if counters["loss_scaler"]:
             self.scaler.load_state_dict(counters["loss_scaler"])

@@ -213,7 +213,8 @@ class FlatEngine(ZeroEngine):
                                   + resident["buffers"])}
         itemsize = self.flat_param.element_size()
         formula = formula_bytes(self.num_local_params, self.stage, self.shard_group.size,
-                                param_bytes=itemsize, mixed_precision=self.config.mixed_precision)
+                                param_bytes=itemsize, mixed_precision=self.config.mixed_precision,
+                                moment_bytes=self.adamw.moment_bytes_per_param)
         return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
                             self.config.precision, self.num_local_params,
                             measure_storages(categories), formula)

@@ -11,6 +11,10 @@ kernels of :mod:`.adamw` (ZeRO §3.1 mixed precision, §5.1 Pos):
 * ``compiled`` (:mod:`.adamw_compiled`): one pass per chunk from the 16-bit gradient to the 16-bit
   parameters, with a 1-byte weight-decay mask per owned element.
 
+The moments are stored in ``AdamWConfig.exp_avg_dtype`` / ``exp_avg_sq_dtype`` (fp32 or bf16,
+issue 33): with bf16 the fused / foreach update of a chunk runs on fp32 copies of that chunk's
+moments and rounds them back once (:func:`hybrid.zero.adamw.moments_in_fp32`).
+
 :func:`build_optimizer_state` returns it, or, with ``OffloadConfig(mode="cpu"|"nvme")``, the host
 or NVMe backend of :mod:`hybrid.offload` (ZeRO-Offload, ZeRO-Infinity). The engines hold what it
 returns and never ask which backend it is.
@@ -25,7 +29,7 @@ import torch
 from hybrid.adamw_config import AdamWConfig
 from hybrid.offload.backend import OptimizerStateBackend
 from hybrid.offload.budget import OffloadConfig, build_offload_state
-from hybrid.zero.adamw import FlatAdamWState, adamw_step, fused_adamw_step
+from hybrid.zero.adamw import FlatAdamWState, adamw_step, fused_adamw_step, moments_in_fp32
 from hybrid.zero.adamw_compiled import compiled_adamw_step, decay_masks
 from hybrid.zero.pieces import OwnedPiece, merged_spans
 
@@ -43,7 +47,8 @@ class DeviceOptimizerState(OptimizerStateBackend):
                             if mixed_precision else None)
         self.masters = (list(torch.split(self.master_flat, sizes)) if mixed_precision
                         else list(params_out))
-        self.moments = FlatAdamWState(sizes, device)
+        self.moments = FlatAdamWState(sizes, device, exp_avg_dtype=adamw.exp_avg_dtype,
+                                      exp_avg_sq_dtype=adamw.exp_avg_sq_dtype)
         self._spans_by_chunk = [[] for _ in sizes]   # (chunk, offset, numel, decay) runs
         for span in merged_spans(pieces, lambda p: p.decay):
             self._spans_by_chunk[span[0]].append(span)
@@ -83,12 +88,17 @@ class DeviceOptimizerState(OptimizerStateBackend):
                 params_out[c].copy_(self.masters[c])
 
     def _update_chunk(self, c: int, grad: torch.Tensor, lr: float, grad_scale: float) -> None:
-        """The fused or foreach AdamW kernel on chunk ``c`` (its fp32 copy dies on return)."""
-        grad = grad.float()   # fp32 training: the chunk itself, scaled in place
+        """The fused or foreach AdamW kernel on chunk ``c`` (its fp32 copies die on return: the
+        gradient's in mixed precision, the moments' when they are stored in bf16)."""
+        with moments_in_fp32(self.moments.exp_avgs[c], self.moments.exp_avg_sqs[c]) as moments:
+            self._update_chunk_fp32(c, grad.float(), *moments, lr, grad_scale)
+
+    def _update_chunk_fp32(self, c: int, grad: torch.Tensor, exp_avg: torch.Tensor,
+                           exp_avg_sq: torch.Tensor, lr: float, grad_scale: float) -> None:
+        # fp32 training: ``grad`` is the chunk itself, scaled in place
         spans = self._spans_by_chunk[c]
         views = [[t.narrow(0, offset, numel) for _, offset, numel, _ in spans]
-                 for t in (self.masters[c], grad, self.moments.exp_avgs[c],
-                           self.moments.exp_avg_sqs[c])]
+                 for t in (self.masters[c], grad, exp_avg, exp_avg_sq)]
         if self.adamw.kernel == "foreach":
             grad.mul_(1.0 / grad_scale)
             decayed = [p for p, span in zip(views[0], spans) if span[3]]

@@ -45,16 +45,19 @@ def measure_storages(categories: Mapping[str, Iterable[torch.Tensor]]) -> dict[s
     return out
 
 
-def formula_bytes(psi: int, stage: int, dp: int, *, param_bytes: int, mixed_precision: bool
-                  ) -> dict[str, float]:
+def formula_bytes(psi: int, stage: int, dp: int, *, param_bytes: int, mixed_precision: bool,
+                  moment_bytes: int = 8) -> dict[str, float]:
     """ZeRO §5 model states per device for Ψ = ``psi`` parameters (already divided by TP).
 
-    Mixed precision: 16-bit params and grads (``param_bytes`` each) + K = 12 (fp32 master 4, moments
-    8). Plain fp32: params and grads 4 bytes, the master IS the parameter (0), moments 8.
+    Mixed precision: 16-bit params and grads (``param_bytes`` each) + K = 4 + ``moment_bytes``
+    (fp32 master 4; the moments 8 in fp32 - the paper's K = 12 -, 6 or 4 when one or both are
+    stored in bf16). Plain fp32: params and grads 4 bytes, the master IS the parameter (0), moments
+    ``moment_bytes``.
     """
     master = 4 if mixed_precision else 0
     m = model_state_bytes(float(psi), stage, dp, param_bytes=param_bytes, grad_bytes=param_bytes,
-                          optimizer_bytes_per_param=master + 8, master_bytes_per_param=master)
+                          optimizer_bytes_per_param=master + moment_bytes,
+                          master_bytes_per_param=master)
     return {"param16": m.params_16bit, "grad16": m.grads_16bit, "master32": m.master_fp32,
             "adam_moments": m.adam_moments, "param16_secondary": 0.0}   # hpZ's engine sets it
 

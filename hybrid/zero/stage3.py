@@ -278,7 +278,8 @@ class ParameterPartitioning(ZeroEngine):
                        resident["buffers"]})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         formula = formula_bytes(self.psi, self.stage, self.shard_group.size, param_bytes=param_bytes,
-                                mixed_precision=self.config.mixed_precision)
+                                mixed_precision=self.config.mixed_precision,
+                                moment_bytes=self.adamw.moment_bytes_per_param)
         if self.secondary_group is not None:   # hpZ: 2(Ψ - persistent)/h in bf16
             formula["param16_secondary"] = (param_bytes * (self.psi - self.persistent_numel)
                                             / self.secondary_group.size)

@@ -80,15 +80,17 @@ def rng_tensors(rng) -> dict[str, torch.Tensor]:
 
 
 def save(path: str | Path, train_state: TrainState, model: GPTModel | StageChunks, optimizer: CheckpointState,
-         state: ParallelState, config, *, rng=None, keep_last: int = 2) -> Path:
+         state: ParallelState, config, *, rng=None, keep_last: int = 2, background=None) -> Path:
     """Collective over ``state.world``: write one checkpoint of the current iteration, marked with
-    the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``)."""
+    the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``);
+    ``background``: --async-save's writer (hybrid.checkpoint.async_save)."""
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model.config.to_dict(),
                 "layout": _layout(state, config.parallel.zero_stage)}
     return save_state(path, train_state.iteration, optimizer, model.checkpoint_layout(), state,
                       extra=rng_tensors(rng), metadata=metadata, keep_last=keep_last,
-                      run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite)
+                      run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite,
+                      background=background)
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

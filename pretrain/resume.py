@@ -51,11 +51,12 @@ class TrainState:
     lr_schedule: dict | None = None   # LRSchedule.record() of the run (None: older checkpoints)
 
 
-def fresh_run_id(state: ParallelState) -> str:
-    """Collective over ``state.world``: rank 0's new run id, on every rank."""
+def fresh_run_id(state: ParallelState, keep: str | None = None) -> str:
+    """Collective over ``state.world``: rank 0's new run id (``keep``: that one, e.g. the run an
+    in-job restart starts again), on every rank."""
     text = torch.zeros(32, dtype=torch.uint8)
     if state.rank == 0:
-        raw = new_run_id().encode()
+        raw = (keep or new_run_id()).encode()
         text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     text = text.to(state.device)
     with comm.unrecorded(state.world):

@@ -267,12 +267,14 @@ class Trainer:
 
     def _finish_async_save(self) -> None:
         """Wait for the background write of the last save and commit it (every rank, together)."""
-        if self.async_save is None or not self.async_save.in_flight:
+        if self.async_save is None:
             return
-        log.info("waiting for the background checkpoint write to finish")
-        with comm.unrecorded(self.state.world):
-            waited = self.async_save.finish()
-        self.metrics.log({"checkpoint-async-wait-time": waited}, self.ts.iteration)
+        if self.async_save.in_flight:
+            log.info("waiting for the background checkpoint write to finish")
+            with comm.unrecorded(self.state.world):
+                waited = self.async_save.finish()
+            self.metrics.log({"checkpoint-async-wait-time": waited}, self.ts.iteration)
+        self.async_save.close()
 
     def _arm_memory_snapshot(self) -> None:
         """--memory-snapshot-step K: start recording (CUDA) before the first step."""

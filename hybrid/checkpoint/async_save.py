@@ -136,6 +136,7 @@ class AsyncCheckpointWriter:
         self.last_wait = 0.0    # seconds the last finish() waited for a write
         self.total_wait = 0.0
         self.committed: list[Path] = []
+        self._pruning: threading.Thread | None = None   # rank 0: old checkpoints being deleted
 
     @property
     def in_flight(self) -> bool:
@@ -177,6 +178,12 @@ class AsyncCheckpointWriter:
                                     replace_other_runs, written)
         return final
 
+    def close(self) -> None:
+        """Wait for the pruning of the last commit (the write itself: :meth:`finish`)."""
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
+
     def poll(self) -> bool:
         """Commit the save in flight if every rank's write has ended (one small all-reduce, no
         wait); True if it committed one."""
@@ -205,8 +212,17 @@ class AsyncCheckpointWriter:
                                 "writing the rank file (in the background)", self.device)
 
         def commit() -> None:
+            if self._pruning is not None:   # the last commit's pruning, before this one's
+                self._pruning.join()
             writer.commit_save(job.save_dir, job.tmp, job.final, job.metadata, job.iteration,
-                               self.world.size, job.keep_last, job.run_id, job.replace_other_runs)
+                               self.world.size, job.keep_last, job.run_id, job.replace_other_runs,
+                               prune=False)
+            # deleting old checkpoints (gigabytes) is no reason to hold the loop: a thread of its own
+            self._pruning = threading.Thread(
+                target=writer.prune_checkpoints, name="async-save-prune", daemon=True,
+                args=(job.save_dir, job.keep_last, job.run_id),
+                kwargs={"replace_other_runs": job.replace_other_runs})
+            self._pruning.start()
 
         writer.agree_on_failure(self.world, commit if self.world.rank == 0 else None,
                                 f"committing {job.final}", self.device)

@@ -102,8 +102,9 @@ def _canonical_header(f) -> None:
 
 def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, keep_last: int,
                      expected_ranks: int | None = None, run_id: str | None = None,
-                     replace_other_runs: bool = False) -> None:
-    """Rank 0, after every rank file is in ``tmp``: manifest, metadata, rename, ``latest``, prune."""
+                     replace_other_runs: bool = False, prune: bool = True) -> None:
+    """Rank 0, after every rank file is in ``tmp``: manifest, metadata, rename, ``latest``, prune
+    (``prune=False``: the caller prunes, e.g. in the background)."""
     found = len(list(tmp.glob("rank_*" + _HASH_SUFFIX)))
     if expected_ranks is not None and found != expected_ranks:
         raise CheckpointError(f"rank 0 sees {found} of {expected_ranks} rank files in {tmp}: --save "
@@ -135,7 +136,8 @@ def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, kee
     os.chmod(latest_tmp, 0o644)
     os.replace(latest_tmp, save_dir / LATEST_FILE)
     _fsync_dir(save_dir)
-    prune_checkpoints(save_dir, keep_last, run_id, replace_other_runs=replace_other_runs)
+    if prune:
+        prune_checkpoints(save_dir, keep_last, run_id, replace_other_runs=replace_other_runs)
 
 
 def prune_checkpoints(save_dir: Path, keep_last: int, run_id: str | None = None, *,
@@ -223,12 +225,13 @@ def prepare_save(save_dir: Path, tmp: Path, run_id: str | None, replace_other_ru
 
 def commit_save(save_dir: Path, tmp: Path, final: Path, metadata: dict, iteration: int,
                 world_size: int, keep_last: int, run_id: str | None,
-                replace_other_runs: bool) -> None:
+                replace_other_runs: bool, prune: bool = True) -> None:
     """Rank 0, once every rank's file is in ``tmp``: :func:`commit_directory` with the iteration and
     the world size added to ``metadata``."""
     commit_directory(save_dir, tmp, final, {**metadata, "iteration": iteration,
                                             "world_size": world_size}, keep_last,
-                     expected_ranks=world_size, run_id=run_id, replace_other_runs=replace_other_runs)
+                     expected_ranks=world_size, run_id=run_id, replace_other_runs=replace_other_runs,
+                     prune=prune)
 
 
 def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],

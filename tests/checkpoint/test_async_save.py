@@ -144,3 +144,33 @@ def test_training_with_async_save_matches_synchronous_saves(corpus, tmp_path, mo
         assert (a["config"]["checkpoint"].pop("async_save"),
                 b["config"]["checkpoint"].pop("async_save")) == (False, True)
         assert a == b
+
+
+def test_sigterm_waits_for_the_background_write_before_a_clean_exit(corpus, tmp_path, monkeypatch):
+    """SIGTERM (as --exit-duration-in-mins and Ctrl-C: the same stop of the loop) while iteration
+    2's write is slow: the loop saves iteration 3 after waiting for 2, and returns only once 3's
+    background write is committed - the process can then exit 0 with its checkpoint complete."""
+    import os
+    import signal
+    from pretrain.trainer import Trainer
+    write = writer.write_rank_file
+
+    def slow_write(*args, **kwargs):
+        time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_rank_file", slow_write)
+    step = Trainer.train_step
+
+    def signalled(self, loader, lr):
+        if self.ts.iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, loader, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    trainer = _train(corpus, tmp_path, "ckpt", ["--async-save"], monkeypatch)
+    assert trainer.ts.iteration == 3
+    assert trainer.async_save.committed == [tmp_path / "ckpt" / f"iter_{i:07d}" for i in (2, 3)]
+    assert not trainer.async_save.in_flight and trainer.async_save.total_wait > 0.5
+    assert read_latest(tmp_path / "ckpt") == "iter_0000003"
+    CheckpointReader(tmp_path / "ckpt" / "iter_0000003", verify="all")

@@ -241,8 +241,8 @@ def build_train_state(cfg: TrainConfig, layout: RunLayout, built: BuiltModel, op
     """Where training starts, and its learning-rate schedule: the --load checkpoint's weights,
     optimizer state and counters (``resuming``; its stored schedule against this command line's,
     pretrain.resume_schedule), or a fresh run (also with --finetune: the loaded weights from
-    iteration 0; ``run_id``: the id a fresh run keeps after an in-job restart); then the last stage's copy of the tied embedding takes the first stage's (loaded
-    or initial) weights. ``pipeline``: the stage with its runner (PP > 1)."""
+    iteration 0; ``run_id``: the id a fresh run keeps after an in-job restart); then the last
+    stage's copy of the tied embedding takes the first stage's (loaded or initial) weights. ``pipeline``: the stage with its runner (PP > 1)."""
     train_state = (load_checkpoint(cfg.checkpoint.load, built.model, optimizer, state, cfg,
                                    rng=built.rng) if resuming else None)
     schedule = run_schedule(cfg, layout, train_state)

@@ -199,6 +199,7 @@ class AsyncCheckpointWriter:
         """Wait for the write in flight, agree that every rank's succeeded, commit on rank 0;
         returns the seconds this rank waited for its write (0 with nothing in flight)."""
         job = self._in_flight
+        self.last_wait = 0.0
         if job is None:
             return 0.0
         self._in_flight = None

@@ -18,6 +18,8 @@ things differ, so that the command a user or a scheduler ran ends the way the jo
 - A rank that fails decides the exit code: 2 bad input, 3 non-finite loss, 4 lost peer (the ranks
   printed their one ``error:`` line), 1 anything else, instead of torchrun's ChildFailedError
   traceback and exit 1. A rank killed by a signal gives 128 + its number and one line naming it.
+- The trainer's ``--max-restarts N`` is torchrun's ``--max-restarts N`` too: a failed rank makes
+  torchrun restart them all, and the restarted job resumes from ``--save`` (pretrain/restarts.py).
 - SIGHUP or SIGQUIT: torchrun's own handling (the ranks get the signal), exit 128 + its number.
   An agent that fails itself (its rendezvous store lost with another host) prints one line, exit 4.
 """
@@ -139,11 +141,45 @@ def check_before_launch(argv: list[str]) -> int | None:
     return None
 
 
+def with_trainer_restarts(argv: list[str]) -> list[str]:
+    """The trainer's ``--max-restarts N`` (after launch/pretrain_gpt.py) is carried out by torchrun:
+    it is added to torchrun's flags (before the script) unless they give it already; a different
+    count there is bad input (ValueError). pretrain/restarts.py has the resume side."""
+    script = next((i for i, arg in enumerate(argv) if Path(arg).name == TRAINER), None)
+    if script is None:
+        return argv
+    asked = _flag_value(argv[script + 1:], "--max-restarts")
+    if asked is None:
+        return argv
+    given = _flag_value(argv[:script], "--max-restarts", "--max_restarts")
+    if given is None:
+        return ["--max-restarts", asked, *argv]
+    if given != asked:
+        raise ValueError(f"torchrun --max-restarts {given} and the trainer's --max-restarts {asked} "
+                         f"disagree; give it once (after the script, or to torchrun)")
+    return argv
+
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg.partition("=")[2]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     code = check_before_launch(argv)
     if code is not None:
         return code
+    try:
+        argv = with_trainer_restarts(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return BAD_INPUT
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -239,17 +239,18 @@ def build_pipeline_runner(cfg: TrainConfig, state: ParallelState, built: BuiltMo
 
 
 def build_train_state(cfg: TrainConfig, layout: RunLayout, built: BuiltModel, optimizer,
-                      state: ParallelState, pipeline, resuming: bool) -> tuple[TrainState, LRSchedule]:
+                      state: ParallelState, pipeline, resuming: bool,
+                      run_id: str | None = None) -> tuple[TrainState, LRSchedule]:
     """Where training starts, and its learning-rate schedule: the --load checkpoint's weights,
     optimizer state and counters (``resuming``; its stored schedule against this command line's,
     pretrain.resume_schedule), or a fresh run (also with --finetune: the loaded weights from
-    iteration 0); then the last stage's copy of the tied embedding takes the first stage's (loaded
-    or initial) weights. ``pipeline``: the stage with its runner (PP > 1)."""
+    iteration 0; ``run_id``: the id a fresh run keeps after an in-job restart); then the last
+    stage's copy of the tied embedding takes the first stage's (loaded or initial) weights. ``pipeline``: the stage with its runner (PP > 1)."""
     train_state = (load_checkpoint(cfg.checkpoint.load, built.model, optimizer, state, cfg,
                                    rng=built.rng) if resuming else None)
     schedule = run_schedule(cfg, layout, train_state)
     if train_state is None or cfg.checkpoint.finetune:   # iteration 0, a new run id
-        train_state = TrainState(run_id=fresh_run_id(state))
+        train_state = TrainState(run_id=fresh_run_id(state, run_id))
     if pipeline is not None and pipeline.tied is not None:
         pipeline.tied.sync_weight()
     return train_state, schedule

@@ -52,6 +52,7 @@ class TrainConfig:
         except ConfigError as err:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
+        self._check_operations()
         self._check_schedule_units()
         self._check_offloaded_moments()
         seq = self.model.seq_length
@@ -68,6 +69,16 @@ class TrainConfig:
                 p.offload_optimizer != "none" or p.offload_nvme_path is not None):
             from hybrid.adamw_config import OFFLOAD_MOMENTS_REFUSAL
             raise TrainConfigError(OFFLOAD_MOMENTS_REFUSAL)
+
+    def _check_operations(self) -> None:
+        """Flags of long runs (issue 34) that need somewhere to write."""
+        if self.logging.memory_snapshot_step is not None and not (self.logging.tensorboard_dir
+                                                                  or self.checkpoint.save):
+            raise TrainConfigError("--memory-snapshot-step writes its file to the run's TensorBoard "
+                                   "directory or to --save; give --tensorboard-dir or --save")
+        if self.checkpoint.async_save and not self.checkpoint.save:
+            raise TrainConfigError("--async-save writes checkpoints in the background: give --save "
+                                   "DIR (and --save-interval N)")
 
     def _check_schedule_units(self) -> None:
         """Megatron's rule: an iteration-based run takes iteration-based schedule flags, a

@@ -424,8 +424,7 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--ckpt-format", "torch | torch_dist | ...", "one format here: safetensors pieces that "
           "any TP/PP/DP layout and ZeRO stage can load (as torch_dist)", str),
     _noop("--use-dist-ckpt", "distributed checkpoint format (deprecated)", "see --ckpt-format"),
-    _refused("--async-save", "write checkpoints in the background", "saves are synchronous; "
-             "space them with --save-interval"),
+    _native("--async-save", "checkpoint.async_save", "write checkpoints in the background"),
     # ---- logging ----
     _native("--log-interval", "logging.log_interval", "console line every N iterations", int),
     _native("--tensorboard-dir", "logging.tensorboard_dir", "TensorBoard directory", str),

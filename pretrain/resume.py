@@ -52,11 +52,12 @@ class TrainState:
     lr_schedule: dict | None = None   # LRSchedule.record() of the run (None: older checkpoints)
 
 
-def fresh_run_id(state: ParallelState) -> str:
-    """Collective over ``state.world``: rank 0's new run id, on every rank."""
+def fresh_run_id(state: ParallelState, keep: str | None = None) -> str:
+    """Collective over ``state.world``: rank 0's new run id (``keep``: that one, e.g. the run an
+    in-job restart starts again), on every rank."""
     text = torch.zeros(32, dtype=torch.uint8)
     if state.rank == 0:
-        raw = new_run_id().encode()
+        raw = (keep or new_run_id()).encode()
         text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     text = text.to(state.device)
     with comm.unrecorded(state.world):
@@ -81,15 +82,17 @@ def rng_tensors(rng) -> dict[str, torch.Tensor]:
 
 
 def save(path: str | Path, train_state: TrainState, model: GPTModel | StageChunks, optimizer: CheckpointState,
-         state: ParallelState, config, *, rng=None, keep_last: int = 2) -> Path:
+         state: ParallelState, config, *, rng=None, keep_last: int = 2, background=None) -> Path:
     """Collective over ``state.world``: write one checkpoint of the current iteration, marked with
-    the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``)."""
+    the run's id (``--overwrite``: the first one replaces other runs' checkpoints in ``path``);
+    ``background``: --async-save's writer (hybrid.checkpoint.async_save)."""
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model.config.to_dict(),
                 "layout": _layout(state, config.parallel.zero_stage)}
     return save_state(path, train_state.iteration, optimizer, model.checkpoint_layout(), state,
                       extra=rng_tensors(rng), metadata=metadata, keep_last=keep_last,
-                      run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite)
+                      run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite,
+                      background=background)
 
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -589,9 +589,16 @@ class CheckpointSection:
                                      "tools/export_hf.py or save_pretrained output; same model dims "
                                      "and options); not used when resuming from --load",
                                      default=None)
+    async_save: bool = _help("write checkpoints in the background: the loop stops only to copy "
+                             "the state to host memory (one save in flight; docs/checkpoints.md)",
+                             default=False)
+    max_restarts: int = _help("restart the ranks up to N times after a failure (launch/torchrun.py "
+                              "passes it to torchrun); a restarted job resumes from the latest "
+                              "checkpoint in --save by itself (docs/launching.md)", default=0)
 
     def __post_init__(self) -> None:
         _positive(self, "save_interval", "keep_last_checkpoints", allow_none=True)
+        _non_negative(self, "max_restarts")
         if self.finetune and not self.load:
             raise TrainConfigError("--finetune loads the weights of --load; give --load DIR")
 
@@ -613,9 +620,13 @@ class LoggingSection:
     roofline: bool = _help("measure this machine's GEMM rate at the run's shapes (once, cached in "
                            "--data-cache-dir) and log each step as a fraction of its GEMM-bound "
                            "time (perf/gemm-bound-fraction)", default=True)
+    memory_snapshot_step: int | None = _help("after iteration K, write a memory snapshot to the run "
+                                             "directory: the CUDA allocator's history on GPUs, the "
+                                             "memory report by category on CPU", default=None)
 
     def __post_init__(self) -> None:
         _positive(self, "log_interval")
+        _positive(self, "memory_snapshot_step", allow_none=True)
         if self.run_name is not None and not isinstance(self.run_name, str):
             raise TrainConfigError(f"--run-name must be text, got {self.run_name!r}; quote it")
         if self.run_name and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts):

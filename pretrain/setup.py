@@ -30,6 +30,7 @@ from pretrain.exit import SetupSignals
 from pretrain.hf_init import initial_weights
 from pretrain.liveness import Liveness
 from pretrain.metrics import MetricsWriter
+from pretrain.restarts import plan_restart
 from pretrain.startup_checks import (check_compile, check_output_dirs, check_save_dir, claim_save,
                                      resume_wanted)
 from pretrain.startup_report import expected_dp_report, startup_report
@@ -48,6 +49,7 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
     with SetupSignals() as signals:   # a stop signal before training: nothing to save, stop now
         check_save_dir(cfg)
         check_output_dirs(cfg)
+        restart = plan_restart(cfg, env, env.rank)   # --max-restarts: a restart resumes from --save
         layout = cfg.validate_for_world(env.world_size)
         state = build_parallel_state(cfg, layout, env)
         check_compile(cfg, state)
@@ -56,7 +58,11 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
         with Liveness.start(env, timeout, hint=lambda: restart_hint(cfg)) as liveness:
             try:
                 with claim_save(cfg, state):
-                    trainer = build_trainer(cfg, layout, state)
+                    trainer = build_trainer(cfg, layout, state,
+                                            run_id=restart.run_id if restart else None)
+                    if restart is not None:
+                        trainer.restarts = restart
+                        restart.started(trainer)
                     signals.training_started()
                     try:
                         trainer.train()
@@ -71,9 +77,9 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
 
 
 def build_trainer(cfg: TrainConfig, layout: RunLayout, state: ParallelState,
-                  data: DataBundle | None = None, make_loader=None) -> Trainer:
+                  data: DataBundle | None = None, make_loader=None, run_id: str | None = None) -> Trainer:
     """Everything but the loop, step by step; tests inject ``data`` (and a recording
-    ``make_loader``)."""
+    ``make_loader``); ``run_id``: the id a fresh start keeps (an in-job restart's)."""
     data = data if data is not None else build_data(cfg, layout, state)
     prepare_host_memory(cfg)                                          # before any model state
     built = build_model(cfg, cfg.pipeline_config(layout), state, data.vocab_size)
@@ -86,7 +92,7 @@ def build_trainer(cfg: TrainConfig, layout: RunLayout, state: ParallelState,
                                           gpt_config(cfg, data.vocab_size)))
     pipeline = build_pipeline_runner(cfg, state, built, optimizer)   # PP: the schedule drives the engine
     train_state, schedule = build_train_state(cfg, layout, built, optimizer, state,   # --load
-                                              pipeline, resuming)
+                                              pipeline, resuming, run_id)
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name,
                             run_id=train_state.run_id)   # a resume continues its run's curves
     metrics.log_config(cfg.to_dict())

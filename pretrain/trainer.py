@@ -43,6 +43,7 @@ from hybrid.perf.links import describe_collectives
 from pretrain import resume
 from pretrain.resume import TrainState
 from pretrain.exit import ExitCondition
+from hybrid.checkpoint.async_save import AsyncCheckpointWriter
 from pretrain.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
 from hybrid.zero.results import StepResult
 
@@ -89,6 +90,11 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
         self.compile_clock, self._compile_seen = compile_clock, 0.0
+        c = cfg.checkpoint   # --async-save: the writer whose host buffers every save reuses
+        self.async_save = (AsyncCheckpointWriter(state.world, state.device)
+                           if c.async_save and c.save else None)
+        self.memory_snapshot = None   # --memory-snapshot-step (armed in train())
+        self.restarts = None          # --max-restarts: pretrain.restarts.RestartRecord (set-up sets it)
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -96,6 +102,7 @@ class Trainer:
         loader = self.make_loader("train", self.ts.consumed_train_samples)
         self.metrics.log(self._model_state_bytes(), self.ts.iteration)
         stats = self._new_interval()
+        self._arm_memory_snapshot()
         with ExitCondition(self.state.world, self.cfg.training.exit_duration_in_mins,
                            device=self.state.device) as stop:
             while self.ts.iteration < self.train_iters:
@@ -103,6 +110,12 @@ class Trainer:
                 loss, result = self.train_step(loader, self._learning_rate())
                 self._account_compile(stats, on_clock=True)
                 self._advance(stats, loss, result)
+                if self.async_save is not None and self.async_save.in_flight:
+                    self._poll_async_save(stats)
+                if self.memory_snapshot is not None and self.memory_snapshot.due(self.ts.iteration):
+                    self.memory_snapshot.write(self.ts.iteration, self.optimizer)
+                if self.restarts is not None:
+                    self.restarts.progress(self.ts.iteration)
                 if self._due(self.cfg.logging.log_interval):
                     self._log_interval(stats)
                     stats = self._new_interval()
@@ -122,6 +135,11 @@ class Trainer:
             self._off_clock(stats, "eval-time", self.evaluate)   # the final model's validation
         if self.ts.iteration >= self.train_iters and self.last_saved_iteration != self.ts.iteration:
             self._checkpoint(stats)
+        self._finish_async_save()   # also after SIGTERM / Ctrl-C / --exit-duration-in-mins: exit 0 saved
+        if self.memory_snapshot is not None:
+            self.memory_snapshot.stop()
+        if self.restarts is not None:
+            self.restarts.report(self.ts.iteration)
         self.metrics.flush()
         return self.ts
 
@@ -262,8 +280,46 @@ class Trainer:
             return
         self._land_tied_weight()
         resume.save(self.cfg.checkpoint.save, self.ts, self.model, self.optimizer, self.state,
-                    self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints or 0)
+                    self.cfg, rng=self.rng, keep_last=self.cfg.checkpoint.keep_last_checkpoints or 0,
+                    background=self.async_save)
         self.last_saved_iteration = self.ts.iteration
+        if self.async_save is not None:   # the stall is checkpoint-save-time; this is part of it
+            self.metrics.log({"checkpoint-async-wait-time": self.async_save.last_wait,
+                              "checkpoint-async-host-bytes": float(self.async_save.snapshot.bytes)},
+                             self.ts.iteration)
+
+    def _poll_async_save(self, stats: IntervalStats) -> None:
+        """--async-save: commit the save in flight once every rank's write has ended (one small
+        all-reduce per step while one is in flight; the commit is off the clock)."""
+        start = time.perf_counter()
+        with comm.unrecorded(self.state.world):
+            committed = self.async_save.poll()
+        if committed:
+            seconds = time.perf_counter() - start
+            stats.off_clock += seconds
+            self.metrics.log({"checkpoint-commit-time": seconds}, self.ts.iteration)
+
+    def _finish_async_save(self) -> None:
+        """Wait for the background write of the last save and commit it (every rank, together)."""
+        if self.async_save is None:
+            return
+        if self.async_save.in_flight:
+            log.info("waiting for the background checkpoint write to finish")
+            with comm.unrecorded(self.state.world):
+                waited = self.async_save.finish()
+            self.metrics.log({"checkpoint-async-wait-time": waited}, self.ts.iteration)
+        self.async_save.close()
+
+    def _arm_memory_snapshot(self) -> None:
+        """--memory-snapshot-step K: start recording (CUDA) before the first step."""
+        step = self.cfg.logging.memory_snapshot_step
+        if step is None or step <= self.ts.iteration:
+            return
+        from pretrain.memory_snapshot import MemorySnapshot, shared_directory
+        where = shared_directory(self.metrics.run_dir or self.cfg.checkpoint.save, self.state.world,
+                                 self.state.device)
+        self.memory_snapshot = MemorySnapshot(step, where, self.state.rank, self.state.device)
+        self.memory_snapshot.start()
 
     def _checkpoint(self, stats: IntervalStats) -> None:
         if self.cfg.checkpoint.save:

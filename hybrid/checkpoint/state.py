@@ -92,14 +92,20 @@ def _writes(holder: CheckpointState, kind: str, layout: ParamLayout, state: Para
 def save_state(save_dir: str | Path, iteration: int, holder: CheckpointState,
                layout: Mapping[str, ParamLayout], state: ParallelState, *,
                extra: dict[str, torch.Tensor], metadata: dict, keep_last: int,
-               run_id: str | None = None, replace_other_runs: bool = False) -> Path:
+               run_id: str | None = None, replace_other_runs: bool = False,
+               background=None) -> Path:
     """Collective over ``state.world``: write ``holder``'s state as the checkpoint of ``iteration``
     (``extra``: this rank's RNG states; ``metadata``: JSON-able, taken from rank 0; ``run_id`` and
-    ``replace_other_runs``: see :func:`hybrid.checkpoint.writer.save_checkpoint`)."""
+    ``replace_other_runs``: see :func:`hybrid.checkpoint.writer.save_checkpoint`). ``background``:
+    an :class:`~hybrid.checkpoint.async_save.AsyncCheckpointWriter` that writes it while training
+    goes on (committed later), instead of writing it now."""
     pieces = state_pieces(holder, layout, state, for_save=True)
     agree_on_failure(state.world, lambda: _check_finite(pieces, iteration),
                      f"checking the weights of iteration {iteration} before saving", state.device)
     metadata = {**metadata, COUNTERS_KEY: holder.checkpoint_counters()}
+    if background is not None:
+        return background.save(save_dir, iteration, pieces, extra, metadata, keep_last=keep_last,
+                               run_id=run_id, replace_other_runs=replace_other_runs)
     return save_checkpoint(save_dir, iteration, pieces, extra, metadata, state.world,
                            keep_last=keep_last, device=state.device, run_id=run_id,
                            replace_other_runs=replace_other_runs)

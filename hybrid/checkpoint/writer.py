@@ -53,34 +53,58 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_rank_file(directory: Path, rank: int, pieces: list[Piece],
-                    extra: dict[str, torch.Tensor], run_id: str | None = None) -> Path:
+                    extra: dict[str, torch.Tensor], run_id: str | None = None, *,
+                    copy: bool = True) -> Path:
     """One safetensors file: ``pieces`` under their keys, ``extra`` (RNG states) under ``extra:``;
     its manifest entry hashes the safetensors header separately, so a reader can trust the piece
-    index before it has hashed the whole file."""
+    index before it has hashed the whole file. ``copy=False``: the tensors are already this save's
+    own contiguous host copies (an asynchronous save's snapshot), written as they are."""
     tensors, index = {}, []
     for piece in pieces:
         if piece.key in tensors:
             raise CheckpointError(f"two pieces with key {piece.key} on rank {rank}")
-        tensors[piece.key] = piece.tensor.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        flat = piece.tensor.detach().reshape(-1)
+        tensors[piece.key] = flat.to("cpu", copy=True).contiguous() if copy else flat
         index.append(piece.describe())
     for name, tensor in extra.items():
-        tensors[f"extra:{name}"] = tensor.detach().to("cpu", copy=True).contiguous()
+        tensors[f"extra:{name}"] = (tensor.detach().to("cpu", copy=True).contiguous() if copy
+                                    else tensor)
     path = directory / rank_file_name(rank)
     metadata = {"pieces": json.dumps(index), "rank": str(rank), "format_version": str(FORMAT_VERSION)}
     if run_id is not None:
         metadata["run_id"] = run_id
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "rb+") as f:
+        _canonical_header(f)
         os.fsync(f.fileno())
     write_json_durably(directory / (path.name + _HASH_SUFFIX),
                        {path.name: {**file_entry(path), **header_entry(path)}})
     return path
 
 
+def _canonical_header(f) -> None:
+    """Rewrite the safetensors header of the open file ``f`` in place with its ``__metadata__``
+    keys sorted: safetensors keeps them in a Rust HashMap whose order is random per call, so two
+    saves of the same state differed in their header bytes (and hashes). Same length: the JSON is
+    re-dumped compactly and padded with spaces, which the format allows."""
+    head = f.read(8)
+    length = int.from_bytes(head, "little")
+    header = json.loads(f.read(length))
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > length:   # never seen: keep safetensors' own header rather than move the data
+        return
+    f.seek(8)
+    f.write(text + b" " * (length - len(text)))
+    f.flush()
+
+
 def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, keep_last: int,
                      expected_ranks: int | None = None, run_id: str | None = None,
-                     replace_other_runs: bool = False) -> None:
-    """Rank 0, after every rank file is in ``tmp``: manifest, metadata, rename, ``latest``, prune."""
+                     replace_other_runs: bool = False, prune: bool = True) -> None:
+    """Rank 0, after every rank file is in ``tmp``: manifest, metadata, rename, ``latest``, prune
+    (``prune=False``: the caller prunes, e.g. in the background)."""
     found = len(list(tmp.glob("rank_*" + _HASH_SUFFIX)))
     if expected_ranks is not None and found != expected_ranks:
         raise CheckpointError(f"rank 0 sees {found} of {expected_ranks} rank files in {tmp}: --save "
@@ -112,7 +136,8 @@ def commit_directory(save_dir: Path, tmp: Path, final: Path, metadata: dict, kee
     os.chmod(latest_tmp, 0o644)
     os.replace(latest_tmp, save_dir / LATEST_FILE)
     _fsync_dir(save_dir)
-    prune_checkpoints(save_dir, keep_last, run_id, replace_other_runs=replace_other_runs)
+    if prune:
+        prune_checkpoints(save_dir, keep_last, run_id, replace_other_runs=replace_other_runs)
 
 
 def prune_checkpoints(save_dir: Path, keep_last: int, run_id: str | None = None, *,
@@ -178,35 +203,54 @@ def agree_on_failure(world: comm.Group, step, what: str, device) -> None:
         raise CheckpointError(f"{what} failed on rank {failed - 1}; see its log")
 
 
+def save_paths(save_dir: str | Path, iteration: int) -> tuple[Path, Path, Path]:
+    """(save directory, final ``iter_N``, temporary ``iter_N.tmp``) of one save."""
+    save_dir = Path(save_dir)
+    final = save_dir / iteration_dir_name(iteration)
+    return save_dir, final, save_dir / (final.name + ".tmp")
+
+
+def prepare_save(save_dir: Path, tmp: Path, run_id: str | None, replace_other_runs: bool) -> None:
+    """Rank 0, before any rank writes: the save directory, stale saves of this run removed, an
+    empty ``tmp`` marked with the run that owns it."""
+    save_dir.mkdir(mode=0o755, parents=True, exist_ok=True)   # never world-writable
+    remove_stale_saves(save_dir, run_id, replace_other_runs)
+    if tmp.exists():
+        raise CheckpointError(f"{tmp} exists and was written by another run (an interrupted "
+                              f"save); remove it, or start this run with --overwrite")
+    tmp.mkdir(mode=0o755)
+    if run_id is not None:
+        (tmp / _OWNER_FILE).write_text(run_id + "\n")
+
+
+def commit_save(save_dir: Path, tmp: Path, final: Path, metadata: dict, iteration: int,
+                world_size: int, keep_last: int, run_id: str | None,
+                replace_other_runs: bool, prune: bool = True) -> None:
+    """Rank 0, once every rank's file is in ``tmp``: :func:`commit_directory` with the iteration and
+    the world size added to ``metadata``."""
+    commit_directory(save_dir, tmp, final, {**metadata, "iteration": iteration,
+                                            "world_size": world_size}, keep_last,
+                     expected_ranks=world_size, run_id=run_id, replace_other_runs=replace_other_runs,
+                     prune=prune)
+
+
 def save_checkpoint(save_dir: str | Path, iteration: int, pieces: list[Piece],
                     extra: dict[str, torch.Tensor], metadata: dict, world: comm.Group,
                     keep_last: int = 2, device: str | torch.device = "cpu", *,
                     run_id: str | None = None, replace_other_runs: bool = False) -> Path:
     """Collective: every rank of ``world`` calls it with its own pieces; returns the final directory.
     ``metadata`` (JSON-able) is taken from rank 0. Any rank's failure raises on every rank.
-    ``run_id`` marks every file; pruning and clean-up then touch only that run's directories."""
-    save_dir = Path(save_dir)
-    final = save_dir / iteration_dir_name(iteration)
-    tmp = save_dir / (final.name + ".tmp")
+    ``run_id`` marks every file; pruning and clean-up then touch only that run's directories.
+    (:mod:`hybrid.checkpoint.async_save` runs the same three steps, the write in the background.)"""
+    save_dir, final, tmp = save_paths(save_dir, iteration)
     first = world.rank == 0
 
-    def prepare() -> None:
-        save_dir.mkdir(mode=0o755, parents=True, exist_ok=True)   # never world-writable
-        remove_stale_saves(save_dir, run_id, replace_other_runs)
-        if tmp.exists():
-            raise CheckpointError(f"{tmp} exists and was written by another run (an interrupted "
-                                  f"save); remove it, or start this run with --overwrite")
-        tmp.mkdir(mode=0o755)
-        if run_id is not None:
-            (tmp / _OWNER_FILE).write_text(run_id + "\n")
-
     def commit() -> None:
-        commit_directory(save_dir, tmp, final, {**metadata, "iteration": iteration,
-                                                "world_size": world.size}, keep_last,
-                         expected_ranks=world.size, run_id=run_id,
-                         replace_other_runs=replace_other_runs)
+        commit_save(save_dir, tmp, final, metadata, iteration, world.size, keep_last, run_id,
+                    replace_other_runs)
 
-    agree_on_failure(world, prepare if first else None, f"creating {tmp}", device)
+    agree_on_failure(world, (lambda: prepare_save(save_dir, tmp, run_id, replace_other_runs))
+                     if first else None, f"creating {tmp}", device)
     agree_on_failure(world, lambda: write_rank_file(tmp, world.ranks[world.rank], pieces, extra,
                                                     run_id),
                      "writing the rank file", device)

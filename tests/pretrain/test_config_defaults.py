@@ -96,6 +96,10 @@ FEEDS = {
     "optimizer.hysteresis": [("LossScaleConfig.hysteresis", field_default(LossScaleConfig, "hysteresis"))],
     "optimizer.adam_beta1": [("AdamWConfig.betas[0]", field_default(AdamWConfig, "betas")[0])],
     "optimizer.adam_eps": [("AdamWConfig.eps", field_default(AdamWConfig, "eps"))],
+    "optimizer.exp_avg_dtype": [("AdamWConfig.exp_avg_dtype",
+                                 field_default(AdamWConfig, "exp_avg_dtype"))],
+    "optimizer.exp_avg_sq_dtype": [("AdamWConfig.exp_avg_sq_dtype",
+                                    field_default(AdamWConfig, "exp_avg_sq_dtype"))],
     "optimizer.weight_decay": [("AdamWConfig.weight_decay", field_default(AdamWConfig, "weight_decay"))],
 }
 

@@ -36,9 +36,10 @@ from hybrid.comm import Group
 from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.async_linear import column_parallel_linear
+from hybrid.tensor_parallel.fp8_linear import fp8_linear
 from hybrid.tensor_parallel.linear_cross_entropy import linear_cross_entropy
-from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_tp, reduce_from_tp,
-                                             reduce_scatter_to_sequence)
+from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
+                                             reduce_from_tp, reduce_scatter_to_sequence)
 
 DEFAULT_INIT_STD = 0.02  # GPT-2 / Megatron default for normal(0, std) weights
 
@@ -140,6 +141,7 @@ class ColumnParallelLinear(_TPModule):
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.fp8 = None   # an Fp8Scaling: the GEMMs run in fp8 (hybrid/tensor_parallel/fp8_linear.py)
         local_out = _divide(out_features, group, "ColumnParallelLinear output size")
         self._new_param("weight", (local_out, in_features), 0, device, dtype)
         if bias:
@@ -154,10 +156,15 @@ class ColumnParallelLinear(_TPModule):
         self._init_weight_and_bias(seed, std, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # = F.linear(g_bar(x) if SP else f(x), W, b); backward overlaps the input-gradient
-        # all-reduce (reduce-scatter with SP) with the weight-gradient GEMM
-        y = column_parallel_linear(x, self.weight, self.bias, self.group,
-                                   self.sequence_parallel)                     # [s, b, out/tp]
+        if self.fp8 is not None:   # f / g-bar, then the fp8 GEMMs (no backward overlap)
+            total = (gather_from_sequence(x, self.group) if self.sequence_parallel
+                     else copy_to_tp(x, self.group))                          # [s, b, in]
+            y = fp8_linear(total, self.weight, self.bias, self.fp8, self.group, "N")
+        else:
+            # = F.linear(g_bar(x) if SP else f(x), W, b); backward overlaps the input-gradient
+            # all-reduce (reduce-scatter with SP) with the weight-gradient GEMM
+            y = column_parallel_linear(x, self.weight, self.bias, self.group,
+                                       self.sequence_parallel)                 # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.group)         # [s, b, out]
         return y
@@ -200,6 +207,7 @@ class RowParallelLinear(_TPModule):
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
+        self.fp8 = None   # an Fp8Scaling: the GEMMs run in fp8 (hybrid/tensor_parallel/fp8_linear.py)
         local_in = _divide(in_features, group, "RowParallelLinear input size")
         self._new_param("weight", (out_features, local_in), 1, device, dtype)
         if bias:
@@ -215,7 +223,10 @@ class RowParallelLinear(_TPModule):
         self._init_weight_and_bias(seed, std, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = grad_fusion.linear(x, self.weight)                  # [s, b, out], partial sum
+        if self.fp8 is not None:
+            partial = fp8_linear(x, self.weight, None, self.fp8, self.group, "K")
+        else:
+            partial = grad_fusion.linear(x, self.weight)              # [s, b, out], partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.group)       # [s/tp, b, out]
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)

@@ -88,6 +88,12 @@ class TrainConfig:
                                    f" + {o.num_layers_at_end_in_bf16} of the {m.num_layers} layers "
                                    f"in bf16, leaving none in FP8; lower "
                                    f"--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16")
+        if o.fp8_recipe == "delayed" and self.training.compile:
+            raise TrainConfigError(
+                "--fp8-recipe delayed with --compile: delayed scaling updates its amax histories "
+                "inside the compiled layers' forward and backward, which is not verified under "
+                "torch.compile; use --fp8-recipe tensorwise (checked compiled against eager, "
+                "docs/fp8.md) or drop --compile")
         if o.fp8_recipe == "delayed" and self.training.recompute not in ("none", "selective"):
             raise TrainConfigError(
                 f"--fp8-recipe delayed with --recompute {self.training.recompute}: the recomputed "

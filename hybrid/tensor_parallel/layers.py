@@ -333,7 +333,9 @@ class LayerNorm(_TPModule):
         weight, bias = self.weight, self.bias
         if self.sequence_parallel:
             weight, bias = copy_to_tp(weight, self.group), copy_to_tp(bias, self.group)
-        fused = APEX_FUSED_LAYER_NORM if x.is_cuda else None
+        # apex's kernel is an extension dynamo cannot trace: under torch.compile torch's layer norm
+        # stays in the layer's graph, where inductor fuses it with the residual add before it
+        fused = APEX_FUSED_LAYER_NORM if x.is_cuda and not torch.compiler.is_compiling() else None
         if fused is not None:
             return fused(x, weight, bias, (self.hidden,), self.eps)
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):

@@ -4,7 +4,9 @@ refusals, and (slow) a 50-step FP8 run tracking the bf16 run of the same model a
 Tolerance of the 50-step comparison: the synthetic corpus is uniform random tokens, so the loss
 stays near ln(200) = 5.30 and what the runs can differ by is the arithmetic; FP8 casts each GEMM
 operand with a relative error up to 2^-4 (E4M3) or 2^-3 (E5M2 gradients). The test asks every
-step's FP8 loss to stay within 0.05 of the bf16 loss at that step (1% of the loss). A wrong scale
+step's FP8 loss to stay within 0.005 of the bf16 loss at that step (0.1% of the loss; measured:
+at most 0.0009 tensorwise hybrid, 0.0016 delayed hybrid with a 16-step max history, 0.0011
+rowwise e4m3). A wrong scale
 (e.g. the inverse handed to the GEMM) or an operand cast without its scale moves the loss by units
 (a cast without its scale saturates or flushes whole tensors).
 """
@@ -24,7 +26,7 @@ from pretrain.arguments import parse_args
 from pretrain.sections import TrainConfigError
 from tests.training_helpers import make_trainer, tiny_args
 
-TRACK_GAP = 0.05
+TRACK_GAP = 0.005
 
 
 def test_fp8_layers_skip_the_first_and_last_on_request():
@@ -97,6 +99,5 @@ def test_fp8_runs_track_the_bf16_run_over_50_steps():
                   ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]):
         fp8 = _losses(extra)
         gaps = [abs(a - b) for a, b in zip(base, fp8)]
-        print(extra, "max gap", max(gaps), "last", base[-1], fp8[-1])
         assert len(fp8) == 50 and max(gaps) <= TRACK_GAP, (extra, max(gaps))
         assert max(gaps) > 0, extra   # the GEMMs really ran in fp8

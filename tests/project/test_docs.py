@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 # Dependency order: data.md makes $WORK/data, quickstart.md makes $WORK/ckpt and $WORK/runs.
 ORDER = ["README.md", "data.md", "quickstart.md", "launching.md", "choosing-parallelism.md",
-         "tensorboard.md", "compile.md", "checkpoints.md", "paper.md", "gpu.md", "troubleshooting.md",
+         "tensorboard.md", "compile.md", "fp8.md", "checkpoints.md", "paper.md", "gpu.md", "troubleshooting.md",
          "design.md", "megatron-flags.md"]
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
 SLOW = re.compile(r"<!--\s*slow:\s*(.+?)\s*-->")

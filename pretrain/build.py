@@ -157,14 +157,35 @@ def build_model(cfg: TrainConfig, pipeline, state: ParallelState, vocab_size: in
         stage = build_stage(pipeline, gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
                             device=state.device, rng=rng, plan=recompute_plan(cfg, gcfg, state, pipeline),
                             seed=cfg.training.seed)
-        return BuiltModel(stage.model, rng, stage)
+        built = BuiltModel(stage.model, rng, stage)
+        build_fp8(cfg, built.chunks, state)
+        return built
     meta = cfg.parallel.zero_stage == 3
     model = GPTModel(gcfg, state, sequence_parallel=cfg.parallel.sequence_parallel,
                      device="meta" if meta else state.device, dtype=torch.float32, rng=rng,
                      recompute=recompute_plan(cfg, gcfg, state, pipeline))
     if not meta:
         model.init_weights(cfg.training.seed)
-    return BuiltModel(model, rng, None)
+    built = BuiltModel(model, rng, None)
+    build_fp8(cfg, built.chunks, state)
+    return built
+
+
+def build_fp8(cfg: TrainConfig, models: list, state: ParallelState) -> None:
+    """--fp8-format: the transformer layers' linears of ``models`` run their GEMMs in FP8
+    (models/gpt/fp8.py, docs/fp8.md)."""
+    options = cfg.optimizer.fp8_options()
+    if options is None:
+        return
+    from hybrid.tensor_parallel.fp8_scaling import Fp8Recipe
+    from models.gpt.fp8 import enable_fp8
+    o = cfg.optimizer
+    count = enable_fp8(models, Fp8Recipe(**options), first_last_bf16=o.first_last_layers_bf16,
+                       num_at_start=o.num_layers_at_start_in_bf16,
+                       num_at_end=o.num_layers_at_end_in_bf16, device=state.device)
+    if state.rank == 0:
+        log.info("FP8 training: %d linears of the transformer layers in %s, recipe %s", count,
+                 options["format"], options["recipe"])
 
 
 def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, pipeline=None,

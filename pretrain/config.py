@@ -55,6 +55,7 @@ class TrainConfig:
         self._check_operations()
         self._check_schedule_units()
         self._check_offloaded_moments()
+        self._check_fp8()
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(
@@ -79,6 +80,51 @@ class TrainConfig:
         if self.checkpoint.async_save and not self.checkpoint.save:
             raise TrainConfigError("--async-save writes checkpoints in the background: give --save "
                                    "DIR (and --save-interval N)")
+
+    def _check_fp8(self) -> None:
+        """--fp8-format: every fp8 GEMM dimension a multiple of 16 (cuBLASLt's FP8 rule, which
+        torch._scaled_mm enforces on GPUs; refused here on every device so a CPU rehearsal runs
+        what a GPU will), a layer left in fp8, delayed scaling without a full recompute."""
+        o, m = self.optimizer, self.model
+        if o.fp8_format is None:
+            return
+        if self.parallel.tile_factor != 1:
+            raise TrainConfigError("--fp8-format with --tile-factor: the tiled linears gather and "
+                                   "multiply their weight tiles in the training dtype and have no "
+                                   "FP8 path; drop one of them")
+        tp = self.parallel.tensor_model_parallel_size
+        f = m.ffn_hidden_size
+        dims = {"--hidden-size": m.hidden_size,
+                "the QKV projection's rows per TP rank": m.qkv_size // tp,
+                "the attention output's inputs per TP rank (--hidden-size / TP)": m.hidden_size // tp,
+                "--ffn-hidden-size per TP rank": f // tp,
+                "tokens per micro-batch (--micro-batch-size x --seq-length)":
+                    self.data.micro_batch_size * m.seq_length}
+        for what, value in dims.items():
+            if value % 16:
+                raise TrainConfigError(f"--fp8-format: {what} is {value}, not a multiple of 16, "
+                                       f"which FP8 GEMMs need (torch._scaled_mm on GPUs); choose "
+                                       f"sizes that are multiples of 16 (x TP where split) or "
+                                       f"drop --fp8-format")
+        if o.first_last_layers_bf16 and (o.num_layers_at_start_in_bf16
+                                         + o.num_layers_at_end_in_bf16 >= m.num_layers):
+            raise TrainConfigError(f"--first-last-layers-bf16 keeps {o.num_layers_at_start_in_bf16}"
+                                   f" + {o.num_layers_at_end_in_bf16} of the {m.num_layers} layers "
+                                   f"in bf16, leaving none in FP8; lower "
+                                   f"--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16")
+        if o.fp8_recipe == "delayed" and self.training.compile:
+            raise TrainConfigError(
+                "--fp8-recipe delayed with --compile: delayed scaling updates its amax histories "
+                "inside the compiled layers' forward and backward, which is not verified under "
+                "torch.compile; use --fp8-recipe tensorwise (checked compiled against eager, "
+                "docs/fp8.md) or drop --compile")
+        if o.fp8_recipe == "delayed" and self.training.recompute not in ("none", "selective"):
+            raise TrainConfigError(
+                f"--fp8-recipe delayed with --recompute {self.training.recompute}: the recomputed "
+                f"forward would cast with scales from a history its first forward has already "
+                f"advanced, so backward would see other activations than the loss; use "
+                f"--fp8-recipe tensorwise or rowwise (scales from the tensors themselves) or "
+                f"--recompute selective")
 
     def _check_schedule_units(self) -> None:
         """Megatron's rule: an iteration-based run takes iteration-based schedule flags, a

@@ -162,7 +162,8 @@ def _noop(name: str, meaning: str, why: str, value=SWITCH, when=None) -> Megatro
     return MegatronFlag(name, NOOP, meaning, why, value, noop_when=when)
 
 
-_FP8 = "use --bf16 (FP8 training is not implemented here)"
+_FP8 = ("parameters stay bf16 here; ZeRO stage 3 can all-gather them as FP8 blocks: --zero-stage "
+        "3 --zero-quantized-weights --zero-quantized-weights-format fp8")
 _MOE = "this framework trains dense models only; size the MLP with --ffn-hidden-size"
 _FUSION = "a kernel-fusion switch: it changes speed, not results; our kernels are chosen per device"
 
@@ -241,12 +242,21 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--expert-model-parallel-size", "expert parallelism (MoE)",
           "1 means no expert parallelism; larger values are refused (dense models only)", int,
           when=_equals(1)),
-    _refused("--fp8-format", "FP8 training (e4m3 | hybrid)", _FP8),
-    _refused("--fp8-recipe", "FP8 scaling recipe", _FP8),
-    _refused("--fp8-margin", "FP8 scaling margin", _FP8),
-    _refused("--fp8-amax-history-len", "FP8 amax history", _FP8),
-    _refused("--fp8-amax-compute-algo", "FP8 amax algorithm", _FP8),
-    _refused("--fp8-param-gather", "all-gather parameters in FP8", _FP8),
+    _native("--fp8-format", "optimizer.fp8_format", "FP8 training (e4m3 | hybrid)", str),
+    _native("--fp8-recipe", "optimizer.fp8_recipe", "FP8 scaling recipe (tensorwise | delayed; "
+            "here also torchao's rowwise; mxfp8 and blockwise are not here)", str),
+    _native("--fp8-margin", "optimizer.fp8_margin", "FP8 scaling margin", int),
+    _native("--fp8-amax-history-len", "optimizer.fp8_amax_history_len", "FP8 amax history", int),
+    _native("--fp8-amax-compute-algo", "optimizer.fp8_amax_compute_algo", "FP8 amax algorithm",
+            str),
+    _native("--first-last-layers-bf16", "optimizer.first_last_layers_bf16",
+            "first and last layers in bf16 under FP8"),
+    _native("--num-layers-at-start-in-bf16", "optimizer.num_layers_at_start_in_bf16",
+            "leading bf16 layers", int),
+    _native("--num-layers-at-end-in-bf16", "optimizer.num_layers_at_end_in_bf16",
+            "trailing bf16 layers", int),
+    _refused("--fp8-param-gather", "keep the compute parameters in FP8 and all-gather them in FP8",
+             _FP8),
     _noop("--context-parallel-size", "split the sequence over GPUs inside attention (ring "
           "attention)", "1 means no context parallelism; larger values are refused: shard long "
           "sequences' activations with --sequence-parallel (TP > 1) or --recompute", int,

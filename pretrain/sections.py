@@ -36,6 +36,11 @@ def found_by_every_rank(err: Exception) -> Exception:
     return err
 
 
+FP8_FORMATS = ("e4m3", "hybrid")                    # hybrid.tensor_parallel.fp8_scaling's
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise")  # (this layer imports no torch)
+QUANTIZED_WEIGHTS_FORMATS = ("int8", "fp8")          # hybrid.zero.quantize's
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -139,6 +144,9 @@ class ParallelSection:
     zero_quantized_weights: bool = _help("ZeRO++ qwZ: stage 3 all-gathers parameters as block-wise "
                                          "int8 (256-element blocks, fp32 scales); masters stay exact",
                                          default=False)
+    zero_quantized_weights_format: str = _help("--zero-quantized-weights' format: int8 (ZeRO++'s) "
+                                               "| fp8 (E4M3 with the same 256-element blocks and "
+                                               "fp32 scales)", default="int8")
     zero_quantized_gradients: bool = _help("ZeRO++ qgZ: stages 1-3 reduce-scatter gradients as "
                                            "block-wise int8, inside each host first, then across "
                                            "hosts, summing in fp32", default=False)
@@ -208,6 +216,13 @@ class ParallelSection:
         qgZ) and memory-centric tiling (tile factor, working-memory bound), checked against the
         stage now (the hosts are only known at launch, where the engine
         checks them)."""
+        if self.zero_quantized_weights_format not in QUANTIZED_WEIGHTS_FORMATS:
+            raise TrainConfigError(f"--zero-quantized-weights-format must be int8 or fp8, got "
+                                   f"{self.zero_quantized_weights_format!r}")
+        if self.zero_quantized_weights_format != "int8" and not self.zero_quantized_weights:
+            raise TrainConfigError(f"--zero-quantized-weights-format "
+                                   f"{self.zero_quantized_weights_format} is the format of "
+                                   f"--zero-quantized-weights' all-gathers: add that flag")
         options = {"hybrid_shard": self.zero_hybrid_shard, "hpz": self.zero_hpz,
                    "quantized_weights": self.zero_quantized_weights,
                    "quantized_gradients": self.zero_quantized_gradients}
@@ -219,6 +234,8 @@ class ParallelSection:
                 options["max_working_memory"] = parse_bytes(self.max_working_memory)
             except ValueError as err:
                 raise TrainConfigError(f"--max-working-memory: {err}") from None
+        if self.zero_quantized_weights_format != "int8":
+            options["quantized_weights_format"] = self.zero_quantized_weights_format
         if any(options.values()):
             from hybrid.zero.config import ZeroConfig
             try:
@@ -298,6 +315,24 @@ class OptimizerSection:
     main_params_dtype: str = _help("dtype of the master weights: fp32 (fp16 is refused: it needs "
                                    "stochastic rounding, not implemented)", default="fp32")
 
+    # ---- FP8 training (docs/fp8.md; Megatron-LM's Transformer-Engine flags) ----
+    fp8_format: str | None = _help("FP8 GEMMs in every linear of the transformer layers: e4m3 "
+                                   "(E4M3 everywhere) | hybrid (E4M3 forward, E5M2 gradients); "
+                                   "needs --bf16", default=None)
+    fp8_recipe: str = _help("FP8 scales: delayed (from an amax history) | tensorwise (each "
+                            "tensor's current amax) | rowwise (per row / column, powers of two: "
+                            "torchao's)", default="delayed")
+    fp8_margin: int = _help("FP8 scales are divided by 2^margin", default=0)
+    fp8_amax_history_len: int = _help("delayed FP8 scaling: amaxes kept per tensor", default=1)
+    fp8_amax_compute_algo: str = _help("delayed FP8 scaling: the amax used, max (of the history) | "
+                                       "most_recent", default="most_recent")
+    first_last_layers_bf16: bool = _help("under FP8, keep the first and last transformer layers "
+                                         "in bf16", default=False)
+    num_layers_at_start_in_bf16: int = _help("with --first-last-layers-bf16: leading layers in "
+                                             "bf16", default=1)
+    num_layers_at_end_in_bf16: int = _help("with --first-last-layers-bf16: trailing layers in "
+                                           "bf16", default=1)
+
     def __post_init__(self) -> None:
         _non_negative(self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
                       "clip_grad", "adam_eps")
@@ -329,6 +364,7 @@ class OptimizerSection:
             raise TrainConfigError(f"--on-nonfinite must be skip or stop, got {self.on_nonfinite!r}")
         if self.bf16 and self.fp16:
             raise TrainConfigError("--bf16 and --fp16 are exclusive; pick one")
+        self._check_fp8()
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             raise TrainConfigError(f"need 0 < --min-loss-scale <= --initial-loss-scale, got "
                                    f"{self.min_loss_scale} and {self.initial_loss_scale}")
@@ -382,6 +418,45 @@ class OptimizerSection:
                 f"{' and '.join(low)} bf16: 16-bit moments belong to Megatron's precision-aware "
                 f"optimizer (without --use-precision-aware-optimizer Megatron keeps fp32 "
                 f"moments); add --use-precision-aware-optimizer")
+
+    def _check_fp8(self) -> None:
+        """--fp8-format and its options (the model's shapes: TrainConfig.check_sections)."""
+        if self.fp8_format is None:
+            if self.first_last_layers_bf16:
+                raise TrainConfigError("--first-last-layers-bf16 keeps layers out of FP8 training; "
+                                       "it needs --fp8-format e4m3 or hybrid (or drop it)")
+            return
+        if self.fp8_format not in FP8_FORMATS:
+            raise TrainConfigError(f"--fp8-format must be e4m3 or hybrid, got {self.fp8_format!r}")
+        if self.fp16:
+            raise TrainConfigError(
+                "--fp8-format with --fp16: fp16's dynamic loss scaler finds overflows as Inf in the "
+                "gradients, but every FP8 cast saturates at the format's largest value, so an "
+                "overflow would be clipped silently and the scale never backs off; use --bf16 "
+                "(FP8 training keeps bf16 around its GEMMs, as Transformer Engine does)")
+        if not self.bf16:
+            raise TrainConfigError("--fp8-format runs the GEMMs in FP8 with bf16 outputs, "
+                                   "parameters and activations: add --bf16")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise TrainConfigError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got "
+                                   f"{self.fp8_recipe!r}")
+        if self.fp8_amax_compute_algo not in ("max", "most_recent"):
+            raise TrainConfigError(f"--fp8-amax-compute-algo must be max or most_recent, got "
+                                   f"{self.fp8_amax_compute_algo!r}")
+        _positive(self, "fp8_amax_history_len")
+        _non_negative(self, "fp8_margin", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+        for name in ("fp8_margin", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if not isinstance(getattr(self, name), int):
+                raise TrainConfigError(f"{flag_name(name)} must be an integer, got "
+                                       f"{getattr(self, name)!r}")
+
+    def fp8_options(self) -> dict | None:
+        """The recipe of hybrid.tensor_parallel.fp8_scaling.Fp8Recipe (None without FP8)."""
+        if self.fp8_format is None:
+            return None
+        return {"format": self.fp8_format, "recipe": self.fp8_recipe, "margin": self.fp8_margin,
+                "amax_history_len": self.fp8_amax_history_len,
+                "amax_compute_algo": self.fp8_amax_compute_algo}
 
     @property
     def precision(self) -> str:

@@ -36,6 +36,7 @@ from hybrid.comm import Group
 from hybrid.tensor_parallel import grad_fusion
 from hybrid.tensor_parallel import init as tp_init
 from hybrid.tensor_parallel.async_linear import column_parallel_linear
+from hybrid.tensor_parallel.fp8_linear import fp8_linear
 from hybrid.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                              reduce_from_tp, reduce_scatter_to_sequence)
@@ -141,6 +142,7 @@ class ColumnParallelLinear(_TPModule):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.weight_tiles = None   # hybrid.zero.tiling.TiledWeight under ZeRO-3 tiling
+        self.fp8 = None   # an Fp8Scaling: the GEMMs run in fp8 (hybrid/tensor_parallel/fp8_linear.py)
         local_out = _divide(out_features, group, "ColumnParallelLinear output size")
         self._new_param("weight", (local_out, in_features), 0, device, dtype)
         if bias:
@@ -159,6 +161,10 @@ class ColumnParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_tiles is not None:
             y = self._tiled(x)                                                 # [s, b, out/tp]
+        elif self.fp8 is not None:   # f / g-bar, then the fp8 GEMMs (no backward overlap)
+            total = (gather_from_sequence(x, self.group) if self.sequence_parallel
+                     else copy_to_tp(x, self.group))                          # [s, b, in]
+            y = fp8_linear(total, self.weight, self.bias, self.fp8, self.group, "N")
         else:
             # = F.linear(g_bar(x) if SP else f(x), W, b); backward overlaps the input-gradient
             # all-reduce (reduce-scatter with SP) with the weight-gradient GEMM
@@ -219,6 +225,7 @@ class RowParallelLinear(_TPModule):
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = in_features, out_features
         self.weight_tiles = None   # hybrid.zero.tiling.TiledWeight under ZeRO-3 tiling
+        self.fp8 = None   # an Fp8Scaling: the GEMMs run in fp8 (hybrid/tensor_parallel/fp8_linear.py)
         local_in = _divide(in_features, group, "RowParallelLinear input size")
         self._new_param("weight", (out_features, local_in), 1, device, dtype)
         if bias:
@@ -238,6 +245,8 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_tiles is not None:   # row tiles of W gathered one at a time (ZeRO-Infinity)
             partial = self.weight_tiles.linear(x)                     # [s, b, out], partial sum
+        elif self.fp8 is not None:
+            partial = fp8_linear(x, self.weight, None, self.fp8, self.group, "K")
         else:
             partial = grad_fusion.linear(x, self.weight)              # [s, b, out], partial sum
         if self.sequence_parallel:
@@ -346,7 +355,9 @@ class LayerNorm(_TPModule):
         weight, bias = self.weight, self.bias
         if self.sequence_parallel:
             weight, bias = copy_to_tp(weight, self.group), copy_to_tp(bias, self.group)
-        fused = APEX_FUSED_LAYER_NORM if x.is_cuda else None
+        # apex's kernel is an extension dynamo cannot trace: under torch.compile torch's layer norm
+        # stays in the layer's graph, where inductor fuses it with the residual add before it
+        fused = APEX_FUSED_LAYER_NORM if x.is_cuda and not torch.compiler.is_compiling() else None
         if fused is not None:
             return fused(x, weight, bias, (self.hidden,), self.eps)
         if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):

@@ -55,6 +55,7 @@ class ZeroConfig:
     hybrid_shard: bool = False   # partition inside a host, replicate across hosts (FSDP2 HSDP, MiCS)
     hpz: bool = False            # stage 3: secondary 16-bit partition inside the host (ZeRO++ hpZ)
     quantized_weights: bool = False     # qwZ: stage 3 all-gathers int8 parameters (ZeRO++ §3.1)
+    quantized_weights_format: str = "int8"   # qwZ's payload: int8 | fp8 (E4M3, same blocks)
     quantized_gradients: bool = False   # qgZ: hierarchical int8 gradient reduce-scatter (§3.3)
     # stages 0-2: weight-gradient GEMMs and the embedding's lookup accumulate straight into the
     # gradient buffer or staging bucket (hybrid.tensor_parallel.grad_fusion); False: autograd's
@@ -98,6 +99,12 @@ class ZeroConfig:
             raise ValueError(f"--zero-quantized-weights quantizes the parameter all-gathers of ZeRO "
                              f"stage 3 (stages 0-2 keep whole parameters and gather none per "
                              f"layer); use --zero-stage 3 or drop the flag (got stage {self.stage})")
+        if self.quantized_weights_format not in ("int8", "fp8"):
+            raise ValueError(f"--zero-quantized-weights-format must be int8 or fp8, got "
+                             f"{self.quantized_weights_format!r}")
+        if self.quantized_weights_format != "int8" and not self.quantized_weights:
+            raise ValueError(f"--zero-quantized-weights-format {self.quantized_weights_format} is "
+                             f"the format of --zero-quantized-weights' all-gathers: add that flag")
         if self.quantized_gradients and self.hybrid_shard:
             raise ValueError("--zero-quantized-gradients with --zero-hybrid-shard: hybrid sharding "
                              "reduce-scatters inside the host and only all-reduces a shard across "

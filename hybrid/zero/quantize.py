@@ -15,6 +15,18 @@ by the scales' bytes, so a collective moves it in one message:
 
 which is 1 + 4/256 bytes per element: 1.97x fewer than bf16/fp16, 3.94x fewer than fp32.
 
+With ``fmt="fp8"`` (``--zero-quantized-weights-format fp8``, qwZ only) the payload is E4M3
+(``torch.float8_e4m3fn``, 1 byte) with the same blocks and fp32 scales, so the bytes on the wire
+are the same; only the rounding differs:
+
+    scale = max(|x| over the block) / 448       (448: E4M3's largest value)
+    q     = e4m3(x / scale)                      (round to nearest; 3 mantissa bits)
+    x'    = q * scale,  so  |x - x'| <= max(|x| / 16, scale / 1024) for every element.
+
+int8 spends its 8 bits uniformly over [-max, max] (an absolute error of max/254); E4M3 keeps a
+relative error of 1/16 down to max/2^15 of the block's maximum, so small weights beside a large
+one keep their leading digits (FP8 training's weights are cast to E4M3 again anyway).
+
 A block holding an Inf or NaN dequantizes to NaN everywhere, so an overflow is still seen after the
 collective (the engine's non-finite check and fp16's loss scaler rely on it).
 
@@ -36,6 +48,9 @@ import torch
 from hybrid.zero_policy import QUANT_BLOCK as BLOCK, QUANT_SCALE_BYTES as SCALE_BYTES
 
 QMAX = 127           # symmetric int8 range [-127, 127]
+FORMATS = ("int8", "fp8")
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0     # E4M3's largest finite value
 
 
 def num_blocks(numel: int) -> int:
@@ -47,9 +62,16 @@ def packed_numel(numel: int) -> int:
     return numel + SCALE_BYTES * num_blocks(numel)
 
 
-def quantize(x: torch.Tensor, agree=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``x`` [P, S] (any float dtype) -> (q [P, S] int8, scales [P, ceil(S/BLOCK)] fp32).
-    ``agree(scales)``, if given, replaces the scales in place by ones every TP rank shares."""
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def quantize(x: torch.Tensor, agree=None, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` [P, S] (any float dtype) -> (q [P, S] int8 (``fmt="fp8"``: float8_e4m3fn),
+    scales [P, ceil(S/BLOCK)] fp32). ``agree(scales)``, if given, replaces the scales in place by
+    ones every TP rank shares."""
+    _check_format(fmt)
     rows, numel = x.shape
     nb = num_blocks(numel)
     padded = torch.zeros(rows, nb * BLOCK, dtype=torch.float32, device=x.device)
@@ -57,36 +79,41 @@ def quantize(x: torch.Tensor, agree=None) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = padded.view(rows, nb, BLOCK)                               # [P, nb, BLOCK]
     # a divisor on x's device: CUDA multiplies by the reciprocal of a Python-number divisor, which
     # rounds differently from CPU's true division now and then (issue 19: bytes must agree)
-    scales = blocks.abs().amax(dim=2) / blocks.new_full((), QMAX)       # [P, nb]; NaN/Inf stay
+    top = QMAX if fmt == "int8" else _FP8_MAX
+    scales = blocks.abs().amax(dim=2) / blocks.new_full((), top)        # [P, nb]; NaN/Inf stay
     if agree is not None:   # a NaN scale becomes Inf first, which a maximum cannot lose
         agree(torch.nan_to_num_(scales, nan=float("inf")))
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block: q = 0
-    q = torch.round(blocks / divisor.unsqueeze(2)).clamp_(-QMAX, QMAX)
-    q = torch.nan_to_num_(q, nan=0.0)                                   # the scale carries the NaN
-    return q.view(rows, nb * BLOCK)[:, :numel].to(torch.int8), scales
+    q = blocks / divisor.unsqueeze(2)
+    if fmt == "int8":
+        q = torch.round(q)
+    q = torch.nan_to_num_(q.clamp_(-top, top), nan=0.0)                 # the scale carries the NaN
+    return q.view(rows, nb * BLOCK)[:, :numel].to(torch.int8 if fmt == "int8" else _FP8), scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(q [P, S] int8, scales [P, nb] fp32) -> values [P, S] fp32. A non-finite scale (its block
-    held an Inf or NaN) makes the whole block NaN."""
+    """(q [P, S] int8 or float8_e4m3fn, scales [P, nb] fp32) -> values [P, S] fp32. A non-finite
+    scale (its block held an Inf or NaN) makes the whole block NaN."""
     rows, numel = q.shape
     per_element = scales.repeat_interleave(BLOCK, dim=1)[:, :numel]     # [P, S]
     values = q.to(torch.float32) * per_element
     return torch.where(torch.isfinite(per_element), values, torch.full_like(values, float("nan")))
 
 
-def pack(x: torch.Tensor, agree=None) -> torch.Tensor:
-    """Rows ``x`` [P, S] -> packed int8 rows [P, packed_numel(S)] (payload | scale bytes)."""
+def pack(x: torch.Tensor, agree=None, fmt: str = "int8") -> torch.Tensor:
+    """Rows ``x`` [P, S] -> packed int8 rows [P, packed_numel(S)] (payload | scale bytes); an fp8
+    payload travels as its bytes."""
     rows, numel = x.shape
-    q, scales = quantize(x, agree)
+    q, scales = quantize(x, agree, fmt)
     out = torch.empty(rows, packed_numel(numel), dtype=torch.int8, device=x.device)
-    out[:, :numel] = q
+    out[:, :numel] = q.view(torch.int8)
     out[:, numel:] = scales.contiguous().view(torch.int8)               # [P, 4 nb] raw bytes
     return out
 
 
-def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, numel: int, fmt: str = "int8") -> torch.Tensor:
     """Packed int8 rows [P, packed_numel(numel)] -> dequantized values [P, numel] fp32."""
+    _check_format(fmt)
     rows = packed.shape[0]
     if packed.shape[1] != packed_numel(numel):
         raise ValueError(f"a packed row of {numel} values has {packed_numel(numel)} bytes, got "
@@ -94,4 +121,7 @@ def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     nb = num_blocks(numel)
     raw = torch.empty(rows, SCALE_BYTES * nb, dtype=torch.int8, device=packed.device)
     scales = raw.copy_(packed[:, numel:]).view(torch.float32)           # [P, nb], 4-byte aligned
-    return dequantize(packed[:, :numel], scales)
+    payload = packed[:, :numel]
+    if fmt == "fp8":   # the same bytes read as E4M3 (a copy: a view needs a contiguous row)
+        payload = payload.contiguous().view(_FP8)
+    return dequantize(payload, scales)

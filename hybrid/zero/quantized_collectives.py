@@ -77,23 +77,24 @@ def tp_agreed_scales(tp: Group):
 
 
 def quantized_all_gather(output: torch.Tensor, shard: torch.Tensor, group: Group,
-                         async_op: bool = False, agree=None):
+                         async_op: bool = False, agree=None, fmt: str = "int8"):
     """qwZ: every rank's ``shard`` [c] into ``output`` [n c] (any float dtype), sent as int8 rows
     [c + 4 ceil(c/256)] and dequantized on arrival (module docstring); ``agree``: the block scales
-    shared over TP (:func:`tp_agreed_scales`)."""
+    shared over TP (:func:`tp_agreed_scales`); ``fmt="fp8"``: E4M3 payload bytes instead of int8
+    (:mod:`.quantize`)."""
     n, c = group.size, shard.numel()
     if output.numel() != n * c:
         raise ValueError(f"all-gather output has {output.numel()} elements, expected {c} x {n}")
     if n == 1:
         output.copy_(shard.view_as(output))
         return _Continuation(lambda: None) if async_op else None
-    sent = pack(shard.reshape(1, c), agree)                               # [1, row]
+    sent = pack(shard.reshape(1, c), agree, fmt)                          # [1, row]
     received = torch.empty(n, packed_numel(c), dtype=torch.int8, device=shard.device)
     work = comm.all_gather_into(received, sent, group, async_op=True)    # [n, row]
 
     def dequantize() -> None:
         work.wait()
-        output.view(n, c).copy_(unpack(received, c))
+        output.view(n, c).copy_(unpack(received, c, fmt))
     return _finish(_Continuation(dequantize), async_op)
 
 

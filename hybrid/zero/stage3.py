@@ -114,7 +114,8 @@ class ParameterPartitioning(ZeroEngine):
         for unit in self.all_units:   # qwZ spares the persistent unit: gathered once a step, small
             quantized = zero_config.quantized_weights and unit is not self.persistent
             unit.use_collectives(reduce_scatter, quantized,
-                                 tp_agreed_scales(state.tp) if quantized else None)
+                                 tp_agreed_scales(state.tp) if quantized else None,
+                                 zero_config.quantized_weights_format)
         pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
                              uses_weight_decay(seg.slot.param),
                              bool(getattr(seg.slot.param, "tensor_model_parallel", False)))

@@ -126,16 +126,19 @@ class ShardedUnit:
         self.store, self.store_index = None, -1   # hybrid.offload.param_store: shard on NVMe
         self.quantized_gather = False             # qwZ: gather int8 blocks (use_collectives)
         self.agree_scales = None                  # qwZ with TP: the block scales' TP maximum
+        self.gather_format = "int8"               # qwZ's payload: int8 or fp8 (E4M3)
         self.reduce_scatter = functools.partial(comm.reduce_scatter_replicated, group=group,
                                                 replicas=replicas)   # qgZ's replaces it
 
     def use_collectives(self, reduce_scatter: Callable | None, quantized_gather: bool,
-                        agree_scales: Callable | None) -> None:
+                        agree_scales: Callable | None, gather_format: str = "int8") -> None:
         """The engine's ZeRO++ choices: ``reduce_scatter`` for the gradients (qgZ; None: the
-        exact one), int8 parameter gathers (qwZ) with ``agree_scales`` (their TP agreement)."""
+        exact one), int8 (``gather_format`` "fp8": E4M3) parameter gathers (qwZ) with
+        ``agree_scales`` (their TP agreement)."""
         if reduce_scatter is not None:
             self.reduce_scatter = reduce_scatter
         self.quantized_gather, self.agree_scales = quantized_gather, agree_scales
+        self.gather_format = gather_format
 
     def attach_store(self, store, index: int) -> None:
         """Keep the shard in ``store`` (written there now); each gather fetches it back."""
@@ -207,7 +210,8 @@ class ShardedUnit:
         if self.quantized_gather:      # packed from the shard at once (a host buffer: moved first)
             self._gather_handle = quantized_all_gather(self.full, shard.to(self.full.device),
                                                        self.group, async_op=True,
-                                                       agree=self.agree_scales)
+                                                       agree=self.agree_scales,
+                                                       fmt=self.gather_format)
         else:
             if shard.device != self.full.device:   # the NVMe store's host buffer: into our slot
                 own = self.full.narrow(0, self.group.rank * shard.numel(), shard.numel())

@@ -50,7 +50,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = _cos_sin(self.config, offset + q.size(-2), q.device, q.dtype)
+        # compiled (models/gpt/compile.py): the uncached function, traced into the layer's graph,
+        # where inductor fuses the angles with the rotation (dynamo would skip the cache anyway)
+        table = _cos_sin.__wrapped__ if torch.compiler.is_compiling() else _cos_sin
+        cos, sin = table(self.config, offset + q.size(-2), q.device, q.dtype)
         cos, sin = cos[offset:], sin[offset:]                                   # [s, d]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

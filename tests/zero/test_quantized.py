@@ -204,6 +204,7 @@ ENGINE_CASES = {  # name -> (tp, stage, precision, qwZ, qgZ)
     "s3": (1, 3, "fp32", False, False), "s3_qwz": (1, 3, "fp32", True, False),
     "s3_qgz": (1, 3, "fp32", False, True), "s3_both": (1, 3, "fp32", True, True),
     "s3_zeropp": (1, 3, "fp32", True, True),   # with hpZ: ZeRO++'s three options together
+    "s3_qwzfp8": (1, 3, "fp32", True, False),   # --zero-quantized-weights-format fp8 (E4M3)
     "s2": (1, 2, "bf16", False, False), "s2_qgz": (1, 2, "bf16", False, True),
     "s1": (1, 1, "fp32", False, False), "s1_qgz": (1, 1, "fp32", False, True),
     "tp2_s3": (2, 3, "bf16", False, False), "tp2_s3_both": (2, 3, "bf16", True, True),
@@ -226,7 +227,8 @@ def _engines(rank: int, world: int) -> dict:
         scale = LossScaleConfig(initial_scale=2.0 ** 40, hysteresis=1, backoff_factor=2.0 ** -20)
         zero = ZeroConfig(stage=stage, precision=precision, quantized_weights=qwz,
                           quantized_gradients=qgz, bucket_size=3000, loss_scale=scale,
-                          hpz=name.endswith("zeropp"))
+                          hpz=name.endswith("zeropp"),
+                          quantized_weights_format="fp8" if name.endswith("fp8") else "int8")
         out[name] = _run(states[tp], zero)
     return out
 
@@ -236,7 +238,7 @@ def engine_results() -> list[dict]:
     return run_on_ranks(_engines, WORLD, timeout=600)
 
 
-@pytest.mark.parametrize("option", ["s3_qwz", "s3_qgz", "s3_both", "s2_qgz", "s1_qgz", "tp2_s3_both",
+@pytest.mark.parametrize("option", ["s3_qwz", "s3_qwzfp8", "s3_qgz", "s3_both", "s2_qgz", "s1_qgz", "tp2_s3_both",
                                     "host1_s3_both"])
 def test_quantized_losses_stay_close_to_the_exact_run(option):
     exact = option.rsplit("_", 1)[0]
@@ -392,3 +394,35 @@ def test_a_nan_block_stays_non_finite_when_the_scales_are_agreed_over_tp():
         scales.copy_(torch.fmax(scales, other_rank))
     out = unpack(pack(x, fmax_over_tp), 600)
     assert out[0, 256:512].isnan().all() and out[0, :256].isfinite().all()
+
+
+def test_fp8_blocks_keep_a_relative_error_of_one_sixteenth():
+    """--zero-quantized-weights-format fp8: E4M3 payload, same blocks and bytes as int8; every
+    element within max(|x| / 16, scale / 1024) (E4M3's half step, or its smallest subnormal)."""
+    from hybrid.zero.quantize import BLOCK, pack, packed_numel, quantize, unpack
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 700, generator=gen) * torch.logspace(-4, 0, 700)     # small beside large
+    x[1, 5] = 0.0
+    packed = pack(x, fmt="fp8")
+    assert packed.dtype == torch.int8 and packed.shape == (3, packed_numel(700))
+    back = unpack(packed, 700, fmt="fp8")
+    q, scales = quantize(x, fmt="fp8")
+    assert q.dtype == torch.float8_e4m3fn
+    per_element = scales.repeat_interleave(BLOCK, dim=1)[:, :700]
+    bound = torch.maximum(x.abs() / 16, per_element / 1024)
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    int8_error = (unpack(pack(x), 700) - x).abs()
+    small = x.abs() < 1e-3
+    assert (back - x)[small].abs().max() < int8_error[small].max()      # small values kept
+    x[2, 10] = float("inf")
+    assert torch.isnan(unpack(pack(x, fmt="fp8"), 700, fmt="fp8")[2, :BLOCK]).all()
+
+
+def test_fp8_gather_format_is_wired_and_sends_the_same_bytes():
+    """--zero-quantized-weights-format fp8: other rounding than int8 (other losses), the same
+    packed bytes per gather in the ledger."""
+    for r in engine_results():
+        assert r["s3_qwzfp8"]["losses"] != r["s3_qwz"]["losses"]
+        fp8 = _by(r["s3_qwzfp8"]["records"], "dp", "all_gather")
+        int8 = _by(r["s3_qwz"]["records"], "dp", "all_gather")
+        assert [rec[2:4] for rec in fp8] == [rec[2:4] for rec in int8]

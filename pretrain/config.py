@@ -53,6 +53,11 @@ class TrainConfig:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
         self._check_schedule_units()
+        if self.optimizer.optimizer == "muon" and self.parallel.offload_optimizer != "none":
+            raise TrainConfigError(
+                f"--optimizer muon keeps its state on the device (each matrix's owner gathers "
+                f"and orthogonalises it there); --offload-optimizer "
+                f"{self.parallel.offload_optimizer} is not supported with it: drop one of them")
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(

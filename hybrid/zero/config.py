@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.muon_config import MuonConfig
 from hybrid.precision_config import LossScaleConfig
 from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
 
@@ -59,6 +60,8 @@ class ZeroConfig:
     # stages 0-2: weight-gradient GEMMs and the embedding's lookup accumulate straight into the
     # gradient buffer or staging bucket (hybrid.tensor_parallel.grad_fusion); False: autograd's
     grad_accumulation_fusion: bool = True
+    # --optimizer muon: Muon for the hidden matrices, AdamW for the rest (hybrid.zero.muon)
+    muon: MuonConfig | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):

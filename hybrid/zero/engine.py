@@ -48,6 +48,7 @@ from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.host_groups import partition_groups
 from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.muon import MuonSetup, muon_matrices
 from hybrid.zero.pieces import OwnedPiece, merged_spans, views
 from hybrid.zero.report import CommReport, comm_report
 from hybrid.zero.results import Fragment, StepResult, copy_overlaps
@@ -90,6 +91,15 @@ class ZeroEngine:
         self._tp_spans = merged_spans(pieces, lambda p: p.tp_sharded)
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
+
+    def _muon_setup(self, params, partitioned: bool) -> MuonSetup | None:
+        """--optimizer muon: Muon's matrices among ``(name, TP-local shape, partition_dim)`` rows
+        and its groups (the partition group, TP); None under AdamW."""
+        if self.config.muon is None:
+            return None
+        return MuonSetup(self.config.muon, muon_matrices(params, self.state.tp_size),
+                         self.shard_group if partitioned else None, self.state.tp,
+                         self.adamw.weight_decay)
 
     # ---- storage methods ---------------------------------------------------------------------
     def _land_gradients(self) -> None:

@@ -224,11 +224,22 @@ class ZeroEngine:
         return self._parameter_fragments() + self.owned_fragments()
 
     def checkpoint_counters(self) -> dict:
-        return {"step_count": self.step_count, "loss_scaler": self.scaler.state_dict()}
+        return {"step_count": self.step_count, "loss_scaler": self.scaler.state_dict(),
+                "optimizer": self._optimizer_name}
+
+    @property
+    def _optimizer_name(self) -> str:
+        """Whose state the moment slots hold (Muon keeps its momentum in ``exp_avg``)."""
+        return "muon" if self.config.muon is not None else "adamw"
 
     def load_checkpoint_pieces(self, pieces: list[Fragment], counters: dict) -> None:
         """The master and moments of ``pieces`` become this rank's (the 16-bit parameters are
         rebuilt from the master, so ``model`` pieces only matter through it). Collective over DP."""
+        saved = counters.get("optimizer", "adamw")   # checkpoints older than Muon: AdamW
+        if saved != self._optimizer_name:
+            raise ValueError(f"the checkpoint holds {saved} optimizer state, this run trains with "
+                             f"--optimizer {self._optimizer_name}; resume with --optimizer {saved}, "
+                             f"or load the weights alone with --no-load-optim")
         self.step_count = counters["step_count"]
         self.load_fragments([f for f in pieces if f.kind != "model"])
         if counters["loss_scaler"]:

@@ -5,7 +5,7 @@ collectives).
 * Newton-Schulz: ours equals the reference's spelling and is nearly orthogonal.
 * Parity: the GPT model at TP 2 x DP 2 with ZeRO stages 1 and 3, fp32 Newton-Schulz, equals the
   reference over 5 steps to rtol 1e-5 (losses and every parameter); with the published bf16
-  iteration the losses agree to 2e-3 relative (parameters 5e-3 absolute), the stated tolerance.
+  iteration the losses agree to 1e-4 relative (parameters 5e-3 absolute), the stated tolerance.
 * Ledger: every step records exactly ``2 (dp - 1) R b + (tp - 1) R b`` bytes under the ``muon``
   category (R: the largest owner's Muon elements), and ZeRO's own records are unchanged.
 * Owners: whole matrices, balanced by Newton-Schulz FLOPs.
@@ -28,8 +28,8 @@ STEPS = 5
 TASK = GPTTask()
 FP32 = MuonConfig(ns_dtype="fp32")
 BF16 = MuonConfig(ns_dtype="bf16")
-BF16_RTOL = 2e-3   # bf16 Newton-Schulz vs the fp32 reference, 5 steps (losses)
-BF16_ATOL = 5e-3   # parameters (updates are lr x 0.2 sqrt(max(m, n)) x O ~ 1e-2 in size)
+BF16_RTOL = 1e-4   # bf16 Newton-Schulz vs the fp32 reference, 5 steps (losses; measured 7e-6)
+BF16_ATOL = 5e-3   # parameters (measured 1.8e-3; a step moves a weight by ~2e-3)
 
 
 def reference_muon_run(muon: MuonConfig, data):
@@ -76,7 +76,7 @@ def test_ledger_formula():
 def check_params(state, model, opt, losses, ref, rtol, atol, what):
     """Losses and every TP-local parameter against the reference's shard (stage 3: gathered, as
     its parameters hold no storage outside forward and backward)."""
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=rtol, atol=atol,
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=rtol, atol=0,
                                msg=lambda m: f"{what} losses: {m}")
     params = (opt.gathered_state_dict() if hasattr(opt, "gathered_state_dict")
               else {n: p.detach() for n, p in model.named_parameters()})

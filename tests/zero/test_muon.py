@@ -187,3 +187,15 @@ def test_muon_tp2_dp2_mlp_stages_0_1_2_equal_reference_and_ledger():
     (s0, r0, b0), (s1, r1, b1), (s2, r2, b2) = checked
     assert b0 == muon_comm_bytes(r0, 1, 2, 4) and r0 == 4 * 16 * 32 // 2   # no DP traffic
     assert b1 == b2 == muon_comm_bytes(r1, 2, 2, 4) and r1 == r0 // 2      # 2 matrices each
+
+
+def test_checkpoint_of_another_optimizer_is_refused():
+    """Muon's momentum sits in the exp_avg slot: an AdamW checkpoint's first moment is not one."""
+    state = ParallelState.single_process()
+    model = LayeredMLPTask().model(state)
+    opt = build_zero_optimizer(model, state, ZeroConfig(stage=1, muon=FP32), MLPTask.adamw)
+    counters = opt.checkpoint_counters()
+    assert counters["optimizer"] == "muon"
+    with pytest.raises(ValueError, match="--optimizer adamw"):
+        opt.load_checkpoint_pieces(opt.checkpoint_pieces(), {**counters, "optimizer": "adamw"})
+    opt.load_checkpoint_pieces(opt.checkpoint_pieces(), counters)   # its own loads

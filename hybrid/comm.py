@@ -54,6 +54,7 @@ class CommRecord:
     bytes_per_rank: float  # logical ring volume moved by each rank
     cross_host_bytes: float = 0.0  # the part of it on links between hosts (group average)
     algorithm: str = "ring"        # ring | direct | shm (hybrid.perf.links)
+    category: str = ""             # whose traffic beyond ZeRO's own ("muon"), see labelled()
 
     @property
     def intra_host_bytes(self) -> float:
@@ -75,6 +76,7 @@ class CommLedger:
     max_records: int = 200_000
     dropped: int = 0   # records trimmed from the front so far
     ranks_per_node: int | None = None
+    category: str = ""   # stamped on new records (set by labelled())
 
     def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype,
                algorithm: str = "ring", src_index: int = 0, peer: int | None = None) -> None:
@@ -89,7 +91,8 @@ class CommLedger:
             ranks = group.ranks if peer is None else [group.ranks[group.rank], group.ranks[peer]]
             nodes = nodes_of(ranks, self.ranks_per_node)
             _, cross = split_bytes(nbytes, op, algorithm, nodes, src_index)
-            self.records.append(CommRecord(op, group.kind, numel, dtype, nbytes, cross, algorithm))
+            self.records.append(CommRecord(op, group.kind, numel, dtype, nbytes, cross, algorithm,
+                                           self.category))
             if len(self.records) > self.max_records:
                 half = len(self.records) // 2
                 del self.records[:half]
@@ -132,9 +135,11 @@ class CommLedger:
         return sum(r.cross_host_bytes for r in self.records
                    if (group is None or r.group == group) and (op is None or r.op == op))
 
-    def bytes(self, group: str | None = None, op: str | None = None) -> float:
+    def bytes(self, group: str | None = None, op: str | None = None,
+              category: str | None = None) -> float:
         return sum(r.bytes_per_rank for r in self.records
-                   if (group is None or r.group == group) and (op is None or r.op == op))
+                   if (group is None or r.group == group) and (op is None or r.op == op)
+                   and (category is None or r.category == category))
 
     def count(self, group: str | None = None, op: str | None = None) -> int:
         return sum(1 for r in self.records
@@ -407,6 +412,17 @@ def unrecorded(group: Group):
         yield
     finally:
         group.ledger.enabled = enabled
+
+
+@contextlib.contextmanager
+def labelled(group: Group, category: str):
+    """Collectives inside are recorded under ``category`` (an optimizer's own traffic beside
+    ZeRO's, e.g. Muon's ``"muon"``), so the ledger tells them apart from the paper's volumes."""
+    before, group.ledger.category = group.ledger.category, category
+    try:
+        yield
+    finally:
+        group.ledger.category = before
 
 
 def max_over(group: Group, value: int, device: str | torch.device = "cpu") -> int:

@@ -231,7 +231,7 @@ def build_optimizer(cfg: TrainConfig, layout: RunLayout, state: ParallelState, w
     from hybrid.zero import AdamWConfig, LossScaleConfig, ZeroConfig
     from hybrid.zero.factory import build_zero_optimizer
     o = cfg.optimizer
-    zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision,
+    zcfg = ZeroConfig(stage=cfg.parallel.zero_stage, precision=o.precision, muon=o.muon_config(),
                       bucket_size=cfg.parallel.zero_bucket_size, clip_grad=o.clip_grad,
                       gradient_accumulation_steps=layout.backwards_per_step,
                       **cfg.parallel.zero_config_options(),
@@ -240,7 +240,8 @@ def build_optimizer(cfg: TrainConfig, layout: RunLayout, state: ParallelState, w
     offload = offload if offload is not None and offload.enabled else None
     acfg = AdamWConfig(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                        weight_decay=o.weight_decay,   # --compile: the update in one compiled pass
-                       kernel="compiled" if cfg.training.compile and offload is None else "fused",
+                       kernel="compiled" if cfg.training.compile and offload is None
+                       and o.optimizer == "adamw" else "fused",   # Muon: per-span kernels
                        **o.adamw_moment_dtypes())
     if zcfg.stage == 3:   # meta-built model: each rank initialises only its partitions
         return build_zero_optimizer(weights.model, state, zcfg, acfg, offload, seed=cfg.training.seed,

@@ -56,6 +56,16 @@ class TrainConfig:
         self._check_schedule_units()
         self._check_offloaded_moments()
         self._check_fp8()
+        if self.optimizer.optimizer == "muon" and self.parallel.tile_factor != 1:
+            raise TrainConfigError("--optimizer muon with --tile-factor: Muon orthogonalises each "
+                                   "hidden matrix whole, while tiling makes each row tile its own "
+                                   "sharding unit; the two are not combined yet, drop one of them")
+        if self.optimizer.optimizer == "muon" and self.parallel.offload_optimizer != "none":
+            raise TrainConfigError(
+                f"--optimizer muon keeps its state on the device (each matrix's owner gathers "
+                f"and orthogonalises it there); --offload-optimizer "
+                f"{self.parallel.offload_optimizer} is not supported with it: drop one of them")
+
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(

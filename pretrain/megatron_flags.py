@@ -309,8 +309,23 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--no-check-for-nan-in-loss-and-grad", "do not check loss and gradients for NaN",
           "the checks are always on here; --on-nonfinite skip|stop picks what a NaN does"),
     # ---- optimizer and schedule ----
-    _noop("--optimizer", "adam | sgd | ...", "adam (AdamW) is the optimizer here; other values "
-          "are refused", str, when=_equals("adam")),
+    _native("--optimizer", "optimizer.optimizer", "adam | sgd | muon (here: adamw | muon; adam "
+            "is adamw, sgd is refused)", str),
+    _native("--muon-momentum", "optimizer.muon_momentum", "Muon's momentum", float),
+    _native("--muon-num-ns-steps", "optimizer.muon_num_ns_steps", "Newton-Schulz iterations", int),
+    _native("--muon-use-nesterov", "optimizer.muon_use_nesterov", "Nesterov momentum in Muon "
+            "(Megatron: off by default; here on, --no-muon-use-nesterov turns it off)"),
+    _native("--muon-scale-mode", "optimizer.muon_scale_mode", "spectral | unit_rms_norm | "
+            "shape_scaling update scale", str),
+    _native("--muon-extra-scale-factor", "optimizer.muon_extra_scale_factor", "extra update "
+            "factor (Megatron: 1.0 by default; here 0.2, Moonlight's AdamW-RMS match)", float),
+    _native("--muon-tp-mode", "optimizer.muon_tp_mode", "blockwise | duplicated | distributed: "
+            "how a TP-sharded matrix is orthogonalised (here only duplicated: gathered whole)",
+            str),
+    _noop("--muon-no-split-qkv", "orthogonalise the fused QKV matrix as one matrix",
+          "that is what Muon does here always (Megatron's default splits Q, K and V)"),
+    _refused("--muon-fp32-matmul-prec", "fp32 matmul precision of the Newton-Schulz iteration",
+             "--muon-ns-dtype bf16 | fp32 picks the iteration's dtype"),
     _native("--lr", "optimizer.lr", "peak learning rate", float),
     _native("--min-lr", "optimizer.min_lr", "final learning rate", float),
     _native("--lr-decay-style", "optimizer.lr_decay_style", "constant | linear | cosine | "

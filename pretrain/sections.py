@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid.adamw_config import AdamWConfig
+from hybrid.muon_config import MuonConfig
 from hybrid.data.tokenizer_types import MEGATRON_TOKENIZER_TYPES
 from hybrid.perf.hardware import (DGX2_HOST_OFFLOAD_BANDWIDTH, DGX2_NVME_OFFLOAD_BANDWIDTH,
                                   Cluster)
@@ -298,6 +299,23 @@ class OptimizerSection:
     on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss or gradient skips the step or stops "
                               "the run, before any update (fp16: the loss scaler skips)",
                               default="skip")
+    optimizer: str = _help("adamw | muon (Muon for the transformer layers' 2-D weights, AdamW for "
+                           "embeddings, output layer, norms and biases; Megatron's 'adam' is "
+                           "adamw)", default="adamw")
+    muon_momentum: float = _help("Muon: SGD momentum mu", default=MuonConfig.momentum)
+    muon_use_nesterov: bool = _help("Muon: Nesterov momentum (Megatron's default: off)",
+                                    default=MuonConfig.nesterov)
+    muon_num_ns_steps: int = _help("Muon: Newton-Schulz iterations", default=MuonConfig.ns_steps)
+    muon_scale_mode: str = _help("Muon: update scale: spectral (sqrt(max(m, n))) | unit_rms_norm "
+                                 "(sqrt(m / n)) | shape_scaling (sqrt(max(1, m / n)))",
+                                 default=MuonConfig.scale_mode)
+    muon_extra_scale_factor: float = _help("Muon: extra update factor (0.2 with spectral: "
+                                           "Moonlight's AdamW-RMS match; Megatron's default 1.0)",
+                                           default=MuonConfig.extra_scale_factor)
+    muon_tp_mode: str = _help("Muon: a TP-sharded matrix is gathered whole on every TP rank of "
+                              "its owner (duplicated; the only mode)", default=MuonConfig.tp_mode)
+    muon_ns_dtype: str = _help("Muon: Newton-Schulz dtype (and of Muon's communication): bf16 | "
+                               "fp32", default=MuonConfig.ns_dtype)
     override_opt_param_scheduler: bool = _help(
         "on resume, take the learning-rate schedule (lr, min lr, warm-up, decay length and style) "
         "from these flags, not from the checkpoint", default=False)
@@ -356,6 +374,8 @@ class OptimizerSection:
             raise TrainConfigError(f"--min-lr {self.min_lr} is above --lr {self.lr}; lower --min-lr")
         self._check_decay_style()
         self._check_optimizer_dtypes()
+        self._check_optimizer()
+
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise TrainConfigError(f"{flag_name(name)} must be in [0, 1), "
@@ -457,6 +477,26 @@ class OptimizerSection:
         return {"format": self.fp8_format, "recipe": self.fp8_recipe, "margin": self.fp8_margin,
                 "amax_history_len": self.fp8_amax_history_len,
                 "amax_compute_algo": self.fp8_amax_compute_algo}
+
+    def _check_optimizer(self) -> None:
+        if self.optimizer == "adam":   # Megatron's name for its (decoupled) AdamW
+            self.optimizer = "adamw"
+        if self.optimizer not in ("adamw", "muon"):
+            raise TrainConfigError(f"--optimizer must be adamw or muon (adam: adamw), got "
+                                   f"{self.optimizer!r}")
+        try:
+            self.muon_config()
+        except ValueError as err:
+            raise TrainConfigError(str(err)) from None
+
+    def muon_config(self) -> MuonConfig | None:
+        """The Muon hyper-parameters of --optimizer muon (None under AdamW); checked even then."""
+        config = MuonConfig(momentum=self.muon_momentum, nesterov=self.muon_use_nesterov,
+                            ns_steps=self.muon_num_ns_steps, scale_mode=self.muon_scale_mode,
+                            extra_scale_factor=self.muon_extra_scale_factor,
+                            ns_dtype=self.muon_ns_dtype, tp_mode=self.muon_tp_mode)
+        return config if self.optimizer == "muon" else None
+
 
     @property
     def precision(self) -> str:

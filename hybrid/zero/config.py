@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.muon_config import MuonConfig
 from hybrid.precision_config import LossScaleConfig
 from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
 
@@ -65,6 +66,9 @@ class ZeroConfig:
     # parameters one unit gathers at once, None: no bound
     tile_factor: int = 1
     max_working_memory: int | None = None
+    # --optimizer muon: Muon for the hidden matrices, AdamW for the rest (hybrid.zero.muon)
+    muon: MuonConfig | None = None
+
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):

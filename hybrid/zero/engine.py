@@ -48,6 +48,7 @@ from hybrid.zero.clip import clip_coefficient, global_grad_norm
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.host_groups import partition_groups
 from hybrid.zero.loss_scaler import build_loss_scaler
+from hybrid.zero.muon import MuonSetup, muon_matrices
 from hybrid.zero.pieces import OwnedPiece, merged_spans, views
 from hybrid.zero.report import CommReport, comm_report
 from hybrid.zero.results import Fragment, StepResult, copy_overlaps
@@ -90,6 +91,15 @@ class ZeroEngine:
         self._tp_spans = merged_spans(pieces, lambda p: p.tp_sharded)
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
+
+    def _muon_setup(self, params, partitioned: bool) -> MuonSetup | None:
+        """--optimizer muon: Muon's matrices among ``(name, TP-local shape, partition_dim)`` rows
+        and its groups (the partition group, TP); None under AdamW."""
+        if self.config.muon is None:
+            return None
+        return MuonSetup(self.config.muon, muon_matrices(params, self.state.tp_size),
+                         self.shard_group if partitioned else None, self.state.tp,
+                         self.adamw.weight_decay)
 
     # ---- storage methods ---------------------------------------------------------------------
     def _land_gradients(self) -> None:
@@ -237,7 +247,7 @@ class ZeroEngine:
 
     def checkpoint_counters(self) -> dict:
         return {"step_count": self.step_count, "loss_scaler": self.scaler.state_dict(),
-                **self._moment_dtypes()}
+                **self._moment_dtypes(), "optimizer": self._optimizer_name}
 
     def _moment_dtypes(self) -> dict:
         """The storage dtypes of the saved moments (absent in checkpoints from before issue 33:
@@ -245,9 +255,19 @@ class ZeroEngine:
         return {"exp_avg_dtype": self.adamw.exp_avg_dtype,
                 "exp_avg_sq_dtype": self.adamw.exp_avg_sq_dtype}
 
+    @property
+    def _optimizer_name(self) -> str:
+        """Whose state the moment slots hold (Muon keeps its momentum in ``exp_avg``)."""
+        return "muon" if self.config.muon is not None else "adamw"
+
     def load_checkpoint_pieces(self, pieces: list[Fragment], counters: dict) -> None:
         """The master and moments of ``pieces`` become this rank's (the 16-bit parameters are
         rebuilt from the master, so ``model`` pieces only matter through it). Collective over DP."""
+        saved = counters.get("optimizer", "adamw")   # checkpoints older than Muon: AdamW
+        if saved != self._optimizer_name:
+            raise ValueError(f"the checkpoint holds {saved} optimizer state, this run trains with "
+                             f"--optimizer {self._optimizer_name}; resume with --optimizer {saved}, "
+                             f"or load the weights alone with --no-load-optim")
         self.step_count = counters["step_count"]
         self._note_moment_conversion(counters)
         self.load_fragments([f for f in pieces if f.kind != "model"])

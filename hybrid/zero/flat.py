@@ -103,7 +103,10 @@ class FlatEngine(ZeroEngine):
         resident = item * (self.layout.numel + grads + 3 * max(sizes) * self.partitions)
         optimizer_state = build_optimizer_state(
             offload, self._own_chunks(), pieces, adamw, mixed_precision=config.mixed_precision,
-            device=self.device, rank=state.rank, resident_bytes=resident)
+            device=self.device, rank=state.rank, resident_bytes=resident,
+            muon=self._muon_setup([(n, tuple(p.shape), getattr(p, "partition_dim", -1))
+                                   for n, p in zip(self.names, self.params)],
+                                  partitioned=self.partitions > 1))
         # the master starts from the ORIGINAL values (exact when the model was fp32)
         for b, piece in owned:
             src = self.params[piece.index].detach().reshape(-1)

@@ -133,11 +133,17 @@ class DeviceOptimizerState(OptimizerStateBackend):
 
 def build_optimizer_state(offload: OffloadConfig | None, params_out: list[torch.Tensor],
                           pieces: list[OwnedPiece], adamw: AdamWConfig, *, mixed_precision: bool,
-                          device: torch.device, rank: int, resident_bytes: int
+                          device: torch.device, rank: int, resident_bytes: int, muon=None
                           ) -> OptimizerStateBackend:
     """The backend of this rank's optimizer state: on the device, or where ``offload`` puts it.
     ``params_out``: this rank's parameter chunks (their sizes are the partition's);
-    ``resident_bytes``: what the engine keeps in host memory anyway (the offload budget's)."""
+    ``resident_bytes``: what the engine keeps in host memory anyway (the offload budget's);
+    ``muon``: a :class:`hybrid.zero.muon.MuonSetup` (--optimizer muon), which trains its matrices'
+    pieces and leaves the others to the backend built here."""
+    if muon is not None:
+        return muon.wrap(offload, pieces, lambda kept: build_optimizer_state(
+            offload, params_out, kept, adamw, mixed_precision=mixed_precision, device=device,
+            rank=rank, resident_bytes=resident_bytes), adamw.kernel, device)
     if offload is None or not offload.enabled:
         return DeviceOptimizerState(params_out, pieces, adamw, mixed_precision=mixed_precision,
                                     device=device)

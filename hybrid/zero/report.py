@@ -144,9 +144,10 @@ def comm_report(records: list[CommRecord], steps: int, *, stage: int, dp: int, p
     """Average bytes per rank per step over ``records`` covering ``steps`` optimizer steps."""
     totals: dict[tuple[str, str], float] = {}
     cross: dict[tuple[str, str], float] = {}
-    for r in records:
-        totals[(r.group, r.op)] = totals.get((r.group, r.op), 0.0) + r.bytes_per_rank
-        cross[(r.group, r.op)] = cross.get((r.group, r.op), 0.0) + r.cross_host_bytes
+    for r in records:   # an optimizer's own traffic (Muon) keyed apart: ("dp/muon", op)
+        key = (f"{r.group}/{r.category}" if r.category else r.group, r.op)
+        totals[key] = totals.get(key, 0.0) + r.bytes_per_rank
+        cross[key] = cross.get(key, 0.0) + r.cross_host_bytes
     steps = max(steps, 1)
     return CommReport(stage, dp, psi, param_bytes, {k: v / steps for k, v in totals.items()},
                       {k: v / steps for k, v in cross.items()})

@@ -123,7 +123,10 @@ class ParameterPartitioning(ZeroEngine):
         optimizer_state = build_optimizer_state(
             offload, [u.shard for u in self.all_units], pieces, adamw_config,
             mixed_precision=zero_config.mixed_precision, device=self.device, rank=state.rank,
-            resident_bytes=self._resident_bytes(offload))
+            resident_bytes=self._resident_bytes(offload),
+            muon=self._muon_setup([(slot.name, slot.shape, getattr(slot.param, "partition_dim", -1))
+                                   for unit in self.all_units for slot in unit.slots],
+                                  partitioned=True))
         for k, unit in enumerate(self.all_units):   # the chunks and their fp32 masters
             unit.materialize(init, functools.partial(optimizer_state.write_master, k))
         if self.persistent is not None:

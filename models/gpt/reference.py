@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gpt.config import GPTConfig
+from hybrid.muon_config import NS_COEFFICIENTS, NS_EPS, is_muon_param
 from models.gpt.sharding import canonical_init
 
 
@@ -175,3 +176,63 @@ class ReferenceGPT(nn.Module):
             return logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
         return loss.view_as(labels)
+
+
+class ReferenceMuon:
+    """Single-device Muon + AdamW, the oracle of the sharded Muon (issue 33; Jordan et al. 2024,
+    Moonlight: Liu et al. 2025). Spelled out on whole canonical matrices, without partitions,
+    owners or collectives: each matrix chosen by :func:`hybrid.muon_config.is_muon_param` keeps a
+    momentum buffer ``M <- mu M + G``; its update is orthogonalise(G + mu M) (Nesterov; M without
+    it) by quintic Newton-Schulz in ``ns_dtype`` (fp32 for exact parity), times
+    ``config.scale(rows, cols)``, with decoupled weight decay:
+    ``W <- W (1 - lr wd) - lr scale O``. Every other parameter: ``torch.optim.AdamW`` (decay on
+    ndim >= 2 only). ``step(lr)`` after ``backward``."""
+
+    def __init__(self, model: nn.Module, muon, adamw_lr: float, betas, eps: float,
+                 weight_decay: float, ns_dtype: torch.dtype = torch.float32):
+        self.muon, self.wd, self.ns_dtype = muon, weight_decay, ns_dtype
+        named = list(model.named_parameters())
+        self.matrices = [p for n, p in named if is_muon_param(n, p.dim())]
+        chosen = {id(p) for p in self.matrices}
+        rest = [p for _, p in named if id(p) not in chosen]
+        self.momenta = [torch.zeros_like(p) for p in self.matrices]
+        self.adamw = torch.optim.AdamW(
+            [{"params": [p for p in rest if p.dim() >= 2]},
+             {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+            lr=adamw_lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad()
+        for p in self.matrices:
+            p.grad = None
+
+    def orthogonalise(self, g: torch.Tensor) -> torch.Tensor:
+        """Five (``muon.ns_steps``) steps of X <- a X + b (X X^T) X + c (X X^T)^2 X on the
+        Frobenius-normalised matrix; a tall matrix is iterated from the right (X^T X), the same
+        polynomial."""
+        a, b, c = NS_COEFFICIENTS
+        x = g.to(self.ns_dtype)
+        x = x / (torch.linalg.matrix_norm(x) + NS_EPS)
+        tall = x.shape[0] > x.shape[1]
+        for _ in range(self.muon.ns_steps):
+            if tall:
+                gram = x.t() @ x
+                x = a * x + x @ (b * gram + c * (gram @ gram))
+            else:
+                gram = x @ x.t()
+                x = a * x + (b * gram + c * (gram @ gram)) @ x
+        return x.float()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        mu = self.muon.momentum
+        for p, buf in zip(self.matrices, self.momenta):
+            grad = p.grad.float()
+            buf.mul_(mu).add_(grad)
+            direction = grad + mu * buf if self.muon.nesterov else buf
+            update = self.orthogonalise(direction) * self.muon.scale(*p.shape)
+            p.mul_(1 - lr * self.wd)
+            p.sub_(lr * update)

@@ -31,7 +31,7 @@ ENTRY_POINT_DIRS = ("benchmarks", "tools", "launch")
 LAYERS: list[tuple[str, list[str] | set[str]]] = [
     ("0 pure", {"hybrid.topology", "hybrid.layout", "hybrid.perf", "hybrid.processes",
                 "hybrid.launch_env", "hybrid.adamw_config", "hybrid.precision_config",
-                "hybrid.zero_policy", "hybrid.batch_schedule"}),
+                "hybrid.zero_policy", "hybrid.batch_schedule", "hybrid.muon_config"}),
     ("1 communication", ["hybrid.comm", "hybrid.shm_collectives", "hybrid.parallel_state"]),
     ("2 parallelism", ["hybrid.tensor_parallel", "hybrid.recompute", "hybrid.offload", "hybrid.zero",
                        "hybrid.pipeline", "hybrid.data", "hybrid.generation", "hybrid.testing"]),

@@ -83,17 +83,28 @@ class Trainer:
         self.last_saved_iteration: int | None = None
         self.losses: list[float] = []     # DP-mean training loss of every iteration (tests, plots)
         self.compile_clock, self._compile_seen = compile_clock, 0.0
+        self.stragglers = None   # --log-straggler: pretrain.stragglers.StragglerReport
+        if cfg.logging.log_straggler:
+            from pretrain.stragglers import StragglerReport
+            self.stragglers = StragglerReport(state, cfg.logging.straggler_threshold,
+                                              cfg.logging.straggler_minmax_count)
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
         first_iteration = self.ts.iteration
         loader = self.make_loader("train", self.ts.consumed_train_samples)
+        if self.stragglers is not None:
+            loader = self.stragglers.timed_loader(loader)   # data wait
         self.metrics.log(self._model_state_bytes(), self.ts.iteration)
         stats = self._new_interval()
         with ExitCondition(self.state.world, self.cfg.training.exit_duration_in_mins,
                            device=self.state.device) as stop:
             while self.ts.iteration < self.train_iters:
-                loss, result = self.train_step(loader, self.schedule(self.ts.iteration))
+                if self.stragglers is None:
+                    loss, result = self.train_step(loader, self.schedule(self.ts.iteration))
+                else:
+                    loss, result = self.stragglers.timed_step(self.train_step, loader,
+                                                              self.schedule(self.ts.iteration))
                 self._account_compile(stats, on_clock=True)
                 self._advance(stats, loss, result)
                 if self._due(self.cfg.logging.log_interval):
@@ -308,6 +319,8 @@ class Trainer:
              **self._comm_per_step(stats)}
         if self.pipeline is not None:
             m["pipeline/bubble-fraction"] = stats.bubble_sum / stats.iterations
+        if self.stragglers is not None:   # one all-gather of 3 numbers per rank
+            m.update(self.stragglers.interval(self.ts.iteration))
         self.metrics.log(m, self.ts.iteration)
         eta = wall / stats.iterations * (self.train_iters - self.ts.iteration)   # evals, saves too
         log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))

@@ -20,6 +20,7 @@ read with an allow-list unpickler, the tensors with torch's weights-only one.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -44,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--dcp-dir", required=True, help="DCP directory (holding .metadata)")
     i.add_argument("--save", required=True, help="directory to write the checkpoint into")
     i.add_argument("--overwrite", action="store_true", help="write into a non-empty --save")
+    i.epilog = ("model flags, as launch/pretrain_gpt.py takes them: --config PRESET_OR_FILE, "
+                "--num-layers, --hidden-size, --num-attention-heads, --num-query-groups, "
+                "--ffn-hidden-size, --vocab-size (default: the rows of tok_embeddings) ...")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = e.format_help() + "\n" + i.format_help()   # every flag in one --help
     args, model_flags = p.parse_known_args(argv)
     if args.command == "export":
         require(not model_flags, f"unknown flags for export: {' '.join(model_flags)}")

@@ -46,6 +46,9 @@ PIPELINE_ONLY_SCALARS = {"pipeline/bubble-fraction", "comm/pp-bytes-per-step",
                          "comm/pp-cross-host-bytes-per-step"}
 # Only --compile runs log these (the guides' logged runs do not compile).
 COMPILE_ONLY_SCALARS = {"compile-time"}
+# Only --log-straggler runs log these (tests/pretrain/test_stragglers.py reads them from a real run).
+STRAGGLER_ONLY_SCALARS = {f"straggler/{c}-seconds-{s}" for c in ("compute", "comm-wait", "data-wait")
+                          for s in ("min", "median", "max")}
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,8 @@ def test_guides_run(tmp_path):
     logged -= set().union(*matches.values())
     doc -= per_op
     assert logged <= doc, f"logged but not in docs/tensorboard.md: {sorted(logged - doc)}"
-    unlogged = doc - logged - GPU_ONLY_SCALARS - PIPELINE_ONLY_SCALARS - COMPILE_ONLY_SCALARS
+    unlogged = (doc - logged - GPU_ONLY_SCALARS - PIPELINE_ONLY_SCALARS - COMPILE_ONLY_SCALARS
+                - STRAGGLER_ONLY_SCALARS)
     assert not unlogged, f"documented but not logged: {sorted(unlogged)}"
     assert (work / "ckpt" / "latest").read_text().strip() == "iter_0000005"   # the resharded resume saved
     assert (work / "hf" / "model.safetensors").exists() and (work / "paper" / "tables.md").exists()

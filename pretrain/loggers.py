@@ -51,6 +51,18 @@ def finite_scalars(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def flat_hparams(config: dict) -> dict[str, float | str]:
+    """``{section: {field: value}}`` as ``{'section.field': value}`` in the types the HParams tab
+    takes: numbers stay numbers (booleans 0/1), lists become comma-separated text, None 'none'."""
+    flat = {}
+    for section, fields in config.items():
+        for name, value in fields.items():
+            if isinstance(value, (list, tuple)):
+                value = ",".join(map(str, value))
+            flat[f"{section}.{name}"] = "none" if value is None else value
+    return flat
+
+
 class TensorBoardLogger:
     """Scalars into a TensorBoard run directory; the config as YAML text and HParams."""
 
@@ -75,7 +87,6 @@ class TensorBoardLogger:
         import yaml
         from torch.utils.tensorboard.summary import hparams
 
-        from pretrain.metrics import flat_hparams
         self.log_text("config", yaml.safe_dump(config, sort_keys=False).rstrip())
         # the summaries add_hparams writes, but into this run (add_hparams opens a sub-run)
         for summary in hparams(flat_hparams(config), dict.fromkeys(self._hparams_metrics, 0.0)):

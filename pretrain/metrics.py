@@ -25,11 +25,12 @@ so ``tensorboard --logdir`` on the parent shows re-runs side by side instead of 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pretrain.loggers import JsonlLogger, TensorBoardLogger, WandbLogger, flat_hparams  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,6 @@ class MetricsWriter:
         """``run_id``: the run's identity (pretrain.resume.TrainState.run_id, kept by every
         checkpoint), which names the run directory unless ``run_name`` does: a resumed run
         continues the curves of the run it resumes (and its W&B run)."""
-        from pretrain.loggers import JsonlLogger, TensorBoardLogger, WandbLogger
         self.is_writer = rank == writer_rank
         self.backends: list = []
         self._tb = None
@@ -151,18 +151,6 @@ def claim_run_dir(parent: Path, run_name: str | None, now: float | None = None,
         raise ValueError(f"cannot create a TensorBoard run directory under --tensorboard-dir "
                          f"{str(parent)!r} ({err.strerror or err}); choose a writable directory "
                          f"or pass --tensorboard-dir '' to log no TensorBoard events") from None
-
-
-def flat_hparams(config: dict) -> dict[str, float | str]:
-    """``{section: {field: value}}`` as ``{'section.field': value}`` in the types the HParams tab
-    takes: numbers stay numbers (booleans 0/1), lists become comma-separated text, None 'none'."""
-    flat = {}
-    for section, fields in config.items():
-        for name, value in fields.items():
-            if isinstance(value, (list, tuple)):
-                value = ",".join(map(str, value))
-            flat[f"{section}.{name}"] = "none" if value is None else value
-    return flat
 
 
 @dataclass

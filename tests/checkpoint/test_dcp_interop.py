@@ -9,7 +9,8 @@ which is how torchtitan's checkpointer stores the optimizer.
   (weights give the plain model's logits in the reference GPT, moments and step carried), and the
   export of that checkpoint loads back through torch's DCP and ``set_optimizer_state_dict`` into a
   fresh plain model and AdamW, equal to the original; errors name the problem.
-- slow: our Llama trained at TP 2 x DP 2 (4 ranks), exported, loads with ``dcp.load`` into the
+- slow: the tool both ways, with torchtitan's classic and 0.3 (``qkv_linear``, ``lm_head``) names;
+  our Llama trained at TP 2 x DP 2 (4 ranks), exported, loads with ``dcp.load`` into the
   plain model with the same per-token losses as the TP model and the reference's logits; and a
   DCP checkpoint of a plain model trained 2 steps by AdamW imports and trains on here: the loss of
   the next step and of the one after equal the plain model's continuing in torch.
@@ -163,6 +164,7 @@ def test_bad_inputs_are_one_clear_error(tmp_path):
         import_dcp(tmp_path / "titan", tmp_path / "c", gpt2)
 
 
+@pytest.mark.slow
 def test_tool_round_trip(tmp_path, capsys):
     from tools.dcp import main
     model, opt = _trained_titan(1)

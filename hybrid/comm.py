@@ -177,21 +177,22 @@ def _timed_call(ledger: CommLedger, fn, *args, **kwargs):
         ledger.wait_seconds += time.perf_counter() - start
 
 
-def _timed(fn):
-    """Time ``fn`` (a collective taking its :class:`Group` as ``group`` or positionally) into its
+def _timed(position: int):
+    """Time a collective (its :class:`Group` is argument ``position`` or ``group=``) into its
     ledger's ``wait_seconds`` when the ledger measures (--log-straggler): the call itself, and the
-    ``wait()`` of the handle an asynchronous call returns. Off, one attribute check per call."""
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-        group = kwargs.get("group")
-        if group is None:
-            group = next(a for a in args if isinstance(a, Group))
-        ledger = group.ledger
-        if ledger.wait_seconds is None:
-            return fn(*args, **kwargs)
-        handle = _timed_call(ledger, fn, *args, **kwargs)
-        return _TimedHandle(handle, ledger) if handle is not None else None
-    return timed
+    ``wait()`` of the handle an asynchronous call returns. Off, it costs one call and one attribute
+    check per collective."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            group = args[position] if len(args) > position else kwargs["group"]
+            ledger = group.ledger
+            if ledger.wait_seconds is None:
+                return fn(*args, **kwargs)
+            handle = _timed_call(ledger, fn, *args, **kwargs)
+            return _TimedHandle(handle, ledger) if handle is not None else None
+        return timed
+    return wrap
 
 
 @dataclass
@@ -232,7 +233,7 @@ class _Done:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-@_timed
+@_timed(1)
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
     """In-place all-reduce of ``tensor`` over ``group`` (op: sum, max or min)."""
     if op not in _REDUCE_OPS:
@@ -299,7 +300,7 @@ def transport_buffers(group: Group) -> list[torch.Tensor]:
     return group.shm.buffers() if group.shm is not None else []
 
 
-@_timed
+@_timed(2)
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
     """Concatenate every rank's ``shard`` along dim 0 into ``output`` (``size`` times larger).
     ``shard`` may be this rank's own slot of ``output`` (an in-place all-gather)."""
@@ -333,7 +334,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
     return _finish(_Joined(works), async_op)
 
 
-@_timed
+@_timed(2)
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
                         async_op: bool = False, scratch: torch.Tensor | None = None):
     """Sum ``full`` over ``group`` and keep this rank's 1/size slice (along dim 0) in ``output``.
@@ -371,7 +372,7 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     return _finish(_Joined([work], reduce_locally), async_op)
 
 
-@_timed
+@_timed(2)
 def reduce_scatter_replicated(output: torch.Tensor, full: torch.Tensor, group: Group,
                               replicas: Group | None, async_op: bool = False,
                               scratch: torch.Tensor | None = None):
@@ -384,7 +385,7 @@ def reduce_scatter_replicated(output: torch.Tensor, full: torch.Tensor, group: G
     across = (lambda: all_reduce(output, replicas)) if replicas is not None and replicas.size > 1 \
         else None
     return _finish(_Joined([handle], across), async_op)
-@_timed
+@_timed(2)
 def all_to_all(output: torch.Tensor, source: torch.Tensor, group: Group, async_op: bool = False):
     """Send part j of ``source`` (dim 0 cut into ``size`` equal parts) to group member j; part i
     of ``output`` receives member i's. Each rank sends (n-1)/n of ``source``, every part straight
@@ -400,7 +401,7 @@ def all_to_all(output: torch.Tensor, source: torch.Tensor, group: Group, async_o
     return dist.all_to_all_single(output, source, group=group.pg, async_op=async_op)
 
 
-@_timed
+@_timed(1)
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):
     """Broadcast ``tensor`` from the group member with index ``src_index``."""
     algorithm = "direct" if group.pg is not None and _is_gloo(group) else "ring"
@@ -423,7 +424,7 @@ class P2POp:
     tag: int = 0
 
 
-@_timed
+@_timed(1)
 def p2p(ops: list[P2POp], group: Group):
     """Post every send and receive of ``ops`` at once over ``group``; return a handle whose
     ``wait()`` completes them all (receives are then filled). Tensors must stay untouched until
@@ -449,7 +450,7 @@ def p2p(ops: list[P2POp], group: Group):
     return _Joined(works)
 
 
-@_timed
+@_timed(0)
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)

@@ -1,6 +1,6 @@
 """Straggler report (issue 34, part 4; Megatron-LM's ``--log-straggler``): every log interval, each
-rank's training-step time split into compute, communication wait and data wait, gathered to every
-rank by one all-gather of three numbers, and the slowest ranks named in one log line when they are
+rank's training-step time split into compute, communication wait and data wait, its median step's
+split gathered to every rank by one all-gather of three numbers, and the slowest ranks named in one log line when they are
 over ``--straggler-threshold`` times the median.
 
     data wait   seconds inside the loader's ``next`` (the micro-batches of the step)
@@ -11,7 +11,9 @@ over ``--straggler-threshold`` times the median.
 In a synchronous step every rank's step time is the same: a slow rank makes the others wait inside
 the next collective. So the straggler is the rank whose own time - compute plus data wait, what it
 does not spend waiting for its peers - is long; that is what the threshold compares with the median
-rank's. The per-category minimum, median and maximum over the ranks are TensorBoard scalars
+rank's. Each rank sends its median step of the interval (per category), so one step lost to the
+scheduler or the file system does not make a straggler; a rank slow at every step does. The
+per-category minimum, median and maximum over the ranks are TensorBoard scalars
 (``straggler/compute-seconds-max``, ...; seconds per iteration). Nothing is measured, gathered or
 logged without ``--log-straggler``: the trainer then holds no report and the ledger does not time.
 """
@@ -41,8 +43,8 @@ class StragglerReport:
         self._reset()
 
     def _reset(self) -> None:
-        self.step_seconds = self.data_seconds = self.comm_seconds = 0.0
-        self.iterations = 0
+        self.data_seconds = 0.0          # inside the loader's next, running total
+        self.steps: list[tuple[float, float, float]] = []   # (compute, comm wait, data wait)
 
     def timed_loader(self, loader):
         """``loader`` with the time inside ``next`` counted as data wait."""
@@ -67,21 +69,21 @@ class StragglerReport:
 
     def timed_step(self, step, *args):
         """Run one training step ``step(*args)``, counting its wall time."""
-        start, waited = time.perf_counter(), self.ledger.wait_seconds
+        start, waited, fed = time.perf_counter(), self.ledger.wait_seconds, self.data_seconds
         try:
             return step(*args)
         finally:
-            self.step_seconds += time.perf_counter() - start
-            self.comm_seconds += self.ledger.wait_seconds - waited   # outside steps: not counted
-            self.iterations += 1
+            total = time.perf_counter() - start
+            comm_wait = self.ledger.wait_seconds - waited    # outside steps: not counted
+            data = self.data_seconds - fed
+            self.steps.append((max(total - comm_wait - data, 0.0), comm_wait, data))
 
     def interval(self, iteration: int) -> dict[str, float]:
-        """Collective over the world: gather every rank's split of the interval's steps (seconds
-        per iteration), log the stragglers, return the min/median/max scalars; start anew."""
-        n = max(self.iterations, 1)
-        comm_wait, data = self.comm_seconds, self.data_seconds
-        mine = torch.tensor([max(self.step_seconds - comm_wait - data, 0.0), comm_wait, data],
-                            dtype=torch.float64) / n                                   # [3]
+        """Collective over the world: gather every rank's split of the interval's steps (the
+        median step's seconds per category: a rank descheduled for one step is not a straggler, a
+        rank slow at every step is), log the stragglers, return the min/median/max scalars."""
+        steps = torch.tensor(self.steps or [(0.0, 0.0, 0.0)], dtype=torch.float64)   # [n, 3]
+        mine = steps.median(dim=0).values                                              # [3]
         world, device = self.state.world, self.state.device
         gathered = torch.empty(world.size * 3, dtype=torch.float64, device=device)   # [world x 3]
         with comm.unrecorded(world):    # bookkeeping, not in the bytes (nor in a step's waits)

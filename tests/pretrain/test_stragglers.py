@@ -43,7 +43,7 @@ def _run(rank, world_size, slow: bool):
     # slow for a step; over an interval the ranks' shares even out
     trainer = make_trainer(tiny_args(iters=6, extra=[
         "--log-interval", "3", "--log-straggler", "--straggler-threshold", "1.3", "--no-roofline",
-        "--hidden-size", "64", "--seq-length", "16"]))
+        "--hidden-size", "256", "--num-layers", "3"]))   # compute well above the scheduler jitter
     if slow and rank == SLOW_RANK:
         trainer._micro_batch_loss = _slow_down(trainer._micro_batch_loss, 0.5)
         trainer.optimizer.backward = _slow_down(trainer.optimizer.backward, 0.5)

@@ -5,15 +5,15 @@ The oracle is a plain-PyTorch Llama with torchtitan's names and rotary conventio
 save/load, ``torch.optim.AdamW`` and ``get/set_optimizer_state_dict(flatten_optimizer_state_dict=True)``,
 which is how torchtitan's checkpointer stores the optimizer.
 
-- default: a DCP checkpoint torch writes from the plain model and its AdamW state imports here
+- default: the tool both ways, with torchtitan's classic and 0.3 (``qkv_linear``, ``lm_head``)
+  names; a DCP checkpoint torch writes from the plain model and its AdamW state imports here
   (weights give the plain model's logits in the reference GPT, moments and step carried), and the
   export of that checkpoint loads back through torch's DCP and ``set_optimizer_state_dict`` into a
   fresh plain model and AdamW, equal to the original; errors name the problem.
-- slow: the tool both ways, with torchtitan's classic and 0.3 (``qkv_linear``, ``lm_head``) names;
-  our Llama trained at TP 2 x DP 2 (4 ranks), exported, loads with ``dcp.load`` into the
-  plain model with the same per-token losses as the TP model and the reference's logits; and a
-  DCP checkpoint of a plain model trained 2 steps by AdamW imports and trains on here: the loss of
-  the next step and of the one after equal the plain model's continuing in torch.
+- default: a DCP checkpoint of a plain model trained 2 steps by AdamW imports and trains on here:
+  the loss of the next step and of the one after equal the plain model's continuing in torch.
+- slow: our Llama trained at TP 2 x DP 2 (4 ranks), exported, loads with ``dcp.load`` into the
+  plain model with the same per-token losses as the TP model and the reference's logits.
 """
 
 import dataclasses
@@ -164,7 +164,6 @@ def test_bad_inputs_are_one_clear_error(tmp_path):
         import_dcp(tmp_path / "titan", tmp_path / "c", gpt2)
 
 
-@pytest.mark.slow
 def test_tool_round_trip(tmp_path, capsys):
     from tools.dcp import main
     model, opt = _trained_titan(1)
@@ -224,7 +223,6 @@ def test_our_tp2_dp2_checkpoint_loads_into_a_plain_torch_model(tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_a_plain_models_dcp_checkpoint_imports_and_trains_on(tmp_path):
     model, opt = _trained_titan(2)
     _save_titan_dcp(model, opt, 2, tmp_path / "titan")

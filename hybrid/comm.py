@@ -35,6 +35,8 @@ shared-memory transport (one host: nothing crosses).
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -77,6 +79,11 @@ class CommLedger:
     dropped: int = 0   # records trimmed from the front so far
     ranks_per_node: int | None = None
     category: str = ""   # stamped on new records (set by labelled())
+    # --log-straggler: seconds this rank spent inside collectives and waiting on their handles
+    # (None: not measured, the default; the collectives then pay one attribute check)
+    wait_seconds: float | None = None
+    _timing_depth: int = 0   # > 0 inside a timed call: nested calls and waits are not re-counted
+
 
     def record(self, op: str, group: "Group", numel: int, dtype: torch.dtype,
                algorithm: str = "ring", src_index: int = 0, peer: int | None = None) -> None:
@@ -150,6 +157,50 @@ class CommLedger:
         self.dropped = 0
 
 
+class _TimedHandle:
+    """An asynchronous collective's handle whose ``wait()`` adds its blocked seconds to the
+    ledger's ``wait_seconds`` (the straggler timing of :func:`_timed`)."""
+
+    def __init__(self, handle, ledger: CommLedger):
+        self.handle, self.ledger = handle, ledger
+
+    def wait(self, *args, **kwargs):
+        return _timed_call(self.ledger, self.handle.wait, *args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
+
+def _timed_call(ledger: CommLedger, fn, *args, **kwargs):
+    if ledger._timing_depth:          # inside another timed call: it counts the whole
+        return fn(*args, **kwargs)
+    ledger._timing_depth += 1
+    start = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ledger._timing_depth -= 1
+        ledger.wait_seconds += time.perf_counter() - start
+
+
+def _timed(position: int):
+    """Time a collective (its :class:`Group` is argument ``position`` or ``group=``) into its
+    ledger's ``wait_seconds`` when the ledger measures (--log-straggler): the call itself, and the
+    ``wait()`` of the handle an asynchronous call returns. Off, it costs one call and one attribute
+    check per collective."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            group = args[position] if len(args) > position else kwargs["group"]
+            ledger = group.ledger
+            if ledger.wait_seconds is None:
+                return fn(*args, **kwargs)
+            handle = _timed_call(ledger, fn, *args, **kwargs)
+            return _TimedHandle(handle, ledger) if handle is not None else None
+        return timed
+    return wrap
+
+
 @dataclass
 class Group:
     """A process group with its kind, this rank's index in it and the ledger it reports to.
@@ -188,6 +239,7 @@ class _Done:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+@_timed(1)
 def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False):
     """In-place all-reduce of ``tensor`` over ``group`` (op: sum, max or min)."""
     if op not in _REDUCE_OPS:
@@ -254,6 +306,7 @@ def transport_buffers(group: Group) -> list[torch.Tensor]:
     return group.shm.buffers() if group.shm is not None else []
 
 
+@_timed(2)
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
     """Concatenate every rank's ``shard`` along dim 0 into ``output`` (``size`` times larger).
     ``shard`` may be this rank's own slot of ``output`` (an in-place all-gather)."""
@@ -287,6 +340,7 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: Group, asy
     return _finish(_Joined(works), async_op)
 
 
+@_timed(2)
 def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
                         async_op: bool = False, scratch: torch.Tensor | None = None):
     """Sum ``full`` over ``group`` and keep this rank's 1/size slice (along dim 0) in ``output``.
@@ -324,6 +378,7 @@ def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, group: Group,
     return _finish(_Joined([work], reduce_locally), async_op)
 
 
+@_timed(2)
 def reduce_scatter_replicated(output: torch.Tensor, full: torch.Tensor, group: Group,
                               replicas: Group | None, async_op: bool = False,
                               scratch: torch.Tensor | None = None):
@@ -336,6 +391,7 @@ def reduce_scatter_replicated(output: torch.Tensor, full: torch.Tensor, group: G
     across = (lambda: all_reduce(output, replicas)) if replicas is not None and replicas.size > 1 \
         else None
     return _finish(_Joined([handle], across), async_op)
+@_timed(2)
 def all_to_all(output: torch.Tensor, source: torch.Tensor, group: Group, async_op: bool = False):
     """Send part j of ``source`` (dim 0 cut into ``size`` equal parts) to group member j; part i
     of ``output`` receives member i's. Each rank sends (n-1)/n of ``source``, every part straight
@@ -351,6 +407,7 @@ def all_to_all(output: torch.Tensor, source: torch.Tensor, group: Group, async_o
     return dist.all_to_all_single(output, source, group=group.pg, async_op=async_op)
 
 
+@_timed(1)
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0, async_op: bool = False):
     """Broadcast ``tensor`` from the group member with index ``src_index``."""
     algorithm = "direct" if group.pg is not None and _is_gloo(group) else "ring"
@@ -373,6 +430,7 @@ class P2POp:
     tag: int = 0
 
 
+@_timed(1)
 def p2p(ops: list[P2POp], group: Group):
     """Post every send and receive of ``ops`` at once over ``group``; return a handle whose
     ``wait()`` completes them all (receives are then filled). Tensors must stay untouched until
@@ -398,6 +456,7 @@ def p2p(ops: list[P2POp], group: Group):
     return _Joined(works)
 
 
+@_timed(0)
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)

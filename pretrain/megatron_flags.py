@@ -466,7 +466,16 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--timing-log-level", "detail of the timers", "one level of timing here", int),
     _refused("--log-params-norm", "log the parameter norm", "grad-norm is logged; the parameter "
              "norm is not computed"),
-    _refused("--wandb-project", "Weights & Biases logging", "use --tensorboard-dir"),
+    _native("--wandb-project", "logging.wandb_project", "Weights & Biases project", str),
+    _native("--wandb-exp-name", "logging.wandb_exp_name", "W&B run name", str),
+    _native("--wandb-save-dir", "logging.wandb_save_dir", "W&B run files directory", str),
+    _native("--log-straggler", "logging.log_straggler", "per-rank step times, slowest ranks named"),
+    _native("--straggler-minmax-count", "logging.straggler_minmax_count",
+            "slowest/fastest ranks reported", int),
+    _noop("--disable-straggler-on-startup", "start the straggler detector paused", "the "
+          "detector measures from the first interval when --log-straggler is given"),
+    _noop("--straggler-ctrlr-port", "port to switch the detector on and off at run time",
+          "no controller: --log-straggler decides for the whole run", int),
     _noop("--profile", "profile some steps (nsys or torch.profiler)", "no trace is written here: "
           "run under nsys profile, or see benchmarks/ for step breakdowns"),
     _noop("--use-pytorch-profiler", "torch.profiler instead of nsys", "see --profile"),

@@ -1,4 +1,5 @@
-"""Training metrics: one ``log(metrics, step)`` interface, a console line and TensorBoard scalars.
+"""Training metrics: one ``log(metrics, step)`` interface, a console line and the scalars of every
+chosen logger backend (TensorBoard, Weights & Biases, JSON lines: :mod:`pretrain.loggers`).
 
 Scalar names follow Megatron-LM so its users' dashboards work: ``lm loss``, ``learning-rate``,
 ``loss-scale``, ``grad-norm``, ``batch-size``, ``iteration-time`` (s), ``throughput`` (model TFLOP/s
@@ -15,7 +16,7 @@ outside
 training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
 Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);
-MFU is TFLOP/s per rank over a configurable peak. Only the writer rank opens a TensorBoard writer;
+MFU is TFLOP/s per rank over a configurable peak. Only the writer rank opens the backends;
 every rank may call ``log`` (the others drop it), so no caller needs ``if rank == 0``. Each run
 writes to its own run directory under ``--tensorboard-dir`` (``--run-name``, else its start time),
 so ``tensorboard --logdir`` on the parent shows re-runs side by side instead of overlaid.
@@ -24,11 +25,12 @@ so ``tensorboard --logdir`` on the parent shows re-runs side by side instead of 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pretrain.loggers import JsonlLogger, TensorBoardLogger, WandbLogger, flat_hparams  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -45,56 +47,65 @@ HPARAMS_METRICS = ("lm loss", "lm loss validation")
 
 
 class MetricsWriter:
-    """``log(metrics, step)``: TensorBoard scalars on the writer rank, nothing elsewhere.
+    """``log(metrics, step)``: every scalar to every chosen backend (:mod:`pretrain.loggers`:
+    TensorBoard, W&B, JSON lines) on the writer rank, nothing elsewhere.
 
-    ``run_dir`` is this run's directory (None on the other ranks or without ``tensorboard_dir``)."""
+    ``run_dir`` is this run's TensorBoard directory (None on the other ranks or without
+    ``tensorboard_dir``). Backends open here, before training: one that cannot start raises
+    :class:`pretrain.loggers.LoggerStartError`."""
 
     def __init__(self, tensorboard_dir: str | None, rank: int, writer_rank: int = 0,
-                 run_name: str | None = None, run_id: str | None = None):
+                 run_name: str | None = None, run_id: str | None = None, *,
+                 wandb_project: str | None = None, wandb_exp_name: str | None = None,
+                 wandb_save_dir: str | None = None, jsonl_log: str | None = None):
         """``run_id``: the run's identity (pretrain.resume.TrainState.run_id, kept by every
         checkpoint), which names the run directory unless ``run_name`` does: a resumed run
-        continues the curves of the run it resumes."""
+        continues the curves of the run it resumes (and its W&B run)."""
         self.is_writer = rank == writer_rank
+        self.backends: list = []
         self._tb = None
         self.run_dir: Path | None = None
-        if tensorboard_dir and self.is_writer:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is optional
-            self.run_dir = claim_run_dir(Path(tensorboard_dir), run_name, run_id=run_id)
-            self._tb = SummaryWriter(log_dir=str(self.run_dir), max_queue=100)
-            log.info("TensorBoard run %s (view every run: tensorboard --logdir %s)", self.run_dir,
-                     tensorboard_dir)
+        if not self.is_writer:
+            return
+        try:
+            if tensorboard_dir:
+                self.run_dir = claim_run_dir(Path(tensorboard_dir), run_name, run_id=run_id)
+                self._tb = TensorBoardLogger(self.run_dir, HPARAMS_METRICS)
+                self.backends.append(self._tb)
+                log.info("TensorBoard run %s (view every run: tensorboard --logdir %s)",
+                         self.run_dir, tensorboard_dir)
+            if wandb_project:
+                self.backends.append(WandbLogger(wandb_project, wandb_exp_name or run_name or "run",
+                                                 wandb_save_dir or "wandb", run_id=run_id))
+            if jsonl_log:
+                self.backends.append(JsonlLogger(jsonl_log))
+        except BaseException:
+            self.close()   # the backends that did start
+            raise
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self._tb is None:
-            return
-        for name, value in metrics.items():
-            if value is not None and math.isfinite(float(value)):
-                self._tb.add_scalar(name, float(value), step)
+        for backend in self.backends:
+            backend.log(metrics, step)
 
     def log_text(self, tag: str, text: str, step: int = 0) -> None:
         if self._tb is not None:
-            self._tb.add_text(tag, "```\n" + text + "\n```", step)
+            self._tb.log_text(tag, text, step)
 
     def log_config(self, config: dict) -> None:
-        """The resolved ``{section: {field: value}}`` config, once: as YAML in the TEXT tab (tag
-        ``config``; it loads back with ``--config``) and field by field in the HPARAMS tab."""
-        if self._tb is None:
-            return
-        import yaml
-        from torch.utils.tensorboard.summary import hparams
-        self.log_text("config", yaml.safe_dump(config, sort_keys=False).rstrip())
-        # the summaries add_hparams writes, but into this run (add_hparams opens a sub-run)
-        for summary in hparams(flat_hparams(config), dict.fromkeys(HPARAMS_METRICS, 0.0)):
-            self._tb.file_writer.add_summary(summary)
+        """The resolved ``{section: {field: value}}`` config, once: in TensorBoard as YAML in the
+        TEXT tab (tag ``config``; it loads back with ``--config``) and field by field in the
+        HPARAMS tab; as the W&B run's config; as the first JSON line."""
+        for backend in self.backends:
+            backend.log_config(config)
 
     def flush(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
+        for backend in self.backends:
+            backend.flush()
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        backends, self.backends, self._tb = self.backends, [], None
+        for backend in backends:
+            backend.close()
 
 
 def run_dir_name(run_id: str | None) -> str | None:
@@ -140,18 +151,6 @@ def claim_run_dir(parent: Path, run_name: str | None, now: float | None = None,
         raise ValueError(f"cannot create a TensorBoard run directory under --tensorboard-dir "
                          f"{str(parent)!r} ({err.strerror or err}); choose a writable directory "
                          f"or pass --tensorboard-dir '' to log no TensorBoard events") from None
-
-
-def flat_hparams(config: dict) -> dict[str, float | str]:
-    """``{section: {field: value}}`` as ``{'section.field': value}`` in the types the HParams tab
-    takes: numbers stay numbers (booleans 0/1), lists become comma-separated text, None 'none'."""
-    flat = {}
-    for section, fields in config.items():
-        for name, value in fields.items():
-            if isinstance(value, (list, tuple)):
-                value = ",".join(map(str, value))
-            flat[f"{section}.{name}"] = "none" if value is None else value
-    return flat
 
 
 @dataclass

@@ -720,7 +720,7 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
-    """Console and TensorBoard metrics (Megatron's scalar names)."""
+    """Console, TensorBoard, W&B and JSON-lines metrics (Megatron's scalar names), stragglers."""
 
     log_interval: int = _help("console/TensorBoard line every N iterations", default=10)
     tensorboard_dir: str | None = _help("TensorBoard directory; each run writes to its own run "
@@ -739,9 +739,37 @@ class LoggingSection:
                                              "directory: the CUDA allocator's history on GPUs, the "
                                              "memory report by category on CPU", default=None)
 
+    wandb_project: str | None = _help("Weights & Biases project: log every scalar to W&B too "
+                                      "(needs --wandb-exp-name; WANDB_MODE=offline writes the "
+                                      "run locally, without network)", default=None)
+    wandb_exp_name: str | None = _help("name of this run in the W&B project", default=None)
+    wandb_save_dir: str | None = _help("directory of the W&B run files (default: <--save>/wandb, "
+                                       "else ./wandb)", default=None)
+    jsonl_log: str | None = _help("also append every scalar to this JSON-lines file, one line "
+                                  "per log call: {\"step\": N, \"metrics\": {name: value}}",
+                                  default=None)
+    log_straggler: bool = _help("every --log-interval, gather each rank's step time split into "
+                                "compute, communication wait and data wait; log min/median/max "
+                                "per category and name the slowest ranks above "
+                                "--straggler-threshold x the median", default=False)
+    straggler_threshold: float = _help("a rank is a straggler when its step time exceeds this "
+                                       "multiple of the median rank's", default=1.2)
+    straggler_minmax_count: int = _help("how many of the slowest (and fastest) ranks a straggler "
+                                        "line names", default=1)
+
     def __post_init__(self) -> None:
-        _positive(self, "log_interval")
+        _positive(self, "log_interval", "straggler_minmax_count")
         _positive(self, "memory_snapshot_step", allow_none=True)
+        if not (isinstance(self.straggler_threshold, (int, float)) and self.straggler_threshold > 1):
+            raise TrainConfigError(f"--straggler-threshold must be a number above 1 (a multiple of "
+                                   f"the median step time), got {self.straggler_threshold!r}")
+        if self.wandb_project and not self.wandb_exp_name:
+            raise TrainConfigError("--wandb-project needs --wandb-exp-name (the run's name in the "
+                                   "project, as Megatron-LM requires); pass one")
+        if self.wandb_exp_name and not self.wandb_project:
+            raise TrainConfigError("--wandb-exp-name is given without --wandb-project; pass the "
+                                   "project to log to W&B, or drop the name")
+
         if self.run_name is not None and not isinstance(self.run_name, str):
             raise TrainConfigError(f"--run-name must be text, got {self.run_name!r}; quote it")
         if self.run_name and (Path(self.run_name).is_absolute() or ".." in Path(self.run_name).parts):

@@ -29,6 +29,7 @@ from pretrain.config import TrainConfig
 from pretrain.exit import SetupSignals
 from pretrain.hf_init import initial_weights
 from pretrain.liveness import Liveness
+from pretrain.loggers import check_logger_backends, logger_options
 from pretrain.metrics import MetricsWriter
 from pretrain.restarts import plan_restart
 from pretrain.startup_checks import (check_compile, check_output_dirs, check_save_dir, claim_save,
@@ -50,6 +51,8 @@ def run(cfg: TrainConfig, env: LaunchEnv | None = None) -> Trainer:
         check_save_dir(cfg)
         check_output_dirs(cfg)
         restart = plan_restart(cfg, env, env.rank)   # --max-restarts: a restart resumes from --save
+        check_logger_backends(cfg)
+
         layout = cfg.validate_for_world(env.world_size)
         state = build_parallel_state(cfg, layout, env)
         check_compile(cfg, state)
@@ -94,7 +97,8 @@ def build_trainer(cfg: TrainConfig, layout: RunLayout, state: ParallelState,
     train_state, schedule = build_train_state(cfg, layout, built, optimizer, state,   # --load
                                               pipeline, resuming, run_id)
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name,
-                            run_id=train_state.run_id)   # a resume continues its run's curves
+                            run_id=train_state.run_id,   # a resume continues its run's curves
+                            **logger_options(cfg))
     metrics.log_config(cfg.to_dict())
     trainer = Trainer(cfg, layout, state, built.model, optimizer, schedule=schedule,
                       make_loader=make_loader or make_loader_factory(data, cfg, state),

@@ -95,11 +95,19 @@ class Trainer:
                            if c.async_save and c.save else None)
         self.memory_snapshot = None   # --memory-snapshot-step (armed in train())
         self.restarts = None          # --max-restarts: pretrain.restarts.RestartRecord (set-up sets it)
+        self.stragglers = None   # --log-straggler: pretrain.stragglers.StragglerReport
+        if cfg.logging.log_straggler:
+            from pretrain.stragglers import StragglerReport
+            self.stragglers = StragglerReport(state, cfg.logging.straggler_threshold,
+                                              cfg.logging.straggler_minmax_count)
+
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
         first_iteration = self.ts.iteration
         loader = self.make_loader("train", self.ts.consumed_train_samples)
+        if self.stragglers is not None:
+            loader = self.stragglers.timed_loader(loader)   # data wait
         self.metrics.log(self._model_state_bytes(), self.ts.iteration)
         stats = self._new_interval()
         self._arm_memory_snapshot()
@@ -107,7 +115,11 @@ class Trainer:
                            device=self.state.device) as stop:
             while self.ts.iteration < self.train_iters:
                 self._follow_batch_ramp()
-                loss, result = self.train_step(loader, self._learning_rate())
+                if self.stragglers is None:
+                    loss, result = self.train_step(loader, self._learning_rate())
+                else:
+                    loss, result = self.stragglers.timed_step(self.train_step, loader,
+                                                              self._learning_rate())
                 self._account_compile(stats, on_clock=True)
                 self._advance(stats, loss, result)
                 if self.async_save is not None and self.async_save.in_flight:
@@ -402,6 +414,8 @@ class Trainer:
              **self._comm_per_step(stats)}
         if self.pipeline is not None:
             m["pipeline/bubble-fraction"] = stats.bubble_sum / stats.iterations
+        if self.stragglers is not None:   # one all-gather of 3 numbers per rank
+            m.update(self.stragglers.interval(self.ts.iteration))
         self.metrics.log(m, self.ts.iteration)
         eta = wall / stats.iterations * (self.train_iters - self.ts.iteration)   # evals, saves too
         log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))

@@ -17,7 +17,8 @@ weights-only unpickler cannot parse (it has no FRAME, STACK_GLOBAL or MEMOIZE); 
     containers collections.OrderedDict, set, frozenset, slice, _codecs.encode (bytes, protocol 2)
     metadata   argparse.Namespace (Megatron-LM's ``args``); numpy arrays, dtypes and scalars (the
                numpy RNG state); io.BytesIO (Transformer Engine's ``_extra_state``); the
-               dataclasses of torch.distributed.checkpoint's ``.metadata``
+               dataclasses of torch.distributed.checkpoint's ``.metadata`` and the POSIX path
+               its ``StorageMeta`` records (pathlib.PosixPath)
 
 Megatron's own classes (enums in ``args`` such as ``AttnBackend``) are granted as inert
 :class:`ForeignObject` placeholders under their names: Megatron is never imported and nothing of
@@ -47,6 +48,9 @@ ALLOWED = frozenset({
     "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
     "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar",
     "numpy._core.multiarray.scalar", "torch.distributed.checkpoint.filesystem._StorageInfo",
+    # StorageMeta.checkpoint_id: the directory DCP wrote to, a path (building one touches nothing)
+    "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib._local.PosixPath",
+    "pathlib._local.PurePosixPath",
     *(f"{module}.{name}" for module, names in (_DCP, _DCP_PLANNER) for name in names),
 })
 _PLACEHOLDER_PACKAGES = ("megatron",)
@@ -104,9 +108,9 @@ def grant(qualified: str, label: str):
         return (_placeholder(qualified), qualified)
     raise ForbiddenPickleError(
         f"{label} holds a pickled {qualified}, which is not one of the tensor and metadata types a "
-        f"checkpoint needs (docs/checkpoints.md, From Megatron-LM); refusing to unpickle it, since "
-        f"that could run arbitrary code. Import only checkpoints written by Megatron-LM or "
-        f"megatron-core")
+        f"checkpoint needs (docs/checkpoints.md, From Megatron-LM and DCP interop); refusing to "
+        f"unpickle it, since that could run arbitrary code. Import only checkpoints written by "
+        f"Megatron-LM, megatron-core, torchtitan or torch.distributed.checkpoint")
 
 
 def load_torch(source: str | Path | bytes, *, name: str | None = None):

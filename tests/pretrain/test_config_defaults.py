@@ -61,6 +61,8 @@ FEEDS = {
     "parallel.zero_hybrid_shard": [("ZeroConfig.hybrid_shard", field_default(ZeroConfig, "hybrid_shard"))],
     "parallel.zero_hpz": [("ZeroConfig.hpz", field_default(ZeroConfig, "hpz"))],
     "parallel.tile_factor": [("ZeroConfig.tile_factor", field_default(ZeroConfig, "tile_factor"))],
+    "parallel.zero_quantized_weights_format": [
+        ("ZeroConfig.quantized_weights_format", field_default(ZeroConfig, "quantized_weights_format"))],
     "parallel.max_working_memory": [
         ("ZeroConfig.max_working_memory", field_default(ZeroConfig, "max_working_memory"))],
     "parallel.zero_quantized_weights": [
@@ -125,7 +127,8 @@ DELIBERATE_LIBRARY = {"ZeroConfig.stage": field_default(ZeroConfig, "stage"),
 NO_FLAG = {
     ZeroConfig: {"precision", "overlap_communication", "gradient_accumulation_steps",
                  "stage3_prefetch", "stage3_param_persistence_threshold", "loss_scale",
-                 "alignment_bytes", "grad_accumulation_fusion"},
+                 "alignment_bytes", "grad_accumulation_fusion",
+                 "muon"},   # built from --optimizer muon and the --muon-* flags (test_muon_flags.py)
     LossScaleConfig: {"growth_factor", "backoff_factor"},
     AdamWConfig: {"kernel"},
     OffloadConfig: {"block_elems", "kernel"},

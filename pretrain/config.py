@@ -53,6 +53,11 @@ class TrainConfig:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
         self._check_schedule_units()
+        from pretrain.cuda_graphs import cuda_graph_problems
+        problems = cuda_graph_problems(self)
+        if problems:
+            raise TrainConfigError("--enable-cuda-graph cannot capture this run: "
+                                   + "; ".join(problems))
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:
             raise TrainConfigError(

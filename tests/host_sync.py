@@ -3,7 +3,7 @@ the host"), on the CPU build where no device sync can be observed directly.
 
 :class:`HostReads` patches the ``torch.Tensor`` methods through which a value reaches Python -
 ``item``, ``tolist``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``numpy``, ``cpu``
-and ``to`` towards the CPU - and records each call made while it is active (name and the caller's
+and blocking ``to`` towards the CPU - and records each call made while it is active (name and the caller's
 file:line). Each of them would wait for the device on a GPU (``to``/``cpu`` a device-to-host
 copy), so a step with zero recorded calls has no host sync on any device. The patch is undone on
 exit; calls inside torch's own Python code count too (they would sync just the same).
@@ -27,7 +27,7 @@ class HostReads(contextlib.AbstractContextManager):
 
     def _record(self, name: str) -> None:
         if self.active:
-            frame = traceback.extract_stack(limit=4)[0]
+            frame = traceback.extract_stack(limit=3)[0]   # the caller of the patched method
             self.calls.append((name, f"{frame.filename}:{frame.lineno}"))
 
     def _wrap(self, name: str, original):
@@ -39,7 +39,10 @@ class HostReads(contextlib.AbstractContextManager):
     def _wrap_to(self, original):
         def patched(tensor, *args, **kwargs):
             target = kwargs.get("device", args[0] if args else None)
-            if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+            # a blocking copy to the host (a non-blocking one is a host-to-device transfer here:
+            # the CPU run's training device is the host itself)
+            if (isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+                    and not kwargs.get("non_blocking", False)):
                 self._record("to(cpu)")
             return original(tensor, *args, **kwargs)
         return patched

@@ -3,10 +3,13 @@ the host"), on the CPU build where no device sync can be observed directly.
 
 :class:`HostReads` patches the ``torch.Tensor`` methods through which a value reaches Python -
 ``item``, ``tolist``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``numpy``, ``cpu``
-and blocking ``to`` towards the CPU - and records each call made while it is active (name and the caller's
+and ``to`` from a device to the CPU - and records each call made while it is active (name and the caller's
 file:line). Each of them would wait for the device on a GPU (``to``/``cpu`` a device-to-host
 copy), so a step with zero recorded calls has no host sync on any device. The patch is undone on
 exit; calls inside torch's own Python code count too (they would sync just the same).
+
+Not counted: reads made by :data:`HOST_TRANSPORTS`, the shared-memory collectives of CPU ranks,
+which poll their own counters in host memory (a GPU run uses NCCL, never them).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import traceback
 
 import torch
 
+HOST_TRANSPORTS = ("hybrid/shm_collectives.py",)
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
 
 
@@ -28,6 +32,8 @@ class HostReads(contextlib.AbstractContextManager):
     def _record(self, name: str) -> None:
         if self.active:
             frame = traceback.extract_stack(limit=3)[0]   # the caller of the patched method
+            if frame.filename.endswith(HOST_TRANSPORTS):
+                return
             self.calls.append((name, f"{frame.filename}:{frame.lineno}"))
 
     def _wrap(self, name: str, original):
@@ -39,10 +45,10 @@ class HostReads(contextlib.AbstractContextManager):
     def _wrap_to(self, original):
         def patched(tensor, *args, **kwargs):
             target = kwargs.get("device", args[0] if args else None)
-            # a blocking copy to the host (a non-blocking one is a host-to-device transfer here:
-            # the CPU run's training device is the host itself)
+            # a copy from another device to the host (on the CPU build the training device IS
+            # the host: moves there are no copies, and the value reads above catch host reads)
             if (isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
-                    and not kwargs.get("non_blocking", False)):
+                    and tensor.device.type != "cpu"):
                 self._record("to(cpu)")
             return original(tensor, *args, **kwargs)
         return patched

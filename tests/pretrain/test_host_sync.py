@@ -98,7 +98,8 @@ def _check(results, name):
     for r in results:
         c = r[name]
         assert len(c["steps"]) == 4
-        assert all(calls == [] for calls in c["steps"]), c["steps"]
+        sites = sorted({f"{n} {where}" for calls in c["steps"] for n, where in calls})
+        assert all(calls == [] for calls in c["steps"]), "\n".join(sites)
         expected = ["tolist"] + (["tolist"] if name.startswith("fp16") else [])
         assert [[n for n, _ in calls] for calls in c["settles"]] == [expected, expected], c["settles"]
         if name.startswith("fp16"):

@@ -208,7 +208,9 @@ class Trainer:
             return
         pending, self._pending = self._pending, []
         rows = torch.stack([p.values for p in pending]).tolist()
-        self.optimizer.scaler.check()
+        scaler = getattr(self.optimizer, "scaler", None)
+        if scaler is not None:
+            scaler.check()   # fp16: the overflow log, the floor error
         for p, (mean, local, loss_bad, skipped, norm, scale, bubble) in zip(pending, rows):
             loss = float("nan") if (loss_bad and self._guard_nonfinite) else mean
             self.losses.append(loss)

@@ -20,20 +20,35 @@ def test_accepted_with_megatron_default_scope():
     assert cfg.training.cuda_graph_warmup_steps == 3
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--cuda-graph-scope", "attn"], "--cuda-graph-scope attn"),
-    (["--cuda-graph-scope", "full_iteration"], "full_iteration cannot capture"),
-    (["--zero-stage", "3"], "ZeRO stage 3 gathers"),
-    (["--offload-optimizer", "cpu"], "optimizer offload"),
-    (["--recompute", "full"], "--recompute full reruns layers"),
-    (["--hidden-dropout", "0.1"], "dropout (--hidden-dropout 0.1"),
-    (["--compile"], "--compile and --enable-cuda-graph"),
-    (["--num-layers", "4", "--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
-])
-def test_combinations_that_cannot_be_captured_are_refused(extra, says):
-    with pytest.raises(TrainConfigError, match="--enable-cuda-graph cannot capture this run") as err:
-        parse_args(tiny_args(extra=GRAPH + extra))
-    assert says in str(err.value)
+REFUSALS = [   # (fields changed on a config that captures, what the refusal says)
+    ({"training.cuda_graph_scope": "attn"}, "--cuda-graph-scope attn"),
+    ({"training.cuda_graph_scope": "full_iteration"}, "full_iteration cannot capture"),
+    ({"parallel.zero_stage": 3}, "ZeRO stage 3 gathers"),
+    ({"parallel.offload_optimizer": "cpu"}, "optimizer offload"),
+    ({"training.recompute": "full"}, "--recompute full reruns layers"),
+    ({"model.hidden_dropout": 0.1}, "dropout (--hidden-dropout 0.1"),
+    ({"training.compile": True}, "--compile and --enable-cuda-graph"),
+    ({"parallel.pipeline_model_parallel_size": 2}, "pipeline parallelism"),
+]
+
+
+def test_combinations_that_cannot_be_captured_are_refused():
+    """Each refusal from the config's own check (pretrain.cuda_graphs.cuda_graph_problems), and
+    the parser turning one into a TrainConfigError."""
+    import copy
+    from pretrain.cuda_graphs import cuda_graph_problems
+    cfg, _ = parse_args(tiny_args(extra=GRAPH))
+    assert cuda_graph_problems(cfg) == []
+    for changes, says in REFUSALS:
+        changed = copy.deepcopy(cfg)
+        for path, value in changes.items():
+            section, field = path.split(".")
+            object.__setattr__(getattr(changed, section), field, value)
+        problems = cuda_graph_problems(changed)
+        assert len(problems) == 1 and says in problems[0], (changes, problems)
+    with pytest.raises(TrainConfigError, match="--enable-cuda-graph cannot capture this run: "
+                                               "ZeRO stage 3 gathers"):
+        parse_args(tiny_args(zero=3, extra=GRAPH))
 
 
 def test_unknown_scope_and_warmup_are_refused():

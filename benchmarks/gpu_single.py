@@ -214,7 +214,8 @@ def build_torch_baseline(config: GPTConfig, device: torch.device, recompute: str
         block.attn.__class__ = SdpaAttention
     if recompute == "full":
         model.layers = nn.ModuleList(Checkpointed(b) for b in model.layers)
-    elif recompute == "selective":   # the attention recomputed in backward (as ours: its core)
+    elif recompute == "selective":   # the attention block recomputed in backward (ours
+        # recomputes only its core, so the baseline does a little more work: HFU counts ours)
         for block in model.layers:
             block.attn = Checkpointed(block.attn)
     model.to(device)

@@ -103,6 +103,7 @@ class Trainer:
         self.compile_clock, self._compile_seen = compile_clock, 0.0
         self._pending: list[_Pending] = []   # iterations since the last settle (device values)
         self._halted: torch.Tensor | None = None   # --on-nonfinite stop: a step was non-finite
+        self._step_skip: torch.Tensor | None = None   # this step's extra skip flag (device)
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -159,7 +160,8 @@ class Trainer:
         skip = None
         if self._guard_nonfinite:   # bf16/fp32: a non-finite loss skips the update on the device
             skip = any_nonfinite if self._halted is None else any_nonfinite | self._halted
-        result = self._optimizer_step(lr, skip)
+        self._step_skip = skip   # read by _optimizer_step (whose one-argument form tests wrap)
+        result = self._optimizer_step(lr)
         if self._guard_nonfinite and self.cfg.optimizer.on_nonfinite == "stop":
             # sticky: every later step is skipped too until the settle raises (weights intact)
             self._halted = result._skipped if self._halted is None else self._halted | result._skipped
@@ -247,8 +249,11 @@ class Trainer:
         mask = batch["loss_mask"].to(device=device, dtype=per_token.dtype, non_blocking=True)
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
-    def _optimizer_step(self, lr: float, skip: torch.Tensor | None = None):
+    def _optimizer_step(self, lr: float):
+        """The engine's step at ``lr``, with the step's agreed non-finite flag (bf16/fp32) as an
+        extra skip condition decided on the device."""
         self.optimizer.lr = lr
+        skip = self._step_skip
         result = self.optimizer.step(skip) if skip is not None else self.optimizer.step()
         if self.pipeline is not None and self.pipeline.tied is not None:
             # the first stage's updated E to the last stage, overlapping the next step's start:

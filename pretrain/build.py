@@ -288,8 +288,11 @@ def make_loader_factory(data: DataBundle, cfg: TrainConfig, state: ParallelState
         return build_pretraining_loader(dataset, consumed_samples=consumed,
                                         micro_batch_size=cfg.data.micro_batch_size,
                                         data_parallel_rank=state.dp_rank,
-                                        data_parallel_size=state.dp_size, device="cpu",
-                                        eod_mask_loss=data.eod if cfg.data.eod_mask_loss else None)
+                                        data_parallel_size=state.dp_size,
+                                        # pinned in the loader's thread, copied without a wait
+                                        device=state.device,
+                                        eod_mask_loss=data.eod if cfg.data.eod_mask_loss else None,
+                                        vocab_size=data.vocab_size)   # checked on the host
     return make
 
 

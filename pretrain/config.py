@@ -65,6 +65,11 @@ class TrainConfig:
                 f"--optimizer muon keeps its state on the device (each matrix's owner gathers "
                 f"and orthogonalises it there); --offload-optimizer "
                 f"{self.parallel.offload_optimizer} is not supported with it: drop one of them")
+        from pretrain.cuda_graphs import cuda_graph_problems
+        problems = cuda_graph_problems(self)
+        if problems:
+            raise TrainConfigError("--enable-cuda-graph cannot capture this run: "
+                                   + "; ".join(problems))
 
         seq = self.model.seq_length
         if self.parallel.sequence_parallel and seq % tp:

@@ -78,6 +78,7 @@ class ExitCondition:
         self.received: int | None = None
         self.reason: str | None = None
         self._previous = {}
+        self._in_flight: torch.Tensor | None = None   # accelerator: the last agreement, unread
 
     def _handler(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
@@ -95,13 +96,26 @@ class ExitCondition:
 
     def should_exit(self) -> bool:
         """Collective over the world group: True on every rank if any rank got a signal or its
-        clock passed the deadline."""
+        clock passed the deadline.
+
+        On an accelerator the agreement is read one iteration late (issue 36): this call enqueues
+        the all-reduce of this iteration's flag and reads the previous iteration's, whose result
+        the device produced while the host queued the step since - so the host never waits for the
+        step it just queued, and the run stops (and saves) one iteration after the signal. On the
+        CPU the read is immediate."""
         local = 0
         if self.received is not None:
             local = int(self.received)   # SIGINT 2, SIGTERM 15: above the deadline's 1
         elif self.deadline is not None and time.monotonic() >= self.deadline:
             local = 1
-        code = comm.max_over(self.world, local, self.device)
+        if torch.device(self.device).type == "cpu":
+            code = comm.max_over(self.world, local, self.device)
+        else:
+            flag = torch.full((1,), local, dtype=torch.int64, device=self.device)   # a fill, no copy
+            with comm.unrecorded(self.world):
+                comm.all_reduce(flag, self.world, op="max")
+            previous, self._in_flight = self._in_flight, flag
+            code = int(previous.item()) if previous is not None else 0
         if code and self.reason is None:
             self.reason = (f"signal {signal.Signals(code).name}" if code > 1
                            else "--exit-duration-in-mins reached")

@@ -377,6 +377,12 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
             "is a multiple of N", int),
     _native("--exit-duration-in-mins", "training.exit_duration_in_mins", "save and exit after "
             "N minutes", float),
+    _native("--enable-cuda-graph", "training.enable_cuda_graph", "capture and replay CUDA graphs "
+            "of the step (Megatron's local implementation)"),
+    _native("--cuda-graph-scope", "training.cuda_graph_scope", "what the CUDA graphs capture: "
+            "full (each transformer layer), attn, full_iteration", str),
+    _native("--cuda-graph-warmup-steps", "training.cuda_graph_warmup_steps", "eager runs before "
+            "a CUDA graph is captured", int),
     _noop("--exit-signal-handler", "save and exit on SIGTERM", "always on: SIGTERM/SIGINT save a "
           "checkpoint and stop every rank together"),
     _native("--seed", "training.seed", "random seed", int),

@@ -111,12 +111,13 @@ def micro_batches(loader, m: int, device) -> list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def pipeline_bubble(stage: PipelineStage, output, state: ParallelState) -> float:
+def pipeline_bubble(stage: PipelineStage, output, state: ParallelState) -> torch.Tensor:
     """The measured bubble of the step: idle time over the pipeline's step time, averaged over the
     stages of this PP column (the quantity of (p - 1) / (v m + p - 1), hybrid.pipeline.schedules).
     Two control all-reduces over the PP group (the longest step in :meth:`PipelineRunner.bubble`,
-    then the stages' bubbles), not in the comm ledger."""
-    total = torch.tensor([stage.runner.bubble(output)], dtype=torch.float64, device=state.device)
+    then the stages' bubbles), not in the comm ledger. A 0-dim float64 tensor on the device, never
+    read here (issue 36: the trainer reads it once per log interval)."""
+    total = stage.runner.bubble_tensor(output).reshape(1)
     with comm.unrecorded(state.pp):
         comm.all_reduce(total, state.pp)
-    return float(total) / state.pp_size
+    return total.reshape(()) / state.pp_size

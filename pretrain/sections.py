@@ -606,6 +606,9 @@ class DataSection:
         return pairs
 
 
+CUDA_GRAPH_SCOPES = ("full", "attn", "full_iteration")   # Megatron's --cuda-graph-scope values
+
+
 @dataclass
 class TrainingSection:
     """How long to train, seeding, evaluation cadence and activation recompute (ZeRO-R §6.1)."""
@@ -634,6 +637,14 @@ class TrainingSection:
                           "on CPU, Triton on CUDA) and the AdamW update (one pass; not with "
                           "optimizer offload), cached in <--data-cache-dir>/inductor",
                           default=False)
+    enable_cuda_graph: bool = _help("capture CUDA graphs of the training step (scope: "
+                                    "--cuda-graph-scope) and replay them; CUDA only",
+                                    default=False)
+    cuda_graph_scope: str = _help("with --enable-cuda-graph: full (each transformer layer's "
+                                  "forward and backward) | attn | full_iteration (refused, with "
+                                  "the reason)", default="full")
+    cuda_graph_warmup_steps: int = _help("eager runs of each layer before its capture",
+                                         default=3)
 
     def _check_recompute_method(self) -> None:
         """Megatron's --recompute-method / --recompute-num-layers apply to full recompute only."""
@@ -671,6 +682,10 @@ class TrainingSection:
         if self.memory_budget is not None:
             self.memory_budget_bytes  # noqa: B018  (validates the size now, not at build time)
         self._check_recompute_method()
+        if self.cuda_graph_scope not in CUDA_GRAPH_SCOPES:
+            raise TrainConfigError(f"--cuda-graph-scope must be one of {', '.join(CUDA_GRAPH_SCOPES)}, "
+                                   f"got {self.cuda_graph_scope!r}")
+        _positive(self, "cuda_graph_warmup_steps")
         _positive(self, "eval_interval")
         _positive(self, "train_iters", "train_samples", "exit_interval", allow_none=True)
         if self.train_iters is not None and self.train_samples is not None:

@@ -86,6 +86,9 @@ def build_trainer(cfg: TrainConfig, layout: RunLayout, state: ParallelState,
     data = data if data is not None else build_data(cfg, layout, state)
     prepare_host_memory(cfg)                                          # before any model state
     built = build_model(cfg, cfg.pipeline_config(layout), state, data.vocab_size)
+    if make_loader is None:   # the loader checks the token ids on the host (issue 36)
+        for chunk in built.chunks:
+            chunk.leave_id_checks_to_loader()
     compile_clock = build_compiled_layers(cfg, built.chunks)
     resuming = resume_wanted(cfg)
     weights = initial_weights(cfg, built.model, resuming)             # --init-from-hf
@@ -94,6 +97,8 @@ def build_trainer(cfg: TrainConfig, layout: RunLayout, state: ParallelState,
         log.info("%s", expected_dp_report(cfg, layout, state, optimizer.num_local_params,
                                           gpt_config(cfg, data.vocab_size)))
     pipeline = build_pipeline_runner(cfg, state, built, optimizer)   # PP: the schedule drives the engine
+    from pretrain.cuda_graphs import capture_layers
+    capture_layers(cfg, built.chunks, state, cfg.data.micro_batch_size)   # --enable-cuda-graph
     train_state, schedule = build_train_state(cfg, layout, built, optimizer, state,   # --load
                                               pipeline, resuming, run_id)
     metrics = MetricsWriter(cfg.logging.tensorboard_dir, state.rank, run_name=cfg.logging.run_name,

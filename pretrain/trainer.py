@@ -20,6 +20,15 @@ pipeline's m micro-batches: a step is one run of the schedule over them, the los
 stage (shared with every rank by the step's agreement all-reduce), evaluation runs the forward-only
 schedule, and each log line adds the measured bubble and the PP bytes per step.
 
+Nothing in a training step waits on the host (issue 36): the micro-batch losses are summed on the
+device, the step's agreement (DP-mean loss, any non-finite loss) is a device all-reduce, a
+non-finite loss or gradient skips the step inside the engine (bf16/fp32 ``--on-nonfinite``; fp16
+through the loss scaler), and the loss, norm, skip flag and loss scale of each iteration wait on
+the device until the log interval (and before a save, an evaluation and the end), where ONE read
+settles them all (:meth:`Trainer._settle`). ``--on-nonfinite stop`` keeps its promise without a
+read per step: once a step is non-finite, every later step is skipped on the device too (a sticky
+flag), and the settle raises with the first bad iteration's number.
+
 Evaluation and checkpoint saves run off the training clock: their seconds are their own scalars
 (``eval-time``, ``checkpoint-save-time``), not part of ``iteration-time`` and the tokens/s, TFLOP/s
 and MFU derived from it, and their collectives are not in the per-step bytes of the comm ledger.
@@ -66,6 +75,15 @@ class IntervalStats:
     samples: int = 0              # trained (a batch ramp changes the global batch per step)
 
 
+@dataclass
+class _Pending:
+    """One iteration's values, still on the device until the next settle."""
+
+    iteration: int
+    values: torch.Tensor          # float64 [mean loss, this rank's loss, loss non-finite, skipped,
+                                  #          grad norm, loss scale, bubble]
+
+
 class Trainer:
     def __init__(self, cfg, layout: RunLayout, state: ParallelState, model, optimizer, *, schedule,
                  make_loader, metrics: MetricsWriter, throughput: ThroughputModel, rng=None,
@@ -100,6 +118,9 @@ class Trainer:
             from pretrain.stragglers import StragglerReport
             self.stragglers = StragglerReport(state, cfg.logging.straggler_threshold,
                                               cfg.logging.straggler_minmax_count)
+        self._pending: list[_Pending] = []   # iterations since the last settle (device values)
+        self._halted: torch.Tensor | None = None   # --on-nonfinite stop: a step was non-finite
+        self._step_skip: torch.Tensor | None = None   # this step's extra skip flag (device)
 
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -116,12 +137,11 @@ class Trainer:
             while self.ts.iteration < self.train_iters:
                 self._follow_batch_ramp()
                 if self.stragglers is None:
-                    loss, result = self.train_step(loader, self._learning_rate())
+                    self.train_step(loader, self._learning_rate())
                 else:
-                    loss, result = self.stragglers.timed_step(self.train_step, loader,
-                                                              self._learning_rate())
+                    self.stragglers.timed_step(self.train_step, loader, self._learning_rate())
                 self._account_compile(stats, on_clock=True)
-                self._advance(stats, loss, result)
+                self._advance(stats)
                 if self.async_save is not None and self.async_save.in_flight:
                     self._poll_async_save(stats)
                 if self.memory_snapshot is not None and self.memory_snapshot.due(self.ts.iteration):
@@ -129,9 +149,11 @@ class Trainer:
                 if self.restarts is not None:
                     self.restarts.progress(self.ts.iteration)
                 if self._due(self.cfg.logging.log_interval):
+                    self._settle(stats)
                     self._log_interval(stats)
                     stats = self._new_interval()
                 if self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
+                    self._settle(stats)
                     self._off_clock(stats, "eval-time", self.evaluate)
                     self._account_compile(stats, on_clock=False)
                 if self.cfg.checkpoint.save_interval and self._due(self.cfg.checkpoint.save_interval):
@@ -141,6 +163,7 @@ class Trainer:
                         self._checkpoint(stats)
                     break
         _close(loader)
+        self._settle(stats)
         self._land_tied_weight()
         finished = self.ts.iteration >= self.train_iters > first_iteration and stop.reason is None
         if finished and not self._due(self.cfg.training.eval_interval) and self.cfg.training.eval_iters:
@@ -156,41 +179,47 @@ class Trainer:
         return self.ts
 
     def train_step(self, loader, lr: float):
-        """One optimizer step over the layout's m micro-batches; returns (DP-mean loss, StepResult)."""
+        """One optimizer step over the layout's m micro-batches; returns (DP-mean loss, StepResult),
+        both left on the device (0-dim tensors inside; nothing here reads them)."""
         self.model.train()
         self.optimizer.zero_grad()
         if self.pipeline is not None:
-            total, nonfinite = self._pipeline_losses(loader)
+            total = self._pipeline_losses(loader)
         else:
-            total, nonfinite, m = 0.0, False, self.step_layout.micro_batches
+            total, m = None, self.step_layout.micro_batches
             for _ in range(m):
                 loss = self._micro_batch_loss(next(loader))
                 self.optimizer.backward(loss / m)
-                value = loss.item()
-                nonfinite |= not math.isfinite(value)
-                total += value / m
-        mean_loss, any_nonfinite = self._step_agreement(total, nonfinite)
-        if any_nonfinite and self._guard_nonfinite:
-            self._on_nonfinite(f"non-finite loss (this rank: {total})")
-            self.optimizer.drop_gradients()
-            return float("nan"), StepResult(True, float("nan"),
-                                            getattr(self.optimizer.scaler, "scale", 1.0))
+                share = loss.detach().to(torch.float64) / m   # summed on the device, no read
+                total = share if total is None else total + share
+        mean_loss, any_nonfinite = self._step_agreement(total)
+        skip = None
+        if self._guard_nonfinite:   # bf16/fp32: a non-finite loss skips the update on the device
+            skip = any_nonfinite if self._halted is None else any_nonfinite | self._halted
+        self._step_skip = skip   # read by _optimizer_step (whose one-argument form tests wrap)
         result = self._optimizer_step(lr)
-        if result.skipped and self._guard_nonfinite:
-            # the engine found an Inf/NaN in some rank's gradient under a finite loss and left
-            # the weights and optimizer state untouched (fp16 leaves this to its loss scaler)
-            self._on_nonfinite(f"non-finite gradient (global norm {result.grad_norm})")
+        if self._guard_nonfinite and self.cfg.optimizer.on_nonfinite == "stop":
+            # sticky: every later step is skipped too until the settle raises (weights intact)
+            self._halted = result._skipped if self._halted is None else self._halted | result._skipped
+        values = torch.cat([torch.stack([mean_loss, total.reshape(()).to(torch.float64),
+                                         any_nonfinite.to(torch.float64)]),
+                            result.device_values(self.state.device),
+                            self._step_bubble.reshape(1).to(torch.float64)
+                            if isinstance(self._step_bubble, torch.Tensor)
+                            else torch.zeros(1, dtype=torch.float64, device=self.state.device)])
+        self._pending.append(_Pending(self.ts.iteration + 1, values))
         return mean_loss, result
 
-    def _pipeline_losses(self, loader) -> tuple[float, bool]:
-        """One run of the pipeline schedule over the step's m micro-batches: (this rank's mean
-        loss, 0 off the last stage; whether it is non-finite); measures the step's bubble."""
+    def _pipeline_losses(self, loader) -> torch.Tensor:
+        """One run of the pipeline schedule over the step's m micro-batches: this rank's mean loss
+        (0 off the last stage), a 0-dim device tensor; measures the step's bubble (on the device)."""
         from pretrain.pipeline_stage import micro_batches, pipeline_bubble
         m = self.step_layout.micro_batches
         output = self.pipeline.runner.step(micro_batches(loader, m, self.state.device))
         self._step_bubble = pipeline_bubble(self.pipeline, output, self.state)
-        loss = output.loss if output.loss is not None else 0.0
-        return loss, not math.isfinite(loss)
+        if output.loss_tensor is None:
+            return torch.zeros((), dtype=torch.float64, device=self.state.device)
+        return output.loss_tensor.detach().to(torch.float64).reshape(())
 
     def _learning_rate(self) -> float:
         """The schedule where this step stands: its iteration, or with a batch ramp the samples
@@ -219,23 +248,55 @@ class Trainer:
                      self.ts.iteration + 1, step.global_batch, step.micro_batches)
         self.step_layout = step
 
-    def _step_agreement(self, loss: float, nonfinite: bool) -> tuple[float, bool]:
+    def _step_agreement(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
         """One world all-reduce per step (bookkeeping, kept out of the comm ledger): the DP-mean
         loss (TP ranks hold the same loss, so the world sum over world size is the DP mean; with
         PP only the last stage's dp x tp ranks add theirs) and whether any rank saw a non-finite
-        loss, so every rank takes the same branch."""
+        loss, so every rank takes the same branch. Both stay on the device (0-dim float64 and
+        bool): built with torch.where, never read here."""
         adds = self.pipeline is None or self.state.is_last_stage
-        t = torch.tensor([0.0 if nonfinite or not adds else loss, float(nonfinite)],
-                         dtype=torch.float64, device=self.state.device)
+        loss = loss.to(device=self.state.device, dtype=torch.float64).reshape(())
+        nonfinite = ~torch.isfinite(loss)
+        kept = torch.where(nonfinite, torch.zeros_like(loss), loss) if adds else torch.zeros_like(loss)
+        t = torch.stack([kept, nonfinite.to(torch.float64)])
         world = self.state.world
         with comm.unrecorded(world):
             comm.all_reduce(t, world)
-        return float(t[0].item()) / (world.size // self.state.pp_size), bool(t[1].item() > 0)
+        return t[0] / (world.size // self.state.pp_size), t[1] > 0
 
-    def _on_nonfinite(self, what: str) -> None:
-        """bf16/fp32 NaN/Inf before any update: --on-nonfinite stop raises on every rank (they all
+    def _settle(self, stats: IntervalStats) -> None:
+        """Read the iterations' device values since the last settle (ONE device-to-host copy) and
+        do their bookkeeping: losses, skipped steps, the last grad norm and loss scale, the bubble;
+        the fp16 scaler's overflow log and floor error; for bf16/fp32 the non-finite warnings, or
+        with ``--on-nonfinite stop`` the error of the first non-finite iteration."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        rows = torch.stack([p.values for p in pending]).tolist()
+        scaler = getattr(self.optimizer, "scaler", None)
+        if scaler is not None:
+            scaler.check()   # fp16: the overflow log, the floor error
+        for p, (mean, local, loss_bad, skipped, norm, scale, bubble) in zip(pending, rows):
+            loss = float("nan") if (loss_bad and self._guard_nonfinite) else mean
+            self.losses.append(loss)
+            stats.bubble_sum += bubble
+            stats.last_loss_scale = scale
+            if skipped:
+                stats.skipped += 1
+                self.ts.skipped_iterations += 1
+                if self._guard_nonfinite:
+                    what = (f"non-finite loss (this rank: {local})" if loss_bad else
+                            f"non-finite gradient (global norm {norm})")
+                    self._on_nonfinite(what, p.iteration)
+            else:
+                stats.loss_sum += loss
+                stats.last_grad_norm = norm
+
+    def _on_nonfinite(self, what: str, iteration: int) -> None:
+        """bf16/fp32 NaN/Inf, its update skipped: --on-nonfinite stop raises on every rank (they all
         see the same agreed flag), skip logs and lets the step count as skipped."""
-        where = f"{what} at iteration {self.ts.iteration + 1}"
+        where = f"{what} at iteration {iteration}"
         if self.cfg.optimizer.on_nonfinite == "stop":
             raise FloatingPointError(f"{where}; stopping (--on-nonfinite stop) before the update, the "
                                      f"weights and checkpoints are intact; lower --lr or resume with "
@@ -243,15 +304,21 @@ class Trainer:
         log.warning("%s: step skipped (--on-nonfinite skip)", where)
 
     def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
-        """Mean per-token loss of a micro-batch over the tokens the loss mask keeps."""
+        """Mean per-token loss of a micro-batch over the tokens the loss mask keeps (the loader
+        delivers the batch on the device, pinned and copied without a wait)."""
         device = self.state.device
-        per_token = self.model(batch["tokens"].to(device), batch["labels"].to(device))   # [b, s]
-        mask = batch["loss_mask"].to(device=device, dtype=per_token.dtype)
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        per_token = self.model(tokens, labels)                                  # [b, s]
+        mask = batch["loss_mask"].to(device=device, dtype=per_token.dtype, non_blocking=True)
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
     def _optimizer_step(self, lr: float):
+        """The engine's step at ``lr``, with the step's agreed non-finite flag (bf16/fp32) as an
+        extra skip condition decided on the device."""
         self.optimizer.lr = lr
-        result = self.optimizer.step()
+        skip = self._step_skip
+        result = self.optimizer.step(skip) if skip is not None else self.optimizer.step()
         if self.pipeline is not None and self.pipeline.tied is not None:
             # the first stage's updated E to the last stage, overlapping the next step's start:
             # the runner lands it before the last stage's first forward (and _land_tied_weight
@@ -281,7 +348,8 @@ class Trainer:
                 total += self._micro_batch_loss(next(loader)).item() / n
         self.ts.consumed_valid_samples += self.cfg.training.eval_iters * self.layout.global_batch
         _close(loader)
-        loss, _ = self._step_agreement(total, False)
+        loss = float(self._step_agreement(torch.full((), total, dtype=torch.float64,
+                                                      device=self.state.device))[0].item())
         ppl = math.exp(min(loss, 20.0))
         self.metrics.log({"lm loss validation": loss, "lm loss validation ppl": ppl}, self.ts.iteration)
         log.info("validation at iteration %d | lm loss %.4f | ppl %.3f", self.ts.iteration, loss, ppl)
@@ -335,6 +403,7 @@ class Trainer:
 
     def _checkpoint(self, stats: IntervalStats) -> None:
         if self.cfg.checkpoint.save:
+            self._settle(stats)   # the skip counts it stores; a non-finite stop raises first
             self._off_clock(stats, "checkpoint-save-time", self.save)
 
     def _off_clock(self, stats: IntervalStats, scalar: str, work) -> None:
@@ -376,20 +445,12 @@ class Trainer:
     def _due(self, interval: int) -> bool:
         return self.ts.iteration % interval == 0
 
-    def _advance(self, stats: IntervalStats, loss: float, result) -> None:
+    def _advance(self, stats: IntervalStats) -> None:
+        """Host counters of the iteration just run (its device values wait for :meth:`_settle`)."""
         self.ts.iteration += 1
         self.ts.consumed_train_samples += self.step_layout.global_batch
-        self.losses.append(loss)
         stats.iterations += 1
         stats.samples += self.step_layout.global_batch
-        stats.bubble_sum += self._step_bubble
-        stats.last_loss_scale = result.loss_scale
-        if result.skipped:
-            stats.skipped += 1
-            self.ts.skipped_iterations += 1
-        else:
-            stats.loss_sum += loss
-            stats.last_grad_norm = result.grad_norm
 
     def _new_interval(self) -> IntervalStats:
         return IntervalStats(ledger_mark=self.state.ledger.position)

@@ -4,6 +4,16 @@
 # benchmark (benchmarks/gpu_single.py), and write a summary.
 #
 #   tools/gpu_check.sh [--suite | --benchmark | --all] [OUTPUT_DIR]
+#   tools/gpu_check.sh --quick OUTPUT_DIR     # issue 36: about 6 minutes on one H100
+#
+# --quick: the CUDA tests of issue 36 (tests/gpu/test_host_sync_cuda.py: a step under
+# torch.cuda.set_sync_debug_mode("error"), per-layer CUDA graphs; $QUICK_TESTS overrides the list),
+# then the benchmark at Llama-3.2 3B, seq 4096, with every row (plain torch eager and compiled,
+# ours eager and compiled, ours FP8) and a profile of "ours compiled", then Llama-3.2 1B at 2048 and
+# GPT-2 1.5B at 1024 eager only; writes quick-tests.log, quick-tests.xml, bench-3b.json,
+# bench-3b.profile.md, bench-others.json, benchmark-quick.log and summary.md. No network, nothing
+# installed; each phase has its own timeout ($QUICK_TEST_TIMEOUT 100 s, $QUICK_BENCH_TIMEOUT 270 s,
+# $QUICK_OTHERS_TIMEOUT 100 s).
 #
 # OUTPUT_DIR defaults to $OUT when set, else ./gpu-check. Interpreter: $PYTHON, else python3 on PATH.
 # $BENCH_ARGS adds flags to the benchmark (e.g. "--size gpt-1.3B --no-compile"); $SUITE_ARGS to
@@ -20,8 +30,9 @@ case "${1:-}" in
     --suite) PHASES="suite"; shift ;;
     --benchmark) PHASES="benchmark"; shift ;;
     --all) shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    -*) echo "error: unknown option $1 (use --suite, --benchmark or --all)" >&2; exit 2 ;;
+    --quick) PHASES="quick"; shift ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "error: unknown option $1 (use --suite, --benchmark, --all or --quick)" >&2; exit 2 ;;
 esac
 DEST="${1:-${OUT:-gpu-check}}"
 PY="${PYTHON:-python3}"
@@ -49,6 +60,67 @@ then
     exit 2
 fi
 cat "$DEST/environment.txt"
+
+if [[ "$PHASES" == "quick" ]]; then
+    rm -f "$GPU_FIGURES"
+    echo "== quick: CUDA tests of issue 36 -> $DEST/quick-tests.log"
+    # shellcheck disable=SC2086  # QUICK_TESTS is a list of pytest paths
+    timeout "${QUICK_TEST_TIMEOUT:-100}" "$PY" -m pytest ${QUICK_TESTS:-tests/gpu/test_host_sync_cuda.py} \
+        -m cuda -p no:cacheprovider -rA --junitxml="$DEST/quick-tests.xml" > "$DEST/quick-tests.log" 2>&1
+    tests_rc=$?
+    tail -n 5 "$DEST/quick-tests.log"
+    echo "== quick: benchmark llama3.2-3B@4096, every row -> $DEST/benchmark-quick.log"
+    timeout "${QUICK_BENCH_TIMEOUT:-270}" "$PY" benchmarks/gpu_single.py --configs llama3.2-3B@4096 \
+        --steps 6 --warmup 3 --profile "ours compiled" --out "$DEST/bench-3b.json" \
+        > "$DEST/benchmark-quick.log" 2>&1
+    bench_rc=$?
+    echo "== quick: benchmark llama3.2-1B@2048 and gpt2-1.5B@1024, eager rows" >> "$DEST/benchmark-quick.log"
+    timeout "${QUICK_OTHERS_TIMEOUT:-100}" "$PY" benchmarks/gpu_single.py --configs llama3.2-1B@2048 \
+        gpt2-1.5B@1024 --no-compile --no-fp8 --steps 5 --warmup 2 --out "$DEST/bench-others.json" \
+        >> "$DEST/benchmark-quick.log" 2>&1
+    others_rc=$?
+    tail -n 30 "$DEST/benchmark-quick.log"
+    "$PY" - "$DEST" "$tests_rc" "$bench_rc" "$others_rc" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from benchmarks.gpu_single import markdown, title
+
+dest, tests_rc, bench_rc, others_rc = Path(sys.argv[1]), *sys.argv[2:]
+lines = ["# GPU check (quick, issue 36)", "", "```", (dest / "environment.txt").read_text().strip(),
+         "```", "", f"## CUDA tests (exit status {tests_rc})", ""]
+xml = dest / "quick-tests.xml"
+if xml.exists():
+    lines += ["| test | result | seconds |", "| --- | --- | ---: |"]
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        lines.append(f"| {case.get('name')} | {outcome} | {float(case.get('time', 0)):.1f} |")
+else:
+    lines.append("No JUnit report (see quick-tests.log).")
+for name, rc in (("bench-3b.json", bench_rc), ("bench-others.json", others_rc)):
+    lines += ["", f"## Benchmark {name} (exit status {rc})", ""]
+    path = dest / name
+    if not path.exists():
+        lines.append("No result (see benchmark-quick.log).")
+        continue
+    data = json.loads(path.read_text())
+    for run in data["runs"]:
+        lines += [f"### {title(run)}", "", markdown(run), ""]
+        if "compiled_vs_torch_compiled" in run:
+            lines.append(f"ours compiled / torch.compile: {run['compiled_vs_torch_compiled']:.3f}x "
+                         f"(issue 36 target >= 1.1x)")
+    if data.get("out_of_memory"):
+        lines.append(f"out of memory: {', '.join(data['out_of_memory'])}")
+profile = dest / "bench-3b.profile.md"
+if profile.exists():
+    lines += ["", profile.read_text()]
+(dest / "summary.md").write_text("\n".join(lines) + "\n")
+print(f"summary: {dest / 'summary.md'}")
+EOF
+    [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$others_rc" -eq 0 ] && exit 0
+    exit 1
+fi
 
 status=0
 suite_rc="not run"

@@ -7,6 +7,10 @@ queues ``tokens = x[:, :-1]`` / ``labels = x[:, 1:]`` as int64 tensors ``[b, s]`
 ``eod_mask_loss`` is that token, Megatron's ``--eod-mask-loss``). On CUDA the batch is pinned in
 the thread and copied to the device asynchronously by the consumer. Errors in the thread are
 re-raised in the consumer; the loader never blocks forever on a dead thread.
+
+With ``vocab_size`` the thread also checks every token id against ``[0, vocab_size)`` on the host,
+before the copy (issue 36): the model's own range check would read the device every forward, so the
+training path leaves it to the loader and a bad id still stops the run with one clear error.
 """
 
 from __future__ import annotations
@@ -23,8 +27,20 @@ from hybrid.data.sampler import PretrainingSampler
 _END = object()
 
 
-def collate(samples: Sequence[np.ndarray], eod: int | None = None) -> dict[str, torch.Tensor]:
-    batch = torch.from_numpy(np.stack(samples).astype(np.int64))  # [b, s + 1]
+def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` (numpy on the host: no device read)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}) (the model's vocab size); the data "
+                         f"holds [{int(ids.min())}, {int(ids.max())}] - does the tokenizer that "
+                         f"preprocessed it match --vocab-size / --tokenizer-model?")
+
+
+def collate(samples: Sequence[np.ndarray], eod: int | None = None,
+            vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    stacked = np.stack(samples).astype(np.int64)                  # [b, s + 1]
+    if vocab_size is not None:
+        check_token_ids(stacked, vocab_size)
+    batch = torch.from_numpy(stacked)
     tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # [b, s] each
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     if eod is not None:
@@ -33,13 +49,13 @@ def collate(samples: Sequence[np.ndarray], eod: int | None = None) -> dict[str, 
 
 
 def _produce(dataset, sampler: Iterable[list[int]], eod: int | None, pin: bool,
-             out: queue.Queue, stop: threading.Event) -> None:
+             out: queue.Queue, stop: threading.Event, vocab_size: int | None = None) -> None:
     """The prefetch thread. It holds no reference to the loader, so a loader that is dropped
     without close() is garbage-collected, its __del__ sets ``stop`` and this thread ends."""
     try:
         n = len(dataset)
         for indices in sampler:
-            batch = collate([dataset[i % n] for i in indices], eod)
+            batch = collate([dataset[i % n] for i in indices], eod, vocab_size)
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             if not _put(out, stop, batch):
@@ -67,7 +83,8 @@ class PrefetchLoader:
     """
 
     def __init__(self, dataset, batch_sampler: Iterable[list[int]], *, prefetch: int = 4,
-                 device: str | torch.device = "cpu", eod_mask_loss: int | None = None):
+                 device: str | torch.device = "cpu", eod_mask_loss: int | None = None,
+                 vocab_size: int | None = None):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if len(dataset) == 0:
@@ -79,7 +96,7 @@ class PrefetchLoader:
         self._thread = threading.Thread(
             target=_produce, name="data-prefetch", daemon=True,
             args=(dataset, batch_sampler, eod_mask_loss, self.device.type == "cuda",
-                  self._queue, self._stop))
+                  self._queue, self._stop, vocab_size))
         self._thread.start()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -101,6 +118,8 @@ class PrefetchLoader:
         if item is _END:
             raise StopIteration
         if isinstance(item, BaseException):
+            if isinstance(item, ValueError):   # bad data: the one clear message
+                raise ValueError(str(item)) from item
             raise RuntimeError(f"loading a micro-batch failed: {item}") from item
         return {k: v.to(self.device, non_blocking=True) for k, v in item.items()}
 
@@ -122,9 +141,11 @@ class PrefetchLoader:
 def build_pretraining_loader(dataset, *, consumed_samples: int, micro_batch_size: int,
                              data_parallel_rank: int, data_parallel_size: int,
                              total_samples: int | None = None, device: str | torch.device = "cpu",
-                             prefetch: int = 4, eod_mask_loss: int | None = None) -> PrefetchLoader:
-    """The training loader of one DP rank, resuming at the global ``consumed_samples``."""
+                             prefetch: int = 4, eod_mask_loss: int | None = None,
+                             vocab_size: int | None = None) -> PrefetchLoader:
+    """The training loader of one DP rank, resuming at the global ``consumed_samples``; with
+    ``vocab_size`` it refuses out-of-range token ids on the host."""
     sampler = PretrainingSampler(total_samples, consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size)
     return PrefetchLoader(dataset, sampler, prefetch=prefetch, device=device,
-                          eod_mask_loss=eod_mask_loss)
+                          eod_mask_loss=eod_mask_loss, vocab_size=vocab_size)

@@ -59,10 +59,15 @@ from hybrid.pipeline.tied import TiedEmbedding
 
 @dataclass
 class StepOutput:
-    loss: float | None        # mean loss of the step's micro-batches (last stage), else None
+    loss_tensor: torch.Tensor | None   # mean loss of the step's micro-batches (last stage), 0-dim
     step_time: float          # seconds of this stage's step
     busy_time: float          # seconds spent computing (forward and backward)
     peak_held: int            # most micro-batch activations (per chunk) held at once
+
+    @property
+    def loss(self) -> float | None:
+        """The loss read to the host (a device sync: the trainer keeps ``loss_tensor``)."""
+        return None if self.loss_tensor is None else float(self.loss_tensor)
 
     def bubble(self, pipeline_step_time: float) -> float:
         """This stage's idle time over the pipeline's step time (see :meth:`PipelineRunner.bubble`)."""
@@ -224,17 +229,24 @@ class PipelineRunner:
         for _, handle in self._sends:
             handle.wait()
         self._sends = []
-        loss = float(loss) if loss is not None else None
-        return StepOutput(loss, time.perf_counter() - start, busy, peak)
+        return StepOutput(loss, time.perf_counter() - start, busy, peak)   # the loss stays on the device
 
     def bubble(self, output: StepOutput) -> float:
         """The measured bubble of this stage: idle time over the step time of the whole pipeline
         (the longest stage's, all stages starting together after the previous optimizer step).
         Collective over the PP group (a control all-reduce, not recorded)."""
-        longest = torch.tensor([output.step_time], dtype=torch.float64, device=self.state.device)
+        return float(self.bubble_tensor(output))
+
+    def bubble_tensor(self, output: StepOutput) -> torch.Tensor:
+        """:meth:`bubble` as a 0-dim float64 tensor on the device: the host clocks enter as fills
+        and nothing is read back (the trainer sums it and reads it once per log interval)."""
+        def fill(x: float) -> torch.Tensor:
+            return torch.full((1,), x, dtype=torch.float64, device=self.state.device)
+        longest = fill(output.step_time)
         with comm.unrecorded(self.state.pp):
             comm.all_reduce(longest, self.state.pp, op="max")
-        return output.bubble(float(longest))
+        busy = fill(output.busy_time)
+        return torch.where(longest > 0, 1.0 - busy / longest, torch.zeros_like(longest)).reshape(())
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:

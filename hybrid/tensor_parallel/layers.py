@@ -197,6 +197,8 @@ class VocabParallelOutput(ColumnParallelLinear):
 
     supports_tiling = False
 
+    check_ids = True   # the target range check (off where the data loader made it on the host)
+
     def __init__(self, hidden_size: int, padded_vocab_size: int, group: Group, *,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__(hidden_size, padded_vocab_size, group, bias=False,
@@ -208,7 +210,8 @@ class VocabParallelOutput(ColumnParallelLinear):
         if target is None:
             return super().forward(x)
         return linear_cross_entropy(x, self.weight, target, self.group,
-                                    sequence_parallel=self.sequence_parallel, vocab_size=vocab_size)
+                                    sequence_parallel=self.sequence_parallel, vocab_size=vocab_size,
+                                    check_ids=self.check_ids)
 
 
 class RowParallelLinear(_TPModule):
@@ -270,6 +273,8 @@ class VocabParallelEmbedding(_TPModule):
     ``[s, b]`` (sequence first) and the output is this rank's sequence shard ``[s/tp, b, h]``.
     """
 
+    check_ids = True   # the host range check on CPU ids (off where the data loader made it)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
                  reduce_scatter_output: bool = False, device=None, dtype=None):
         super().__init__(group, reduce_scatter_output)
@@ -301,7 +306,8 @@ class VocabParallelEmbedding(_TPModule):
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {ids.dtype}")
         # A host-side range check is free on CPU; on accelerators it would force a sync per step.
-        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0
+        # ``check_ids`` False: the data loader checked them on the host before the copy.
+        if self.check_ids and ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0
                                                          or int(ids.max()) >= self.num_embeddings):
             raise ValueError(f"token ids must lie in [0, {self.num_embeddings}); got "
                              f"[{int(ids.min())}, {int(ids.max())}] - does the tokenizer match the "

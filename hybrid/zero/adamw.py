@@ -52,24 +52,32 @@ def moments_in_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor):
 
 def fused_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                      exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *, decay: bool,
-                     step: int, config: AdamWConfig, lr: float | None = None,
-                     grad_scale: float = 1.0) -> None:
+                     step, config: AdamWConfig, lr: float | None = None,
+                     grad_scale=1.0, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW update in place with torch's fused kernel; every gradient is first divided by
     ``grad_scale`` (in place, inside the same pass). ``decay``: apply the weight decay to all of
-    ``params`` or to none. ``step`` is the 1-based step number after this update."""
+    ``params`` or to none. ``step`` is the 1-based step number after this update. ``step`` and
+    ``grad_scale`` may be 0-dim device tensors (nothing is read to the host); ``found_inf``: a
+    0-dim fp32 tensor, where 1 the kernel changes nothing (a skipped step)."""
     if not params:
         return
-    if step < 1:
-        raise ValueError(f"AdamW step numbers start at 1, got {step}")
     device = params[0].device
-    steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(params)
-    scale = (None if grad_scale == 1.0 else
-             torch.full((), float(grad_scale), dtype=torch.float32, device=device))
+    if isinstance(step, torch.Tensor):
+        steps = [step.to(device=device, dtype=torch.float32).reshape(())] * len(params)
+    else:
+        if step < 1:
+            raise ValueError(f"AdamW step numbers start at 1, got {step}")
+        steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(params)
+    if isinstance(grad_scale, torch.Tensor):
+        scale = grad_scale.to(device=device, dtype=torch.float32).reshape(())
+    else:
+        scale = (None if grad_scale == 1.0 else
+                 torch.full((), float(grad_scale), dtype=torch.float32, device=device))
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps,
                         lr=config.lr if lr is None else lr, beta1=config.betas[0],
                         beta2=config.betas[1], weight_decay=config.weight_decay if decay else 0.0,
                         eps=config.eps, amsgrad=False, maximize=False, grad_scale=scale,
-                        found_inf=None)
+                        found_inf=found_inf)
 
 
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],

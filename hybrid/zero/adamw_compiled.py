@@ -32,12 +32,14 @@ from hybrid.adamw_config import AdamWConfig
 
 
 def _adamw_pass(grad, master, exp_avg, exp_avg_sq, decay, param16, grad_scale, decay_factor,
-                step_size, bias_correction2_sqrt, beta1: float, beta2: float, eps: float):
+                step_size, bias_correction2_sqrt, skip, beta1: float, beta2: float, eps: float):
     g = grad.float() / grad_scale
     p = master * (1 + (decay_factor - 1) * decay.float())   # exactly master * factor or master
     m = torch.lerp(exp_avg.float(), g, 1 - beta1)   # 16-bit moments: read into fp32
     v = exp_avg_sq.float() * beta2 + g * g * (1 - beta2)
     p = p - step_size * m / (v.sqrt() / bias_correction2_sqrt + eps)
+    # a skipped step (0-dim bool on the device) writes back the old values, bit for bit
+    m, v, p = torch.where(skip, exp_avg, m), torch.where(skip, exp_avg_sq, v), torch.where(skip, master, p)
     exp_avg.copy_(m)      # 16-bit moments: rounded to nearest once, after the update used m, v
     exp_avg_sq.copy_(v)
     master.copy_(p)
@@ -70,19 +72,33 @@ def decay_masks(sizes: list[int], spans, device) -> list[torch.Tensor]:
 def compiled_adamw_step(grads: list[torch.Tensor], masters: list[torch.Tensor],
                         exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                         masks: list[torch.Tensor], params16: list[torch.Tensor] | None, *,
-                        step: int, config: AdamWConfig, lr: float, grad_scale: float) -> None:
+                        step, config: AdamWConfig, lr: float, grad_scale,
+                        skip: torch.Tensor | None = None) -> None:
     """One AdamW update of every chunk in place: ``grads`` (any float dtype, read only) divided by
     ``grad_scale``; ``masks`` from :func:`decay_masks`; ``params16`` (mixed precision) receive the
-    updated master rounded to their dtype, or None. ``step`` is 1-based, after this update."""
-    if step < 1:
-        raise ValueError(f"AdamW step numbers start at 1, got {step}")
+    updated master rounded to their dtype, or None. ``step`` is 1-based, after this update.
+    ``step`` and ``grad_scale`` may be 0-dim device tensors, ``skip`` a 0-dim bool tensor that
+    leaves everything unchanged where set: then nothing is read to the host (issue 36); the bias
+    corrections are formed in float64 on the device, as Python's doubles are on the host."""
     device = masters[0].device if masters else "cpu"
     beta1, beta2 = config.betas
 
-    def scalar(x: float) -> torch.Tensor:   # a fill on the device (as fused_adamw_step's), no copy
+    def scalar(x) -> torch.Tensor:   # a fill on the device (as fused_adamw_step's), no copy
+        if isinstance(x, torch.Tensor):
+            return x.to(device=device, dtype=torch.float32).reshape(())
         return torch.full((), x, dtype=torch.float32, device=device)
-    scalars = (scalar(grad_scale), scalar(1.0 - lr * config.weight_decay),
-               scalar(lr / (1 - beta1 ** step)), scalar((1 - beta2 ** step) ** 0.5))
+    if isinstance(step, torch.Tensor):
+        n = step.to(device=device, dtype=torch.float64).reshape(())
+        step_size = lr / (1 - torch.pow(beta1, n))
+        bias2_sqrt = (1 - torch.pow(beta2, n)).sqrt()
+    else:
+        if step < 1:
+            raise ValueError(f"AdamW step numbers start at 1, got {step}")
+        step_size, bias2_sqrt = lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5
+    skip = (torch.zeros((), dtype=torch.bool, device=device) if skip is None
+            else skip.to(device=device, dtype=torch.bool).reshape(()))
+    scalars = (scalar(grad_scale), scalar(1.0 - lr * config.weight_decay), scalar(step_size),
+               scalar(bias2_sqrt), skip)
     for k, master in enumerate(masters):
         if master.numel() == 0:
             continue

@@ -11,8 +11,6 @@ DP rank holds the whole gradient and only TP is summed.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hybrid import comm
@@ -32,7 +30,16 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cp
 
 def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor], *, tp: Group,
                      reduce_group: Group, device: torch.device | str = "cpu") -> float:
-    """L2 norm of the model's gradient from this rank's pieces.
+    """:func:`global_grad_norm_tensor` read to the host (tests, tools; the engines keep the tensor)."""
+    return float(global_grad_norm_tensor(sharded, replicated, tp=tp, reduce_group=reduce_group,
+                                         device=device).item())
+
+
+def global_grad_norm_tensor(sharded: list[torch.Tensor], replicated: list[torch.Tensor], *,
+                            tp: Group, reduce_group: Group,
+                            device: torch.device | str = "cpu") -> torch.Tensor:
+    """L2 norm of the model's gradient from this rank's pieces, a 0-dim float64 tensor on ``device``
+    (never read to the host: the ZeRO step decides on it on the device).
 
     ``sharded``: gradient pieces of TP-sharded parameters; ``replicated``: pieces of TP-replicated
     ones (counted on TP rank 0 only). ``reduce_group`` sums the squares: the world group when DP ranks
@@ -46,11 +53,14 @@ def global_grad_norm(sharded: list[torch.Tensor], replicated: list[torch.Tensor]
         sq += torch.where(torch.isfinite(replicated_sq), torch.zeros_like(replicated_sq),
                           replicated_sq)
     comm.all_reduce(sq, reduce_group)
-    return math.sqrt(float(sq.item()))
+    return sq.double().sqrt().reshape(())   # float64, as math.sqrt of the sum was
 
 
-def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """Factor to multiply gradients by so their global norm is at most ``max_norm`` (<= 1)."""
+def clip_coefficient(total_norm, max_norm: float):
+    """Factor to multiply gradients by so their global norm is at most ``max_norm`` (<= 1); a
+    tensor norm gives a tensor (computed on its device, no read)."""
     if max_norm <= 0:
         return 1.0
+    if isinstance(total_norm, torch.Tensor):
+        return torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
     return min(1.0, max_norm / (total_norm + CLIP_EPS))

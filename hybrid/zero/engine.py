@@ -44,7 +44,7 @@ from hybrid.adamw_config import AdamWConfig
 from hybrid.comm import Group
 from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
 from hybrid.parallel_state import ParallelState
-from hybrid.zero.clip import clip_coefficient, global_grad_norm
+from hybrid.zero.clip import clip_coefficient, global_grad_norm_tensor
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.host_groups import partition_groups
 from hybrid.zero.loss_scaler import build_loss_scaler
@@ -79,7 +79,7 @@ class ZeroEngine:
         self.lr = adamw.lr            # the training loop's schedule may set it before each step
         self.dtype, self.device = config.param_dtype, state.device
         self.shard_group, self.replicas = partition_groups(state, config)   # DP, or by host
-        self.scaler = build_loss_scaler(config)
+        self.scaler = build_loss_scaler(config, state.device)
         # the reductions sum over DP: the AdamW pass divides by the DP size
         self.grad_divisor = float(state.dp_size)
         # copies of each owned gradient in the norm group (hybrid sharding: one per host)
@@ -161,38 +161,56 @@ class ZeroEngine:
                                f"opt.backward once per micro-batch and opt.zero_grad after step")
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Update the parameters from the gradients of the micro-batches since ``zero_grad``."""
+    def step(self, skip: torch.Tensor | None = None) -> StepResult:
+        """Update the parameters from the gradients of the micro-batches since ``zero_grad``.
+
+        Nothing here reads the device (issue 36): the norm, the overflow flag, the clip coefficient
+        and the loss scale stay 0-dim tensors, and an overflowed step is skipped on the device (the
+        fused and compiled AdamW kernels leave master, moments and step count untouched where the
+        flag is set). ``skip``: a 0-dim bool tensor the caller adds to the overflow flag (the
+        trainer's agreed non-finite loss). Backends whose update runs on the host (the foreach
+        reference kernel, CPU / NVMe offload) read the flag and the scale once here."""
         self.check_micro_batches()
         self._land_gradients()
-        scale = self.scaler.scale
+        scale = self.scaler.scale_tensor()        # 1.0 without loss scaling
         grads = self._owned_grads()   # 16-bit stays 16-bit: the norm reads it in fp32
         divisor = self.grad_divisor * scale
         norm = self._global_norm(grads) / divisor
-        if not math.isfinite(norm):
-            self.scaler.update(True)   # fp16: hysteresis / back-off; bf16 and fp32: nothing
-            self._finish_step()
-            return StepResult(True, norm, scale)
-        coef = clip_coefficient(norm, self.config.clip_grad)
-        with self._param_chunks() as out:
-            self.optimizer_state.update(grads, out, lr=self.lr, grad_scale=divisor / coef)
-        self._gather_params()
-        self.scaler.update(False)
+        overflow = ~torch.isfinite(norm)
+        if skip is not None:
+            overflow = overflow | skip.to(device=overflow.device, dtype=torch.bool).reshape(())
+        grad_scale = divisor / clip_coefficient(norm, self.config.clip_grad)
+        if not isinstance(grad_scale, torch.Tensor):   # no scaler and no clipping: a constant
+            grad_scale = torch.full((), grad_scale, dtype=torch.float64, device=norm.device)
+        if getattr(self.optimizer_state, "skips_on_device", False):
+            with self._param_chunks() as out:
+                self.optimizer_state.update(grads, out, lr=self.lr, grad_scale=grad_scale,
+                                            skip=overflow)
+            self._gather_params()
+        else:
+            skipped, host_scale = torch.stack([overflow.double(), grad_scale.double()]).tolist()
+            if not skipped:
+                with self._param_chunks() as out:
+                    self.optimizer_state.update(grads, out, lr=self.lr, grad_scale=host_scale)
+                self._gather_params()
+        self.scaler.update(overflow)   # fp16: hysteresis / back-off on the device; else nothing
         self._finish_step()
-        return StepResult(False, norm, scale)
+        return StepResult(overflow, torch.where(overflow, torch.full_like(norm, float("nan")), norm),
+                          scale)
 
     def _finish_step(self) -> None:
         self._end_step()
         self._last_step_records = list(self.state.ledger.since(self._ledger_mark))
         self._ledger_mark = self.state.ledger.position
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm of the whole model's gradient as one device would see it (see hybrid.zero.clip)."""
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of the whole model's gradient as one device would see it (see hybrid.zero.clip),
+        a 0-dim float64 tensor on the device."""
         spans = views(grads, self._tp_spans)
         sharded = [v for v, span in zip(spans, self._tp_spans) if span[3]]
         replicated = [v for v, span in zip(spans, self._tp_spans) if not span[3]]
-        norm = global_grad_norm(sharded, replicated, tp=self.state.tp, reduce_group=self.norm_group,
-                                device=self.state.device)
+        norm = global_grad_norm_tensor(sharded, replicated, tp=self.state.tp,
+                                       reduce_group=self.norm_group, device=self.state.device)
         return norm / math.sqrt(self.norm_replicas) if self.norm_replicas > 1 else norm
 
     # ---- checkpoint interface --------------------------------------------------------------

@@ -162,8 +162,8 @@ class FlatEngine(ZeroEngine):
         if grad_tensors is not None:
             torch.autograd.backward(loss, grad_tensors)
             return
-        scale = self.scaler.scale
-        (loss * scale if scale != 1.0 else loss).backward()
+        scale = self.scaler.scale_tensor()   # a device tensor (fp16) or 1.0: no read
+        (loss if isinstance(scale, float) else loss * scale).backward()
 
     def drop_gradients(self) -> None:
         """Discard this step's gradients without an update (a skipped step): land the collectives

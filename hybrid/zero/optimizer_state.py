@@ -55,14 +55,22 @@ class DeviceOptimizerState(OptimizerStateBackend):
         self._one_pass = adamw.kernel == "compiled"
         self._masks = (decay_masks(sizes, [s for spans in self._spans_by_chunk for s in spans],
                                    device) if self._one_pass else None)
+        # fused and compiled kernels take the step number and a skip flag as device tensors, so the
+        # engine never reads its overflow flag (issue 36); foreach keeps torch.optim.AdamW's host
+        # bias corrections and gets a host-decided step
+        self.skips_on_device = adamw.kernel in ("fused", "compiled")
+        self._taken = torch.zeros((), dtype=torch.float32, device=device)   # steps not skipped
 
     @property
     def step(self) -> int:
+        if self.skips_on_device:
+            return int(self._taken.item())   # a checkpoint's read, off the step path
         return self.moments.step
 
     @step.setter
     def step(self, value: int) -> None:
-        self.moments.step = value
+        self.moments.step = int(value)
+        self._taken.fill_(float(value))
 
     def write_master(self, chunk: int, offset: int, values: torch.Tensor) -> None:
         self.masters[chunk][offset:offset + values.numel()].copy_(values.reshape(-1))
@@ -74,40 +82,66 @@ class DeviceOptimizerState(OptimizerStateBackend):
         """Nothing staged."""
 
     def update(self, grads: list[torch.Tensor], params_out: Sequence[torch.Tensor], *, lr: float,
-               grad_scale: float) -> None:
-        self.moments.step += 1
+               grad_scale, skip: torch.Tensor | None = None) -> None:
+        """``grad_scale``: a float, or with ``skips_on_device`` a 0-dim tensor; ``skip``: a 0-dim
+        bool tensor, where set nothing changes (master, moments, parameters, step count)."""
+        if not self.skips_on_device:
+            self.moments.step += 1
+            for c, grad in enumerate(grads):
+                self._update_chunk(c, grad, lr, float(grad_scale))
+                if self.mixed_precision:
+                    params_out[c].copy_(self.masters[c])
+            return
+        device = self._taken.device
+        skip = (torch.zeros((), dtype=torch.bool, device=device) if skip is None
+                else skip.to(device=device, dtype=torch.bool).reshape(()))
+        if not isinstance(grad_scale, torch.Tensor):
+            grad_scale = torch.full((), float(grad_scale), dtype=torch.float32, device=device)
+        step = self._taken + 1                                # this update's 1-based number
         moments = (self.moments.exp_avgs, self.moments.exp_avg_sqs)
         if self._one_pass:   # 16-bit gradient in, 16-bit parameters out
             compiled_adamw_step(grads, self.masters, *moments, self._masks,
                                 list(params_out) if self.mixed_precision else None,
-                                step=self.step, config=self.adamw, lr=lr, grad_scale=grad_scale)
-            return
-        for c, grad in enumerate(grads):
-            self._update_chunk(c, grad, lr, grad_scale)
-            if self.mixed_precision:
-                params_out[c].copy_(self.masters[c])
+                                step=step, config=self.adamw, lr=lr, grad_scale=grad_scale, skip=skip)
+        else:
+            found_inf = skip.to(torch.float32)
+            for c, grad in enumerate(grads):
+                self._fused_chunk(c, grad, lr, grad_scale, step, found_inf)
+                if self.mixed_precision:   # a skipped step rewrites the same rounded master
+                    params_out[c].copy_(self.masters[c])
+        self._taken += (~skip).to(torch.float32)
 
-    def _update_chunk(self, c: int, grad: torch.Tensor, lr: float, grad_scale: float) -> None:
-        """The fused or foreach AdamW kernel on chunk ``c`` (its fp32 copies die on return: the
-        gradient's in mixed precision, the moments' when they are stored in bf16)."""
-        with moments_in_fp32(self.moments.exp_avgs[c], self.moments.exp_avg_sqs[c]) as moments:
-            self._update_chunk_fp32(c, grad.float(), *moments, lr, grad_scale)
-
-    def _update_chunk_fp32(self, c: int, grad: torch.Tensor, exp_avg: torch.Tensor,
-                           exp_avg_sq: torch.Tensor, lr: float, grad_scale: float) -> None:
-        # fp32 training: ``grad`` is the chunk itself, scaled in place
+    def _chunk_views(self, c: int, grad: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor):
+        """Per-span views of chunk ``c``'s master, gradient and (fp32) moments."""
         spans = self._spans_by_chunk[c]
         views = [[t.narrow(0, offset, numel) for _, offset, numel, _ in spans]
                  for t in (self.masters[c], grad, exp_avg, exp_avg_sq)]
-        if self.adamw.kernel == "foreach":
+        return spans, views
+
+    def _fused_chunk(self, c: int, grad: torch.Tensor, lr: float, grad_scale: torch.Tensor,
+                     step: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """torch's fused AdamW on chunk ``c`` with the step, the unscaling and the skip flag as
+        device tensors (the kernel returns at once where ``found_inf`` is 1). Moments stored in
+        bf16 are updated on fp32 copies and rounded back once (a skipped step round-trips them
+        exactly)."""
+        with moments_in_fp32(self.moments.exp_avgs[c], self.moments.exp_avg_sqs[c]) as moments:
+            spans, views = self._chunk_views(c, grad.float(), *moments)
+            for decay in (True, False):
+                pick = [i for i, span in enumerate(spans) if span[3] == decay]
+                fused_adamw_step(*([v[i] for i in pick] for v in views), decay=decay,
+                                 step=step, config=self.adamw, lr=lr, grad_scale=grad_scale,
+                                 found_inf=found_inf)
+
+    def _update_chunk(self, c: int, grad: torch.Tensor, lr: float, grad_scale: float) -> None:
+        """The foreach AdamW kernel on chunk ``c`` (its fp32 copies die on return: the gradient's in
+        mixed precision, the moments' when they are stored in bf16)."""
+        grad = grad.float()   # fp32 training: the chunk itself, scaled in place
+        with moments_in_fp32(self.moments.exp_avgs[c], self.moments.exp_avg_sqs[c]) as moments:
+            spans, views = self._chunk_views(c, grad, *moments)
             grad.mul_(1.0 / grad_scale)
             decayed = [p for p, span in zip(views[0], spans) if span[3]]
             adamw_step(*views, decayed, step=self.step, config=self.adamw, lr=lr)
-            return
-        for decay in (True, False):
-            pick = [i for i, span in enumerate(spans) if span[3] == decay]
-            fused_adamw_step(*([v[i] for i in pick] for v in views), decay=decay,
-                             step=self.step, config=self.adamw, lr=lr, grad_scale=grad_scale)
 
     def publish(self, params_out: Sequence[torch.Tensor]) -> None:
         if self.mixed_precision:

@@ -17,11 +17,48 @@ import torch
 FRAGMENT_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-@dataclass(frozen=True)
 class StepResult:
-    skipped: bool        # fp16 overflow: neither parameters nor optimizer state changed
-    grad_norm: float     # global L2 norm of the (unscaled, unclipped) gradient; nan when skipped
-    loss_scale: float    # the scale used for this step's backward
+    """The outcome of an optimizer step. The engines leave its three values on the device (0-dim
+    tensors, issue 36: a step never waits on the host); the attributes read them on first use, so
+    only a caller that looks pays the device sync - the trainer reads :meth:`device_values` once per
+    log interval instead. Plain Python values are accepted too.
+
+    ``skipped``: overflow or non-finite values, neither parameters nor optimizer state changed;
+    ``grad_norm``: global L2 norm of the (unscaled, unclipped) gradient, nan when skipped;
+    ``loss_scale``: the scale used for this step's backward."""
+
+    __slots__ = ("_skipped", "_grad_norm", "_loss_scale")
+
+    def __init__(self, skipped, grad_norm, loss_scale):
+        self._skipped, self._grad_norm, self._loss_scale = skipped, grad_norm, loss_scale
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self._skipped)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self._grad_norm)
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._loss_scale)
+
+    def device_values(self, device) -> torch.Tensor:
+        """[skipped, grad_norm, loss_scale] as one float64 tensor on ``device``, built without a
+        read (a Python value becomes a fill on the device)."""
+        return torch.stack([_as_tensor(v, device) for v in
+                            (self._skipped, self._grad_norm, self._loss_scale)])
+
+    def __repr__(self) -> str:
+        return (f"StepResult(skipped={self.skipped}, grad_norm={self.grad_norm}, "
+                f"loss_scale={self.loss_scale})")
+
+
+def _as_tensor(value, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 @dataclass(frozen=True)

@@ -201,10 +201,10 @@ class ParameterPartitioning(ZeroEngine):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch (the caller divides by the number of micro-batches)."""
-        scale = self.scaler.scale
+        scale = self.scaler.scale_tensor()   # a device tensor (fp16) or 1.0: no read
         self._backward_open = True
         self._micro_batches += 1
-        (loss * scale if scale != 1.0 else loss).backward()
+        (loss if isinstance(scale, float) else loss * scale).backward()
         self._finish_backward()
 
     def _finish_backward(self) -> None:

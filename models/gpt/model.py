@@ -308,7 +308,21 @@ class GPTModel(nn.Module):
             return self.output_layer(x, target, vocab_size)
         weight = self.embedding.word.weight if self.pre_process else self.output_weight
         return linear_cross_entropy(x, weight, target, self.group,
-                                    sequence_parallel=self.sequence_parallel, vocab_size=vocab_size)
+                                    sequence_parallel=self.sequence_parallel, vocab_size=vocab_size,
+                                    check_ids=self.check_ids)
+
+    check_ids = True   # the id range checks of _check_input and the layers (see below)
+
+    def leave_id_checks_to_loader(self) -> None:
+        """The training data loader checks every token id on the host before the copy
+        (:func:`hybrid.data.loader.check_token_ids`): drop the model's and its layers' range
+        checks, which read ``ids.min()`` / ``ids.max()`` (a host read per forward and a graph
+        break under torch.compile; issue 36). Shape checks stay."""
+        self.check_ids = False
+        if self.pre_process:
+            self.embedding.word.check_ids = False
+        if self.output_layer is not None:
+            self.output_layer.check_ids = False
 
     def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:
         if tokens.dim() != 2:
@@ -325,6 +339,8 @@ class GPTModel(nn.Module):
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels {tuple(labels.shape)} must have the shape of tokens "
                              f"{tuple(tokens.shape)}")
+        if not self.check_ids:
+            return
         for what, ids in (("token", tokens), ("label", labels)):
             # ids in the padding rows would silently train them; the check is free on the host only
             if ids is not None and ids.device.type == "cpu" and ids.numel() and (

@@ -53,10 +53,11 @@ def _patch_step() -> None:
 def _patch_loss_log(path: str) -> None:
     advance = Trainer._advance
 
-    def logged(self, stats, loss, result):
-        advance(self, stats, loss, result)
+    def logged(self, stats):
+        advance(self, stats)
+        self._settle(stats)   # the iteration's loss, read now (the trainer reads it per interval)
         if self.state.rank == 0:
-            rec = {"iteration": self.ts.iteration, "loss": repr(loss),
+            rec = {"iteration": self.ts.iteration, "loss": repr(self.losses[-1]),
                    "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
             if self.ts.iteration % 10 == 0:
                 rec["rss"] = _rss_bytes()
@@ -76,8 +77,8 @@ def _patch_save(where: str) -> None:
     if where == "rank-file":
         write = writer.write_rank_file
 
-        def crashing_write(directory, rank, pieces, extra, *identity):
-            path = write(directory, rank, pieces, extra, *identity)
+        def crashing_write(directory, rank, pieces, extra, *identity, **options):
+            path = write(directory, rank, pieces, extra, *identity, **options)
             if directory.name == target + ".tmp":
                 os._exit(9)
             return path

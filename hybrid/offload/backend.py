@@ -49,10 +49,13 @@ class OptimizerStateBackend(Protocol):
         ...
 
     def update(self, grads: list[torch.Tensor], params_out: Sequence[torch.Tensor], *, lr: float,
-               grad_scale: float) -> None:
+               grad_scale: float, skip: torch.Tensor | None = None) -> None:
         """One AdamW step on the whole partition: ``grads`` (per chunk, the gradient's dtype, still
         multiplied by ``grad_scale``) divided by ``grad_scale``; the updated master, in the
-        parameter dtype, left in ``params_out``. fp32 gradients may be modified in place."""
+        parameter dtype, left in ``params_out``. fp32 gradients may be modified in place.
+        ``skip``: a 0-dim bool tensor; where set, the step changes nothing. A backend with
+        ``skips_on_device`` decides that on the device (``grad_scale`` may then be a 0-dim tensor);
+        the engine calls the others only for the steps it takes."""
         ...
 
     def publish(self, params_out: Sequence[torch.Tensor]) -> None:

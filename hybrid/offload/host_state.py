@@ -198,12 +198,14 @@ class HostOptimizerState(OptimizerStateBackend):
         self.staged.clear()
 
     def update(self, grads: list[torch.Tensor] | None, params_out: list[torch.Tensor], *,
-               lr: float, grad_scale: float = 1.0) -> None:
+               lr: float, grad_scale: float = 1.0, skip: torch.Tensor | None = None) -> None:
         """AdamW on the whole partition; every gradient is divided by ``grad_scale`` first. A
         chunk's gradient is the staged one (:meth:`accept_grad`) or else ``grads[c]`` (on the
         device, any float dtype: each block is converted as it moves; None when every chunk is
         staged). Updated values go into ``params_out`` (per chunk). fp32 gradients may be modified
         in place."""
+        if skip is not None and bool(skip):   # a host step: the flag is read here
+            return
         check_grads_available(grads, self.sizes, self.staged.staged)
         self.step += 1
         blocks = blocks_of(self.sizes, self.adam.block_elems)

@@ -165,10 +165,12 @@ class NVMeOptimizerState(OptimizerStateBackend):
 
     # ---- the step ---------------------------------------------------------------------------
     def update(self, grads: list[torch.Tensor] | None, params_out: list[torch.Tensor], *,
-               lr: float, grad_scale: float = 1.0) -> None:
+               lr: float, grad_scale: float = 1.0, skip: torch.Tensor | None = None) -> None:
         """AdamW over the file, block by block (see module docstring); every gradient (staged in
         the gradient file, else ``grads[c]``) is divided by ``grad_scale`` first; updated values
         go to ``params_out`` (per chunk, the partition in the parameter dtype)."""
+        if skip is not None and bool(skip):   # a host step: the flag is read here
+            return
         check_grads_available(grads, self.sizes, self.staged.__contains__)
         self.step += 1
         self._land_grad_writes()   # surface a failed write here; the reads follow them anyway

@@ -202,9 +202,12 @@ class MuonOptimizerState(OptimizerStateBackend):
                                self.config.ns_itemsize, self._tp_sharded)
 
     def update(self, grads: list[torch.Tensor], params_out: Sequence[torch.Tensor], *, lr: float,
-               grad_scale: float) -> None:
+               grad_scale: float, skip: torch.Tensor | None = None) -> None:
         """Muon on the Muon pieces (first: the inner AdamW rounds whole chunks of the master into
-        ``params_out``), then AdamW on the rest."""
+        ``params_out``), then AdamW on the rest. The engine decides a skipped step on the host for
+        Muon (no ``skips_on_device``), so ``skip`` is set only by direct callers."""
+        if skip is not None and bool(skip):
+            return
         if self.plan.matrices:
             self._muon(grads, lr, grad_scale)
         self.inner.update(grads, params_out, lr=lr, grad_scale=grad_scale)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -50,3 +51,13 @@ def torchrun(nproc: int, args: list[str], *, max_restarts: int = 0, entry: Path 
                                                    f"127.0.0.1:{port}"]
     return [sys.executable, "-m", "torch.distributed.run", *rdzv, "--nnodes", "1",
             "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), str(entry), *args]
+
+
+def logged_losses(log: Path) -> dict[int, str]:
+    """The LOSS_LOG of tests/fault_entry.py: the last logged loss (repr) of every iteration (a
+    restart logs the redone iterations again)."""
+    out = {}
+    for line in log.read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["iteration"]] = rec["loss"]
+    return out

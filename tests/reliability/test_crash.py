@@ -23,7 +23,7 @@ import pytest
 from hybrid.checkpoint import CheckpointReader, read_latest
 from hybrid.testing.corpus import build_corpus
 from hybrid.testing.subprocesses import child_env
-from tests.reliability_helpers import FAULT_ENTRY, ROOT, tiny_cli, torchrun
+from tests.reliability_helpers import FAULT_ENTRY, ROOT, logged_losses, tiny_cli, torchrun
 
 ITERS = 6
 SAVE = ["--save-interval", "2"]
@@ -37,15 +37,6 @@ def corpus(tmp_path_factory):
 def _run(cmd: list[str], timeout: float = 240, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=child_env(**env))
-
-
-def _losses(log: Path) -> dict[int, str]:
-    """Last logged loss of every iteration (a restart logs the redone iterations again)."""
-    out = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["iteration"]] = rec["loss"]
-    return out
 
 
 def _records(log: Path) -> list[dict]:
@@ -68,9 +59,9 @@ def test_kill9_under_torchrun_restarts_and_resumes_exactly(corpus, tmp_path):
     assert first == [1, 2, 3]                      # killed before step 4 of the first attempt
     assert second == [3, 4, 5, 6]                  # resumed from iter_0000002
     assert "loaded checkpoint" in crashed.stderr and "iter_0000002" in crashed.stderr
-    reference = _losses(tmp_path / "ref.jsonl")
+    reference = logged_losses(tmp_path / "ref.jsonl")
     assert len(reference) == ITERS
-    assert _losses(tmp_path / "crash.jsonl") == reference          # exact, step for step
+    assert logged_losses(tmp_path / "crash.jsonl") == reference          # exact, step for step
     assert read_latest(Path(ckpt)) == "iter_0000006"
 
 
@@ -98,8 +89,8 @@ def test_crash_inside_save_keeps_previous_checkpoint(corpus, tmp_path, where):
                      timeout=120,
                      LOSS_LOG=str(tmp_path / "ref.jsonl"))
     assert reference.returncode == 0, reference.stderr[-3000:]
-    losses = _losses(tmp_path / "a.jsonl") | _losses(tmp_path / "b.jsonl")
-    assert losses == _losses(tmp_path / "ref.jsonl")
+    losses = logged_losses(tmp_path / "a.jsonl") | logged_losses(tmp_path / "b.jsonl")
+    assert losses == logged_losses(tmp_path / "ref.jsonl")
 
 
 def test_failing_rank_stops_every_rank_with_its_error(corpus, tmp_path):

@@ -27,7 +27,7 @@ from hybrid.checkpoint import read_latest
 from hybrid.checkpoint.writer import checkpoint_run_id
 from hybrid.testing.corpus import build_corpus
 from hybrid.testing.subprocesses import child_env
-from tests.reliability_helpers import FAULT_ENTRY, ROOT, tiny_cli, torchrun
+from tests.reliability_helpers import FAULT_ENTRY, ROOT, logged_losses, tiny_cli, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,6 @@ def corpus(tmp_path_factory):
 def _run(cmd: list[str], timeout: float = 400, **env) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=child_env(**env))
-
-
-def _losses(log: Path) -> dict[int, str]:
-    out = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["iteration"]] = rec["loss"]
-    return out
 
 
 def _attempts(log: Path) -> dict[str, list[int]]:
@@ -60,7 +52,7 @@ def _reference(corpus, tmp_path: Path, nproc: int, args: list[str]) -> dict[int,
     ref = _run(torchrun(nproc, args + ["--save", str(tmp_path / "ref")], entry=FAULT_ENTRY),
                LOSS_LOG=str(tmp_path / "ref.jsonl"))
     assert ref.returncode == 0, ref.stderr[-3000:]
-    return _losses(tmp_path / "ref.jsonl")
+    return logged_losses(tmp_path / "ref.jsonl")
 
 
 @pytest.mark.slow   # two 4-rank torchrun jobs: ~1-2 minutes on 2 shared cores
@@ -74,7 +66,7 @@ def test_four_ranks_rank2_killed_resumes_by_itself_and_matches(corpus, tmp_path)
                LOSS_LOG=str(tmp_path / "job.jsonl"), FAULT_KILL_RANK="2", FAULT_AT_ITER="5")
     assert job.returncode == 0, job.stderr[-3000:]
     assert _attempts(tmp_path / "job.jsonl") == {"0": [1, 2, 3, 4, 5], "1": [4, 5, 6, 7, 8]}
-    assert _losses(tmp_path / "job.jsonl") == reference                # exact, step for step
+    assert logged_losses(tmp_path / "job.jsonl") == reference                # exact, step for step
     assert "in-job restart 1 of at most 1" in job.stderr and "resumed from iteration 3" in job.stderr
     assert "in-job restarts: 1 of at most 1; iterations lost to failures (done again): 2" in job.stderr
     assert read_latest(ckpt) == "iter_0000008"
@@ -94,7 +86,7 @@ def test_failure_before_the_first_checkpoint_starts_again(corpus, tmp_path):
                LOSS_LOG=str(tmp_path / "job.jsonl"), FAULT_KILL_RANK="1", FAULT_AT_ITER="2")
     assert job.returncode == 0, job.stderr[-3000:]
     assert _attempts(tmp_path / "job.jsonl") == {"0": [1, 2], "1": [1, 2, 3, 4]}
-    assert _losses(tmp_path / "job.jsonl") == reference
+    assert logged_losses(tmp_path / "job.jsonl") == reference
     assert "no checkpoint of this run yet: started again from iteration 0" in job.stderr
     assert "iterations lost to failures (done again): 2" in job.stderr
 
@@ -113,7 +105,7 @@ def test_kill9_during_async_write_resumes_from_previous_checkpoint(corpus, tmp_p
     # killed before step 6 while iteration 4's write slept: iteration 2 was the latest
     assert _attempts(tmp_path / "job.jsonl") == {"0": [1, 2, 3, 4, 5], "1": [3, 4, 5, 6]}
     assert "resumed from iteration 2" in job.stderr
-    assert _losses(tmp_path / "job.jsonl") == reference
+    assert logged_losses(tmp_path / "job.jsonl") == reference
     assert read_latest(ckpt) == "iter_0000006"
     assert not list(ckpt.glob("*.tmp"))
 

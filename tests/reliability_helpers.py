@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +62,11 @@ def logged_losses(log: Path) -> dict[int, str]:
         rec = json.loads(line)
         out[rec["iteration"]] = rec["loss"]
     return out
+
+
+def run_command(cmd: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root in the test environment (hybrid.testing's child_env plus
+    ``env``), output captured."""
+    from hybrid.testing.subprocesses import child_env
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=child_env(**env))

@@ -1,8 +1,8 @@
 """Read the tensors of a torch.distributed.checkpoint (DCP) directory, whole, without DCP's loader.
 
 DCP's own ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load``, which imports and
-calls whatever the file names. Here the ``torch.save`` chunks go through ``torch.load(weights_only=
-True)`` (:func:`hybrid.checkpoint.foreign_files.load_torch`), and ``.metadata`` - a protocol-4
+calls whatever the file names. Here the ``torch.save`` chunks go through torch's weights-only
+loader (:func:`hybrid.checkpoint.foreign_files.load_torch`), and ``.metadata`` - a protocol-4
 pickle that torch's weights-only unpickler cannot parse - through :func:`read_metadata`, an
 unpickler whose only way to reach a class or function is the allow-list of
 :func:`~hybrid.checkpoint.foreign_files.grant` (Python's "restricting globals"): a name outside it is

@@ -22,8 +22,7 @@ import pytest
 
 from hybrid.checkpoint import CheckpointReader, read_latest
 from hybrid.testing.corpus import build_corpus
-from hybrid.testing.subprocesses import child_env
-from tests.reliability_helpers import FAULT_ENTRY, ROOT, logged_losses, tiny_cli, torchrun
+from tests.reliability_helpers import FAULT_ENTRY, logged_losses, run_command, tiny_cli, torchrun
 
 ITERS = 6
 SAVE = ["--save-interval", "2"]
@@ -35,8 +34,7 @@ def corpus(tmp_path_factory):
 
 
 def _run(cmd: list[str], timeout: float = 240, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=child_env(**env))
+    return run_command(cmd, timeout, **env)
 
 
 def _records(log: Path) -> list[dict]:

@@ -26,8 +26,8 @@ import pytest
 from hybrid.checkpoint import read_latest
 from hybrid.checkpoint.writer import checkpoint_run_id
 from hybrid.testing.corpus import build_corpus
-from hybrid.testing.subprocesses import child_env
-from tests.reliability_helpers import FAULT_ENTRY, ROOT, logged_losses, tiny_cli, torchrun
+from tests.reliability_helpers import (FAULT_ENTRY, ROOT, logged_losses, run_command, tiny_cli,
+                                    torchrun)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,7 @@ def corpus(tmp_path_factory):
 
 
 def _run(cmd: list[str], timeout: float = 400, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=child_env(**env))
+    return run_command(cmd, timeout, **env)
 
 
 def _attempts(log: Path) -> dict[str, list[int]]:

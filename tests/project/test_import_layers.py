@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, list[str] | set[str]]] = [
                 "hybrid.launch_env", "hybrid.adamw_config", "hybrid.precision_config",
                 "hybrid.zero_policy", "hybrid.batch_schedule", "hybrid.muon_config"}),
     ("1 communication", ["hybrid.comm", "hybrid.shm_collectives", "hybrid.parallel_state"]),
-    ("2 parallelism", ["hybrid.tensor_parallel", "hybrid.recompute", "hybrid.offload", "hybrid.zero",
+    ("2 parallelism", ["hybrid.tensor_parallel", "hybrid.context_parallel", "hybrid.moe", "hybrid.recompute", "hybrid.offload", "hybrid.zero",
                        "hybrid.pipeline", "hybrid.data", "hybrid.generation", "hybrid.testing"]),
     ("3 checkpoint", {"hybrid.checkpoint"}),
     ("4 models", {"models.gpt"}),

@@ -120,11 +120,11 @@ class GroupedSwiGLUExperts(nn.Module):
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2):
             offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
             y = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))              # [N, 2f/tp]
-            gate, up = y.view(y.size(0), -1, 2).unbind(dim=-1)
+            gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
             act = F.silu(gate) * up                                                      # [N, f/tp]
             out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))          # [N, h]
         else:
             y = padded_bmm(x, w1, counts)
-            gate, up = y.view(y.size(0), -1, 2).unbind(dim=-1)
+            gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
             out = padded_bmm(F.silu(gate) * up, w2, counts)
         return reduce_from_tp(out, self.group) if self.group.size > 1 else out

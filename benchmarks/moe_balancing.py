@@ -43,7 +43,8 @@ def train_args(name: str, iters: int, work: Path) -> list[str]:
             "--zero-stage", "1", "--train-iters", str(iters), "--eval-iters", "0",
             "--log-interval", "1", "--micro-batch-size", "8", "--global-batch-size", "8",
             "--save-interval", "100000", "--save", str(work / f"ckpt-{name}"),
-            "--jsonl-log", str(work / f"{name}.jsonl"), "--overwrite"]
+            "--jsonl-log", str(work / f"{name}.jsonl"), "--tensorboard-dir",
+            str(work / f"tb-{name}"), "--overwrite"]
 
 
 def run(name: str, iters: int, work: Path) -> None:
@@ -59,10 +60,10 @@ def curves(work: Path) -> dict:
     out = {}
     for name in RUNS:
         rows = [json.loads(line) for line in open(work / f"{name}.jsonl") if line.strip()]
-        rows = [r for r in rows if "moe/load-max-over-mean" in r]
+        rows = [r for r in rows if "moe/load-max-over-mean" in r.get("metrics", {})]
         out[name] = {"step": [r["step"] for r in rows],
-                     "max_over_mean": [r["moe/load-max-over-mean"] for r in rows],
-                     "lm_loss": [r["lm loss"] for r in rows]}
+                     "max_over_mean": [r["metrics"]["moe/load-max-over-mean"] for r in rows],
+                     "lm_loss": [r["metrics"]["lm loss"] for r in rows]}
     return out
 
 

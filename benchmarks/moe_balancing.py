@@ -67,15 +67,16 @@ def curves(work: Path) -> dict:
     return out
 
 
-def summary(data: dict) -> dict:
-    """Per run: max/mean over the last 200 steps (max and mean of the per-step values), the first
-    10 steps' mean, and the final 10 steps' mean lm loss."""
+def summary(data: dict, window: int = 50) -> dict:
+    """Per run and 50-step window: the largest and the mean per-step max/mean, and the run's mean
+    lm loss over its last 10 steps."""
     out = {}
     for name, c in data.items():
-        late = c["max_over_mean"][100:]
-        out[name] = {"first10_mean": sum(c["max_over_mean"][:10]) / 10,
-                     "steps100_end_max": max(late), "steps100_end_mean": sum(late) / len(late),
-                     "final_lm_loss": sum(c["lm_loss"][-10:]) / 10}
+        v = c["max_over_mean"]
+        windows = {f"{a + 1}-{min(a + window, len(v))}": (max(v[a:a + window]),
+                                                          sum(v[a:a + window]) / len(v[a:a + window]))
+                   for a in range(0, len(v), window)}
+        out[name] = {"windows": windows, "final_lm_loss": sum(c["lm_loss"][-10:]) / 10}
     return out
 
 
@@ -110,12 +111,13 @@ def main() -> None:
     (ROOT / "benchmarks" / "results" / "moe_balancing.json").write_text(
         json.dumps({"summary": table, "curves": data}, indent=1) + "\n")
     plot(data, ROOT / "docs" / "moe_balancing.png")
-    print("| run | max/mean, steps 1-10 (mean) | steps 101-end: max | mean | lm loss, last 10 |")
-    print("| --- | --- | --- | --- | --- |")
+    spans = list(next(iter(table.values()))["windows"])
+    print("max/mean expert load per step, largest | mean over each window of steps")
+    print("| run | " + " | ".join(f"steps {w}" for w in spans) + " | lm loss, last 10 |")
+    print("| --- |" + " --- |" * (len(spans) + 1))
     for name, row in table.items():
-        print(f"| {name} | {row['first10_mean']:.2f} | {row['steps100_end_max']:.2f} | "
-              f"{row['steps100_end_mean']:.2f} | {row['final_lm_loss']:.3f} |")
-
+        cells = " | ".join(f"{hi:.2f} \\| {mean:.2f}" for hi, mean in row["windows"].values())
+        print(f"| {name} | {cells} | {row['final_lm_loss']:.3f} |")
 
 if __name__ == "__main__":
     main()

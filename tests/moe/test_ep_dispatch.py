@@ -75,7 +75,10 @@ def _one_layout(state, kind):
         assert a2av == 2 * (sent + received) * H * 8       # fp64 rows: dispatch + combine, fwd + bwd
         counts_bytes = sum(x.bytes_per_rank for x in records if x.op == "all_to_all")
         assert counts_bytes == E * 8 * (ep - 1) / ep       # one int64 count exchange, forward only
-        assert {x.group for x in records} == {"ep"}
+    else:   # all-gather + reduce-scatter of [ep T, H] both ways; indices, probs and their gradient
+        assert sum(x.bytes_per_rank for x in records) == (4 * T * (ep - 1) * H * 8
+                                                          + (ep - 1) * T * K * (8 + 8 + 8))
+    assert {x.group for x in records} == {"ep"}
     return counts
 
 
@@ -111,3 +114,19 @@ def test_single_rank_alltoall_is_local():
         outs = [chunk @ weight[e] for e, chunk in enumerate(tokens.split(counts))]
         torch.testing.assert_close(d.combine(torch.cat(outs)), ref_out, rtol=1e-12, atol=1e-12)
     assert state.ledger.records == []
+
+
+def test_experts_with_no_rows_keep_the_graph():
+    """An EP rank that receives no token runs its experts on [0, h]: the output must still depend
+    on the input, or that rank would skip the dispatcher's backward all-to-all its peers wait in."""
+    from hybrid.moe.experts import GroupedSwiGLUExperts
+    state = ParallelState.single_process()
+    for grouped in (True, False):
+        experts = GroupedSwiGLUExperts(2, 16, 8, state.tp)
+        experts.to_empty(device="cpu")
+        experts.use_grouped_mm = grouped
+        x = torch.zeros(0, 16, requires_grad=True)
+        y = experts(x, [0, 0])
+        assert y.shape == (0, 16)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == (0, 16)

@@ -161,3 +161,12 @@ def test_metrics_of_an_interval():
     assert m["moe/aux-loss"] == pytest.approx(0.2) and m["moe/z-loss"] == pytest.approx(0.1)
     assert m["moe/dropped-fraction"] == 0.25 and m["moe/load-max-over-mean"] == pytest.approx(3.0)
     assert moe_metrics({}, None) == {}
+
+
+def test_aux_losses_under_pipeline_parallelism_are_refused_with_the_alternative():
+    from pretrain.arguments import parse_args
+    from pretrain.config import TrainConfigError
+    moe = ["--num-experts", "4", "--swiglu", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(TrainConfigError, match="--moe-router-enable-expert-bias"):
+        parse_args(moe + ["--moe-aux-loss-coeff", "0.01"])
+    parse_args(moe)   # no aux / z loss: accepted

@@ -1,0 +1,57 @@
+"""The CP models of hybrid/perf/context_parallel.py (issue 31): the bytes per layer of ring (p2p),
+all-to-all and all-gather-KV attention against the closed forms counted by hand for small shapes,
+and their errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid.perf.context_parallel import (check_a2a_heads, cp_bytes_per_layer, cp_bytes_per_step,
+                                          local_seq, ring_working_bytes)
+
+SHAPE = dict(micro_batch=2, seq=64, hidden=32, heads=8, query_groups=2, tp=2, bytes_per_element=2)
+
+
+def test_p2p_counts_kv_blocks_around_the_ring():
+    # C 4: each rank holds 16 tokens; a TP rank has 1 kv head of size 4: k is 2 x 16 x 4 = 128
+    # elements; forward: K and V 3 hops; backward: K, V 3 hops and dK, dV 3 hops
+    got = cp_bytes_per_layer(comm_type="p2p", cp=4, **SHAPE)
+    assert got.forward == 2 * 3 * 128 * 2
+    assert got.backward == 4 * 3 * 128 * 2
+    fp32_grads = cp_bytes_per_layer(comm_type="p2p", cp=4, grad_bytes_per_element=4, **SHAPE)
+    assert fp32_grads.backward == 2 * 3 * 128 * 2 + 2 * 3 * 128 * 4
+
+
+def test_a2a_moves_q_k_v_out_and_their_gradients():
+    # q: 2 x 16 x 32 / 2 = 512 elements, k: 128; (C - 1) / C of 2 q + 2 kv each way
+    got = cp_bytes_per_layer(comm_type="a2a", cp=4, **SHAPE)
+    assert got.forward == got.backward == pytest.approx(0.75 * (2 * 512 + 2 * 128) * 2)
+    gather = cp_bytes_per_layer(comm_type="allgather", cp=4, **SHAPE)
+    assert gather.forward == gather.backward == 2 * 3 * 128 * 2
+
+
+def test_step_bytes_scale_with_layers_micro_batches_and_recompute():
+    one = cp_bytes_per_layer(comm_type="p2p", cp=2, **SHAPE)
+    assert cp_bytes_per_step(layers=3, micro_batches=5, comm_type="p2p", cp=2, **SHAPE) \
+        == 15 * one.total
+    assert cp_bytes_per_step(layers=3, micro_batches=5, recompute="full", comm_type="p2p", cp=2,
+                             **SHAPE) == 15 * (one.total + one.forward)
+    assert cp_bytes_per_layer(comm_type="p2p", cp=1, **SHAPE).total == 0
+
+
+def test_ring_working_set_is_one_block_pair():
+    # 16 local tokens, 4 heads per TP rank, fp32 scores and probabilities of 16 x 16
+    explicit = ring_working_bytes(cp=4, **SHAPE)
+    assert explicit == 4 * 128 * 2 + 2 * 2 * 4 * 16 * 16 * 4
+    assert ring_working_bytes(cp=4, explicit_scores=False, **SHAPE) == 4 * 128 * 2
+
+
+def test_errors_name_the_fix():
+    assert local_seq(64, 4) == 16
+    with pytest.raises(ValueError, match="divisible by 2 x context-parallel size = 12"):
+        local_seq(64, 6)
+    with pytest.raises(ValueError, match="must be one of"):
+        cp_bytes_per_layer(comm_type="ring", cp=2, **SHAPE)
+    with pytest.raises(ValueError, match="use --cp-comm-type p2p"):
+        check_a2a_heads(8, 2, 2, 2)     # 1 key/value head per TP rank cannot split over CP 2
+    check_a2a_heads(8, 4, 2, 2)

@@ -14,22 +14,28 @@ of ``a / t`` query heads and ``g / t`` key/value heads, so its local tensors are
 Bytes ONE rank sends per layer and micro-batch, each forward and backward of the attention
 (``kv`` the elements of one of k, v; ``q`` those of q):
 
-    p2p        forward   2 (C - 1) kv e             K and V travel C - 1 hops around the ring
+    p2p        forward   2 (C - 1) kv e + (C - 1) 8 m s/C   K and V (and the block's token
+                                                    indices) travel C - 1 hops around the ring
                backward  2 (C - 1) kv e             K and V travel the ring again
                        + 2 (C - 1) kv e_grad        dK and dV travel back to their owners
                                                     (C - 1 hops: the partial sum of block j starts
                                                     at rank j + 1 and ends at j, which adds its own)
     a2a        forward   (C - 1) / C (2 q + 2 kv) e   4 all-to-alls: q, k, v in, out back
-               backward  (C - 1) / C (2 q + 2 kv) e   4 all-to-alls: dout in, dq, dk, dv back
-    allgather  forward   2 (C - 1) kv e             all-gather of K and V ((C - 1) / C of s)
+                       + (C - 1) 8 m s/C            all-gather of the token indices
+               backward  (C - 1) / C (2 q + 2 kv) e_grad   dout in, dq, dk, dv back
+    allgather  forward   2 (C - 1) kv e + (C - 1) 8 m s/C   all-gather of K, V and the indices
                backward  2 (C - 1) kv e_grad        reduce-scatter of dK and dV
 
-(``e_grad``: bytes per element of dK, dV on the wire; ``e`` unless the ring carries them in fp32.)
+``m`` int64 index rows per token: 1 (its global index) + ``b`` with document ids (document masking).
+``e_grad``: bytes per element of the gradients on the wire; by default fp32 (4) for the ring's and
+the all-gather's dK, dV (accumulated over ranks in fp32, hybrid/context_parallel/ring.py) and ``e``
+for a2a's (its all-to-alls move the gradients in the activation dtype).
 With selective or full recompute the attention's forward, and so its forward communication, runs
 once more in backward (:func:`cp_bytes_per_step`). With GQA only the ``g`` key/value heads travel in
 the ring, which is why p2p moves ``g / a`` of a2a's k, v share while a2a also moves q and out.
-These are the volumes the ``cp`` category of the communication ledger records (hybrid/comm.py: a
-send counts its bytes, an all-to-all (C - 1) / C of its input).
+These are the volumes the ``cp`` group of the communication ledger records (hybrid/comm.py: a send
+counts its bytes, and the matching receive records the same again; an all-to-all (C - 1) / C of its
+input, an all-gather or reduce-scatter (C - 1) / C of the whole tensor).
 """
 
 from __future__ import annotations
@@ -65,11 +71,14 @@ def local_seq(seq: int, cp: int) -> int:
 def cp_bytes_per_layer(*, comm_type: str, cp: int, micro_batch: int, seq: int, hidden: int,
                        heads: int, query_groups: int | None = None, tp: int = 1,
                        bytes_per_element: int = 2,
-                       grad_bytes_per_element: int | None = None) -> CPBytes:
+                       grad_bytes_per_element: int | None = None,
+                       document_ids: bool = False) -> CPBytes:
     """Bytes one CP rank sends for one layer and micro-batch (forward, backward), as the module
     docstring states. ``seq`` is the whole sequence, ``query_groups`` the key/value heads (None: one
-    per head), ``bytes_per_element`` the wire dtype of q, k, v, out (and their gradients unless
-    ``grad_bytes_per_element`` says otherwise). CP 1 moves nothing."""
+    per head), ``bytes_per_element`` the wire dtype of q, k, v, out; ``grad_bytes_per_element`` that
+    of the gradients (None: fp32 for p2p and allgather, ``bytes_per_element`` for a2a);
+    ``document_ids``: the blocks carry document ids beside their token indices. CP 1 moves
+    nothing."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp comm type must be one of {CP_COMM_TYPES}, got {comm_type!r}")
     _positive(cp=cp, micro_batch=micro_batch, seq=seq, hidden=hidden, heads=heads, tp=tp,
@@ -81,16 +90,18 @@ def cp_bytes_per_layer(*, comm_type: str, cp: int, micro_batch: int, seq: int, h
     if cp == 1:
         return CPBytes(0.0, 0.0)
     e = bytes_per_element
-    e_grad = e if grad_bytes_per_element is None else grad_bytes_per_element
-    tokens = micro_batch * local_seq(seq, cp)
+    e_grad = grad_bytes_per_element or (e if comm_type == "a2a" else 4)
+    s_loc = local_seq(seq, cp)
+    tokens = micro_batch * s_loc
     q = tokens * hidden / tp                     # elements of q (and of out, dq, dout)
     kv = tokens * g * (hidden // heads) / tp     # elements of k (and of v, dk, dv)
+    indices = (cp - 1) * 8 * (1 + (micro_batch if document_ids else 0)) * s_loc   # int64 rows
     if comm_type == "p2p":
-        return CPBytes(2 * (cp - 1) * kv * e, 2 * (cp - 1) * kv * (e + e_grad))
+        return CPBytes(2 * (cp - 1) * kv * e + indices, 2 * (cp - 1) * kv * (e + e_grad))
     if comm_type == "a2a":
         share = (cp - 1) / cp
-        return CPBytes(share * (2 * q + 2 * kv) * e, share * (2 * q + 2 * kv) * e_grad)
-    return CPBytes(2 * (cp - 1) * kv * e, 2 * (cp - 1) * kv * e_grad)
+        return CPBytes(share * (2 * q + 2 * kv) * e + indices, share * (2 * q + 2 * kv) * e_grad)
+    return CPBytes(2 * (cp - 1) * kv * e + indices, 2 * (cp - 1) * kv * e_grad)
 
 
 def cp_bytes_per_step(*, layers: int, micro_batches: int, recompute: str = "none",

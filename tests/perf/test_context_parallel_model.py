@@ -14,20 +14,25 @@ SHAPE = dict(micro_batch=2, seq=64, hidden=32, heads=8, query_groups=2, tp=2, by
 
 def test_p2p_counts_kv_blocks_around_the_ring():
     # C 4: each rank holds 16 tokens; a TP rank has 1 kv head of size 4: k is 2 x 16 x 4 = 128
-    # elements; forward: K and V 3 hops; backward: K, V 3 hops and dK, dV 3 hops
+    # elements; forward: K and V 3 hops with 16 int64 indices; backward: K, V 3 hops (bf16) and
+    # dK, dV 3 hops (fp32)
     got = cp_bytes_per_layer(comm_type="p2p", cp=4, **SHAPE)
-    assert got.forward == 2 * 3 * 128 * 2
-    assert got.backward == 4 * 3 * 128 * 2
-    fp32_grads = cp_bytes_per_layer(comm_type="p2p", cp=4, grad_bytes_per_element=4, **SHAPE)
-    assert fp32_grads.backward == 2 * 3 * 128 * 2 + 2 * 3 * 128 * 4
+    assert got.forward == 2 * 3 * 128 * 2 + 3 * 8 * 16
+    assert got.backward == 2 * 3 * 128 * 2 + 2 * 3 * 128 * 4
+    same = cp_bytes_per_layer(comm_type="p2p", cp=4, grad_bytes_per_element=2, document_ids=True,
+                              **SHAPE)
+    assert same.forward == 2 * 3 * 128 * 2 + 3 * 8 * 3 * 16    # index + 2 document-id rows
+    assert same.backward == 4 * 3 * 128 * 2
 
 
 def test_a2a_moves_q_k_v_out_and_their_gradients():
     # q: 2 x 16 x 32 / 2 = 512 elements, k: 128; (C - 1) / C of 2 q + 2 kv each way
     got = cp_bytes_per_layer(comm_type="a2a", cp=4, **SHAPE)
-    assert got.forward == got.backward == pytest.approx(0.75 * (2 * 512 + 2 * 128) * 2)
+    assert got.backward == pytest.approx(0.75 * (2 * 512 + 2 * 128) * 2)
+    assert got.forward == pytest.approx(got.backward + 3 * 8 * 16)
     gather = cp_bytes_per_layer(comm_type="allgather", cp=4, **SHAPE)
-    assert gather.forward == gather.backward == 2 * 3 * 128 * 2
+    assert gather.forward == 2 * 3 * 128 * 2 + 3 * 8 * 16
+    assert gather.backward == 2 * 3 * 128 * 4
 
 
 def test_step_bytes_scale_with_layers_micro_batches_and_recompute():

@@ -60,3 +60,28 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="use --cp-comm-type p2p"):
         check_a2a_heads(8, 2, 2, 2)     # 1 key/value head per TP rank cannot split over CP 2
     check_a2a_heads(8, 4, 2, 2)
+
+
+def test_layout_model_divides_activations_and_flops_by_cp():
+    """hybrid.perf.pipeline with CP: the same TP x PP x DP slice at CP 4 holds a quarter of the
+    activations (every term is per token, the ring keeps out + lse) and does a quarter of the
+    model FLOPs per GPU; its time pays the attention of its queries against all keys."""
+    from hybrid.perf.pipeline import Layout, estimate_layout
+    model = dict(layers=4, hidden=1024, heads=16, seq=32768, vocab=32000, global_batch=8,
+                 attention_core="flash")
+    one = estimate_layout(Layout(2, 1, 8, 1, 1, "none", 1, True), **model)
+    four = estimate_layout(Layout(2, 1, 8, 1, 1, "none", 1, True, cp=4), **model)
+    assert four.activation_bytes == pytest.approx(one.activation_bytes / 4)
+    assert four.model_flops_per_gpu == pytest.approx(one.model_flops_per_gpu / 4)
+    assert one.time_s / 4 < four.time_s < one.time_s
+    with pytest.raises(ValueError, match="use --cp-comm-type p2p"):
+        estimate_layout(Layout(2, 1, 8, 1, 1, "none", 1, True, cp=16, cp_comm_type="a2a"), **model)
+
+
+def test_rank_layouts_enumerates_cp_for_long_sequences():
+    from tools.rank_layouts import candidates, cp_degrees
+    assert cp_degrees(2048, 1024) == [1]
+    assert cp_degrees(131072, 128) == [1, 2, 4, 8, 16, 32, 64]
+    assert cp_degrees(16384, 64) == [1, 2, 4, 8, 16]          # >= 1024 tokens a rank
+    found = {(c.tp, c.cp, c.cp_comm_type) for c in candidates(4, 512, 8, 16384, 16, 16, 8)}
+    assert (8, 2, "p2p") in found and (4, 2, "a2a") in found and (8, 2, "a2a") not in found

@@ -131,9 +131,8 @@ def a2a_attention(q, k, v, group, token_index, document_ids, compute_dtype):
     doc = None
     if document_ids is not None:
         doc = metas[:, 1:].permute(1, 0, 2).reshape(b, size * s)[:, order]
-    chunks = 2 * size if s % 2 == 0 else size                               # the layout's chunks
-    pieces = blocks.parts(index, chunks)
-    tiles = blocks.plan(pieces, pieces, index, index, doc, doc, merge_neighbours=False)
+    pieces = blocks.parts(index, blocks.part_count(size * s, 2 * size))    # the layout's chunks, cut
+    tiles = blocks.plan(pieces, pieces, index, index, doc, doc, max_area=s * s)   # <= [s, s]
     qs, ks, vs = _ToSequence.apply(group, order, q, k, v)
     out = _Local.apply(qs, ks, vs, index, doc, tiles, compute_dtype)
     return _ToHeads.apply(group, order, out)

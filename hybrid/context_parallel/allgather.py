@@ -49,8 +49,8 @@ class _AllGather(torch.autograd.Function):
             k_doc = metas[:, 1:].permute(1, 0, 2).reshape(b, size * s)[:, order]
         kv_all = (gathered.view(size, 2, b, g, s, d).permute(1, 2, 3, 0, 4, 5)
                   .reshape(2, b, g, size * s, d).index_select(3, order))    # [2, b, g, C s, d]
-        halves = 2 if s % 2 == 0 else 1
-        tiles = blocks.plan(blocks.parts(token_index, halves), blocks.parts(k_index, halves * size),
+        count = blocks.part_count(s, 2)
+        tiles = blocks.plan(blocks.parts(token_index, count), blocks.parts(k_index, count * size),
                             token_index, k_index, document_ids, k_doc)
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)

@@ -53,36 +53,36 @@ def _rows(x: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _scores(qc: torch.Tensor, kc: torch.Tensor, mask: torch.Tensor | None, shape: tuple,
             scale: float) -> torch.Tensor:
-    """fp32 scaled scores ``[b g, r sq, sk]`` with hidden pairs at -inf."""
+    """fp32 scaled scores ``[b g, r sq, sk]`` with hidden pairs at -inf (the scale rides on the
+    product)."""
     b, g, r, sq, sk = shape
-    scores = torch.bmm(qc, kc.transpose(1, 2))
+    scores = torch.baddbmm(qc.new_empty(b * g, r * sq, sk), qc, kc.transpose(1, 2), beta=0.0,
+                           alpha=scale)
     scores = scores.float() if scores.dtype != torch.float32 else scores
-    scores.mul_(scale)
     if mask is not None:
         scores.view(b, g, r, sq, sk).masked_fill_(~mask[:, None, None], -math.inf)
     return scores
 
 
-def _probabilities(scores: torch.Tensor, lse: torch.Tensor, masked: bool) -> torch.Tensor:
-    """``exp(scores - lse)`` in place; rows with ``lse = -inf`` (no visible key) give zeros."""
-    if masked:
-        lse = lse.masked_fill(lse == -math.inf, 0.0)
-    return scores.sub_(lse[..., None]).exp_()
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: q ``[b, a, sq, d]``, k and v ``[b, g, sk, d]``, mask ``[b or 1, sq, sk]`` or None
-    -> (out ``[b, a, sq, d]`` fp32, lse ``[b, a, sq]`` fp32)."""
+    -> (out ``[b, a, sq, d]`` fp32, lse ``[b, a, sq]`` fp32). Four passes over the scores (max,
+    subtract, exp, sum); the normalisation divides the ``[r sq, d]`` output, not the probabilities."""
     b, a, sq, d = q.shape
     g, sk = k.size(1), k.size(2)
     shape = (b, g, a // g, sq, sk)
     qc, kc, vc = _rows(q, g, compute_dtype), _rows(k, g, compute_dtype), _rows(v, g, compute_dtype)
     scores = _scores(qc, kc, mask, shape, 1.0 / math.sqrt(d))               # [b g, r sq, sk]
-    lse = torch.logsumexp(scores, dim=-1)                                   # [b g, r sq]
-    probs = _probabilities(scores, lse, mask is not None)
-    out = torch.bmm(probs.to(compute_dtype), vc)                            # [b g, r sq, d]
-    return out.float().view(b, a, sq, d), lse.view(b, a, sq)
+    top = scores.amax(dim=-1, keepdim=True)                                 # [b g, r sq, 1]
+    if mask is not None:                                                    # rows seeing no key
+        top.masked_fill_(top == -math.inf, 0.0)
+    probs = scores.sub_(top).exp_()                                         # unnormalised
+    total = probs.sum(dim=-1, keepdim=True)                                 # 0 for empty rows
+    out = torch.bmm(probs.to(compute_dtype), vc).float()                    # [b g, r sq, d]
+    out.div_(total.clamp(min=torch.finfo(torch.float32).tiny))
+    lse = total.log_().add_(top).squeeze(-1)                                # -inf for empty rows
+    return out.view(b, a, sq, d), lse.view(b, a, sq)
 
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -97,13 +97,16 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     qc, kc, vc = _rows(q, g, compute_dtype), _rows(k, g, compute_dtype), _rows(v, g, compute_dtype)
     doc = _rows(dout, g, compute_dtype)                                     # [b g, r sq, d]
     scores = _scores(qc, kc, mask, (b, g, r, sq, sk), scale)
-    probs = _probabilities(scores, lse.reshape(b * g, r * sq), mask is not None)
+    lse = lse.reshape(b * g, r * sq, 1)
+    if mask is not None:                                                    # rows seeing no key
+        lse = lse.masked_fill(lse == -math.inf, 0.0)
+    probs = scores.sub_(lse).exp_()                                         # P, [b g, r sq, sk]
     dv = torch.bmm(probs.to(compute_dtype).transpose(1, 2), doc)            # [b g, sk, d]
     dp = torch.bmm(doc, vc.transpose(1, 2))                                 # [b g, r sq, sk]
     dp = dp.float() if dp.dtype != torch.float32 else dp
-    ds = dp.sub_(delta.reshape(b * g, r * sq, 1)).mul_(probs).mul_(scale).to(compute_dtype)
-    dq = torch.bmm(ds, kc)                                                  # [b g, r sq, d]
-    dk = torch.bmm(ds.transpose(1, 2), qc)                                  # [b g, sk, d]
+    ds = dp.sub_(delta.reshape(b * g, r * sq, 1)).mul_(probs).to(compute_dtype)   # dS / scale
+    dq = torch.baddbmm(qc.new_empty(qc.shape), ds, kc, beta=0.0, alpha=scale)  # [b g, r sq, d]
+    dk = torch.baddbmm(kc.new_empty(kc.shape), ds.transpose(1, 2), qc, beta=0.0, alpha=scale)
     return (dq.float().view(b, a, sq, d), dk.float().view(b, g, sk, d),
             dv.float().view(b, g, sk, d))
 
@@ -132,6 +135,20 @@ class Tile:
     masked: bool
 
 
+# rows of the finest tile: near the causal diagonal the tiles are this small, so the products skip
+# almost all of the hidden half of a diagonal block (neighbours merge back into long products)
+PART = 128
+
+
+def part_count(length: int, chunks: int) -> int:
+    """How many equal parts to cut ``length`` tokens (``chunks`` layout chunks) into: the chunks
+    halved while the parts stay >= :data:`PART` tokens and divide evenly."""
+    count = chunks if length % chunks == 0 else 1
+    while length % (2 * count) == 0 and length // (2 * count) >= PART:
+        count *= 2
+    return count
+
+
 def parts(index: torch.Tensor, count: int) -> list[tuple[int, int, int, int]]:
     """``index [s]`` cut into ``count`` equal ranges ``(start, end, min index, max index)``."""
     size = index.numel() // count
@@ -142,15 +159,18 @@ def parts(index: torch.Tensor, count: int) -> list[tuple[int, int, int, int]]:
 
 def plan(q_parts: list, k_parts: list, q_index: torch.Tensor, k_index: torch.Tensor,
          q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
-         merge_neighbours: bool = True) -> list[Tile]:
+         max_area: int | None = None) -> list[Tile]:
     """The tiles that hold visible pairs, from the parts (:func:`parts`) of the queries and the keys.
     Keys after every query of a part are skipped; keys before every query are visible unless a
     document border hides some (then the tile's mask decides, and a tile hiding everything goes).
-    ``merge_neighbours``: neighbouring key parts of one query part become one tile (fewer, larger
-    products; False keeps every score block at one part by one part)."""
-    tiles: list[Tile] = []
+    Neighbouring tiles merge into one product (fewer, larger matrix products) while the merged
+    score block stays within ``max_area`` (query rows x keys; None: no limit): first the key parts
+    of one query part, then query parts over the same keys."""
+    fits = (lambda rows, cols: True) if max_area is None else (
+        lambda rows, cols: rows * cols <= max_area)
+    rows: list[list[int]] = []                            # [q0, q1, k0, k1, masked]
     for q0, q1, q_lo, q_hi in q_parts:
-        row: list[list] = []
+        row: list[list[int]] = []
         for k0, k1, k_lo, k_hi in k_parts:
             if k_lo > q_hi:
                 continue                                  # every key after every query
@@ -160,12 +180,19 @@ def plan(q_parts: list, k_parts: list, q_index: torch.Tensor, k_index: torch.Ten
                 if not bool(mask.any()):
                     continue
                 masked = not bool(mask.all())
-            if merge_neighbours and row and row[-1][1] == k0:     # neighbours: one product
-                row[-1][1], row[-1][2] = k1, row[-1][2] or masked
+            last = row[-1] if row else None
+            if last is not None and last[3] == k0 and fits(q1 - q0, k1 - last[2]):
+                last[3], last[4] = k1, last[4] or masked
             else:
-                row.append([k0, k1, masked])
-        tiles += [Tile(q0, q1, k0, k1, masked) for k0, k1, masked in row]
-    return tiles
+                row.append([q0, q1, k0, k1, masked])
+        for tile in row:
+            last = rows[-1] if rows else None
+            if (last is not None and last[1] == tile[0] and last[2:4] == tile[2:4]
+                    and fits(tile[1] - last[0], tile[3] - tile[2])):
+                last[1], last[4] = tile[1], last[4] or tile[4]
+            else:
+                rows.append(tile)
+    return [Tile(*tile) for tile in rows]
 
 
 def tile_mask(tile: Tile, q_index, k_index, q_doc, k_doc) -> torch.Tensor | None:

@@ -70,8 +70,9 @@ class _Ring(torch.autograd.Function):
         documents = document_ids is not None
         kv = torch.stack([k, v])                                            # [2, b, g, s, d]
         meta = _meta(token_index, document_ids)                             # [m, s]
-        halves = 2 if token_index.numel() % 2 == 0 else 1       # the layout's two chunks
-        q_parts = blocks.parts(token_index, halves)
+        count = blocks.part_count(token_index.numel(), 2)      # the layout's two chunks, cut
+        q_parts = blocks.parts(token_index, count)
+        area = token_index.numel() ** 2 // 2          # the diagonal step: [s/2, s] (one row merged)
         out = q.new_zeros(q.shape, dtype=torch.float32)                     # [b, a, s, d]
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)  # [b, a, s]
         metas, plans = [], []
@@ -85,8 +86,8 @@ class _Ring(torch.autograd.Function):
                                    comm.P2POp("recv", next_meta, before, _tag(META_TAG, step))],
                                   group)
             k_index, k_doc = _split_meta(meta, documents)
-            tiles = blocks.plan(q_parts, blocks.parts(k_index, halves), token_index, k_index,
-                                document_ids, k_doc)
+            tiles = blocks.plan(q_parts, blocks.parts(k_index, count), token_index, k_index,
+                                document_ids, k_doc, max_area=area)
             blocks.forward_tiles(tiles, q, kv[0], kv[1], token_index, k_index, document_ids, k_doc,
                                  out, lse, compute_dtype)
             metas.append(meta)

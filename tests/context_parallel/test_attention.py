@@ -51,9 +51,11 @@ def inputs(heads, groups, seq, seed):
 
 
 def cases(cp):
+    """(comm type, heads, kv heads, document mask, finest tile): tiles of 2 tokens cut the chunks
+    into several parts (merged back into longer products), as long sequences are cut."""
     heads = [(4, 2), (4, 4)] if cp == 2 else [(8, 4), (4, 4)]
-    return [(comm_type, a, g, masked) for comm_type in COMM_TYPES for a, g in heads
-            for masked in (False, True)]
+    return [(comm_type, a, g, masked, part) for comm_type in COMM_TYPES for a, g in heads
+            for masked in (False, True) for part in (128, 2)]
 
 
 def expected_bytes(comm_type, cp, b, a, g, s, d, masked, e=4):
@@ -77,12 +79,14 @@ def _rank(rank, world, seq, case_list):
     import torch.distributed as dist
 
     from hybrid.comm import CommLedger, Group
+    from hybrid.context_parallel import block_attention
     from hybrid.context_parallel.attention import context_parallel_attention
     ledger = CommLedger()
     group = Group("cp", list(range(world)), rank, ledger, pg=dist.group.WORLD)
     index = local_positions(seq, rank, world)
     results = []
-    for n, (comm_type, a, g, masked) in enumerate(case_list):
+    for n, (comm_type, a, g, masked, part) in enumerate(case_list):
+        block_attention.PART = part
         q, k, v, dout = (split_sequence(x, 2, rank, world) for x in inputs(a, g, seq, n))
         docs = split_sequence(document_ids(seq), 1, rank, world) if masked else None
         q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
@@ -101,7 +105,7 @@ def _rank(rank, world, seq, case_list):
 def check(cp, seq):
     case_list = cases(cp)
     per_rank = run_on_ranks(_rank, cp, args=(seq, case_list), timeout=300)
-    for n, (comm_type, a, g, masked) in enumerate(case_list):
+    for n, (comm_type, a, g, masked, part) in enumerate(case_list):
         q, k, v, dout = (x.double().requires_grad_() for x in inputs(a, g, seq, n))
         docs = document_ids(seq) if masked else None
         out = reference(q, k, v, docs)
@@ -111,7 +115,7 @@ def check(cp, seq):
             want = (out.detach(), q.grad, k.grad, v.grad)[i].float()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{comm_type} a={a} g={g} masked={masked} "
-                                                     f"{name}: {m}")
+                                                     f"part={part} {name}: {m}")
         b, d, s = 4, 8, seq // cp
         forward, backward = expected_bytes(comm_type, cp, b, a, g, s, d, masked)
         for r in per_rank:

@@ -123,27 +123,90 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     lse.copy_(new)
 
 
+# Which kernel attends a tile: "auto" takes torch's CPU flash-attention kernel
+# (aten._scaled_dot_product_flash_attention_for_cpu and its backward, which returns the row
+# log-sum-exp and accepts the final output and log-sum-exp, so it fits block-wise attention) for CPU
+# tensors and the batched products above elsewhere; "bmm" or "flash" force one (tests run both).
+# Measured on one CPU thread, a [1, 8, 1024, 64] query block against 2048 keys: flash 2.2x faster
+# than the products, forward and backward alike.
+KERNEL = "auto"
+
+
+def flash_kernel(device: torch.device) -> bool:
+    return KERNEL == "flash" or (KERNEL == "auto" and device.type == "cpu")
+
+
+def _heads(x: torch.Tensor, repeat: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, g, s, d]`` -> contiguous ``[b, g repeat, s, d]`` in ``dtype`` (head j = head j // repeat)."""
+    x = x.to(dtype)
+    return (x.repeat_interleave(repeat, dim=1) if repeat > 1 else x).contiguous()
+
+
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask ``[b or 1, sq, sk]`` -> additive ``[b or 1, 1, sq, sk]`` (0 / -inf)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, -math.inf)[:, None]
+
+
+def flash_attend(q, k, v, mask, causal: bool, compute_dtype: torch.dtype):
+    """:func:`attend` with torch's CPU flash kernel; ``causal``: the tile is a diagonal block (the
+    same ascending indices on both sides), attended with the kernel's own causal mask."""
+    b, a, sq, d = q.shape
+    r = a // k.size(1)
+    bias = _bias(mask, compute_dtype) if mask is not None and not causal else None
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(compute_dtype).contiguous(), _heads(k, r, compute_dtype), _heads(v, r, compute_dtype),
+        0.0, causal, attn_mask=bias, scale=1.0 / math.sqrt(d))
+    out, lse = out.float(), lse.float()
+    if bias is not None:                       # rows seeing no key: lse -inf (the kernel says 0)
+        empty = ~mask.any(dim=-1)[:, None]                                  # [b or 1, 1, sq]
+        lse.masked_fill_(empty, -math.inf)
+        out.masked_fill_(empty[..., None], 0.0)
+    return out, lse
+
+
+def flash_backward(q, k, v, mask, causal: bool, lse, dout, out, compute_dtype):
+    """:func:`attend_backward` with torch's CPU flash kernel, from the final ``out`` rows (the
+    kernel forms ``delta`` itself)."""
+    b, a, sq, d = q.shape
+    g, sk = k.size(1), k.size(2)
+    r = a // g
+    bias = _bias(mask, compute_dtype) if mask is not None and not causal else None
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(compute_dtype).contiguous(), q.to(compute_dtype).contiguous(),
+        _heads(k, r, compute_dtype), _heads(v, r, compute_dtype),
+        out.to(compute_dtype).contiguous(), lse.contiguous(), 0.0, causal, attn_mask=bias,
+        scale=1.0 / math.sqrt(d))
+    dk, dv = (x.float().view(b, g, r, sk, d).sum(2) if r > 1 else x.float() for x in (dk, dv))
+    return dq.float(), dk, dv
+
+
 @dataclass(frozen=True)
 class Tile:
     """Query rows ``[q0, q1)`` against key rows ``[k0, k1)`` of a block; ``masked``: the pair
-    needs its mask (some pair in it is hidden)."""
+    needs its mask (some pair in it is hidden); ``causal``: that mask is the plain lower triangle
+    (the same ascending indices on both sides, no document border)."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     masked: bool
+    causal: bool = False
 
 
-# rows of the finest tile: near the causal diagonal the tiles are this small, so the products skip
-# almost all of the hidden half of a diagonal block (neighbours merge back into long products)
+# rows of the finest tile of the batched products: near the causal diagonal the tiles are this
+# small, so the products skip almost all of the hidden half of a diagonal block (neighbours merge
+# back into long products). The flash kernel skips the hidden half itself: its tiles stay whole.
 PART = 128
 
 
-def part_count(length: int, chunks: int) -> int:
-    """How many equal parts to cut ``length`` tokens (``chunks`` layout chunks) into: the chunks
-    halved while the parts stay >= :data:`PART` tokens and divide evenly."""
+def part_count(length: int, chunks: int, device: torch.device) -> int:
+    """How many equal parts to cut ``length`` tokens (``chunks`` layout chunks) into: the chunks,
+    halved (for the batched products) while the parts stay >= :data:`PART` tokens and divide."""
     count = chunks if length % chunks == 0 else 1
+    if flash_kernel(device):
+        return count
     while length % (2 * count) == 0 and length // (2 * count) >= PART:
         count *= 2
     return count
@@ -157,20 +220,30 @@ def parts(index: torch.Tensor, count: int) -> list[tuple[int, int, int, int]]:
             for i, (lo, hi) in enumerate(zip(lo_hi.min.tolist(), lo_hi.max.tolist()))]
 
 
+def _is_diagonal(q_index: torch.Tensor, k_index: torch.Tensor) -> bool:
+    return (q_index.numel() == k_index.numel() and torch.equal(q_index, k_index)
+            and bool((q_index[1:] > q_index[:-1]).all()))
+
+
 def plan(q_parts: list, k_parts: list, q_index: torch.Tensor, k_index: torch.Tensor,
          q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, *,
-         max_area: int | None = None) -> list[Tile]:
+         max_area: int | None = None, flash: bool = False) -> list[Tile]:
     """The tiles that hold visible pairs, from the parts (:func:`parts`) of the queries and the keys.
     Keys after every query of a part are skipped; keys before every query are visible unless a
     document border hides some (then the tile's mask decides, and a tile hiding everything goes).
     Neighbouring tiles merge into one product (fewer, larger matrix products) while the merged
     score block stays within ``max_area`` (query rows x keys; None: no limit): first the key parts
-    of one query part, then query parts over the same keys."""
-    fits = (lambda rows, cols: True) if max_area is None else (
-        lambda rows, cols: rows * cols <= max_area)
-    rows: list[list[int]] = []                            # [q0, q1, k0, k1, masked]
+    of one query part, then query parts over the same keys. For the ``flash`` kernel only unmasked
+    tiles merge (a diagonal tile keeps the kernel's own causal mask)."""
+    def fits(rows: int, cols: int) -> bool:
+        return max_area is None or rows * cols <= max_area
+
+    def joins(first: list, second: list) -> bool:
+        return not (flash and (first[4] or second[4]))
+
+    tiles: list[list] = []                                # [q0, q1, k0, k1, masked, causal]
     for q0, q1, q_lo, q_hi in q_parts:
-        row: list[list[int]] = []
+        row: list[list] = []
         for k0, k1, k_lo, k_hi in k_parts:
             if k_lo > q_hi:
                 continue                                  # every key after every query
@@ -180,19 +253,23 @@ def plan(q_parts: list, k_parts: list, q_index: torch.Tensor, k_index: torch.Ten
                 if not bool(mask.any()):
                     continue
                 masked = not bool(mask.all())
+            causal = (masked and q_doc is None
+                      and _is_diagonal(q_index[q0:q1], k_index[k0:k1]))
+            tile = [q0, q1, k0, k1, masked, causal]
             last = row[-1] if row else None
-            if last is not None and last[3] == k0 and fits(q1 - q0, k1 - last[2]):
-                last[3], last[4] = k1, last[4] or masked
+            if (last is not None and last[3] == k0 and fits(q1 - q0, k1 - last[2])
+                    and joins(last, tile)):
+                last[3], last[4], last[5] = k1, last[4] or masked, False
             else:
-                row.append([q0, q1, k0, k1, masked])
+                row.append(tile)
         for tile in row:
-            last = rows[-1] if rows else None
+            last = tiles[-1] if tiles else None
             if (last is not None and last[1] == tile[0] and last[2:4] == tile[2:4]
-                    and fits(tile[1] - last[0], tile[3] - tile[2])):
-                last[1], last[4] = tile[1], last[4] or tile[4]
+                    and fits(tile[1] - last[0], tile[3] - tile[2]) and joins(last, tile)):
+                last[1], last[4], last[5] = tile[1], last[4] or tile[4], False
             else:
-                rows.append(tile)
-    return [Tile(*tile) for tile in rows]
+                tiles.append(tile)
+    return [Tile(*tile) for tile in tiles]
 
 
 def tile_mask(tile: Tile, q_index, k_index, q_doc, k_doc) -> torch.Tensor | None:
@@ -206,22 +283,30 @@ def tile_mask(tile: Tile, q_index, k_index, q_doc, k_doc) -> torch.Tensor | None
 def forward_tiles(tiles: list[Tile], q, k, v, q_index, k_index, q_doc, k_doc, out, lse,
                   compute_dtype) -> None:
     """Attend every tile of a key block and merge it into the running fp32 ``out`` / ``lse``."""
+    flash = flash_kernel(q.device)
     for t in tiles:
-        mask = tile_mask(t, q_index, k_index, q_doc, k_doc)
-        block_out, block_lse = attend(q[:, :, t.q0:t.q1], k[:, :, t.k0:t.k1], v[:, :, t.k0:t.k1],
-                                      mask, compute_dtype)
+        mask = None if flash and t.causal else tile_mask(t, q_index, k_index, q_doc, k_doc)
+        args = (q[:, :, t.q0:t.q1], k[:, :, t.k0:t.k1], v[:, :, t.k0:t.k1], mask)
+        block_out, block_lse = (flash_attend(*args, t.causal, compute_dtype) if flash
+                                else attend(*args, compute_dtype))
         merge(out[:, :, t.q0:t.q1], lse[:, :, t.q0:t.q1], block_out, block_lse)
 
 
 def backward_tiles(tiles: list[Tile], q, k, v, q_index, k_index, q_doc, k_doc, lse, dout, delta,
-                   dq, dk, dv, compute_dtype) -> None:
-    """Add every tile's gradients into the fp32 ``dq [b, a, sq, d]``, ``dk``, ``dv [b, g, sk, d]``."""
+                   out, dq, dk, dv, compute_dtype) -> None:
+    """Add every tile's gradients into the fp32 ``dq [b, a, sq, d]``, ``dk``, ``dv [b, g, sk, d]``
+    (``delta = rowsum(dout * out)`` and ``out`` the final output; each kernel uses one)."""
+    flash = flash_kernel(q.device)
     for t in tiles:
-        mask = tile_mask(t, q_index, k_index, q_doc, k_doc)
+        mask = None if flash and t.causal else tile_mask(t, q_index, k_index, q_doc, k_doc)
         rows, cols = slice(t.q0, t.q1), slice(t.k0, t.k1)
-        dq_t, dk_t, dv_t = attend_backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask,
-                                           lse[:, :, rows], dout[:, :, rows], delta[:, :, rows],
-                                           compute_dtype)
+        args = (q[:, :, rows], k[:, :, cols], v[:, :, cols], mask)
+        if flash:
+            dq_t, dk_t, dv_t = flash_backward(*args, t.causal, lse[:, :, rows], dout[:, :, rows],
+                                              out[:, :, rows], compute_dtype)
+        else:
+            dq_t, dk_t, dv_t = attend_backward(*args, lse[:, :, rows], dout[:, :, rows],
+                                               delta[:, :, rows], compute_dtype)
         dq[:, :, rows] += dq_t
         dk[:, :, cols] += dk_t
         dv[:, :, cols] += dv_t

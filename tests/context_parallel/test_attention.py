@@ -50,12 +50,17 @@ def inputs(heads, groups, seq, seed):
     return q, k, v, dout
 
 
+# (kernel, finest tile of the batched products): the CPU flash kernel, the products on whole chunks,
+# and the products on tiles of 2 tokens (the chunks cut into several parts and merged back into
+# longer products, as long sequences are cut)
+KERNELS = (("flash", 128), ("bmm", 128), ("bmm", 2))
+
+
 def cases(cp):
-    """(comm type, heads, kv heads, document mask, finest tile): tiles of 2 tokens cut the chunks
-    into several parts (merged back into longer products), as long sequences are cut."""
+    """(comm type, heads, kv heads, document mask, kernel, finest tile)."""
     heads = [(4, 2), (4, 4)] if cp == 2 else [(8, 4), (4, 4)]
-    return [(comm_type, a, g, masked, part) for comm_type in COMM_TYPES for a, g in heads
-            for masked in (False, True) for part in (128, 2)]
+    return [(comm_type, a, g, masked, kernel, part) for comm_type in COMM_TYPES
+            for a, g in heads for masked in (False, True) for kernel, part in KERNELS]
 
 
 def expected_bytes(comm_type, cp, b, a, g, s, d, masked, e=4):
@@ -85,8 +90,8 @@ def _rank(rank, world, seq, case_list):
     group = Group("cp", list(range(world)), rank, ledger, pg=dist.group.WORLD)
     index = local_positions(seq, rank, world)
     results = []
-    for n, (comm_type, a, g, masked, part) in enumerate(case_list):
-        block_attention.PART = part
+    for n, (comm_type, a, g, masked, kernel, part) in enumerate(case_list):
+        block_attention.KERNEL, block_attention.PART = kernel, part
         q, k, v, dout = (split_sequence(x, 2, rank, world) for x in inputs(a, g, seq, n))
         docs = split_sequence(document_ids(seq), 1, rank, world) if masked else None
         q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
@@ -105,7 +110,7 @@ def _rank(rank, world, seq, case_list):
 def check(cp, seq):
     case_list = cases(cp)
     per_rank = run_on_ranks(_rank, cp, args=(seq, case_list), timeout=300)
-    for n, (comm_type, a, g, masked, part) in enumerate(case_list):
+    for n, (comm_type, a, g, masked, kernel, part) in enumerate(case_list):
         q, k, v, dout = (x.double().requires_grad_() for x in inputs(a, g, seq, n))
         docs = document_ids(seq) if masked else None
         out = reference(q, k, v, docs)
@@ -115,7 +120,7 @@ def check(cp, seq):
             want = (out.detach(), q.grad, k.grad, v.grad)[i].float()
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{comm_type} a={a} g={g} masked={masked} "
-                                                     f"part={part} {name}: {m}")
+                                                     f"{kernel} part={part} {name}: {m}")
         b, d, s = 4, 8, seq // cp
         forward, backward = expected_bytes(comm_type, cp, b, a, g, s, d, masked)
         for r in per_rank:
@@ -141,10 +146,14 @@ def test_single_rank_group_is_plain_masked_attention():
     q, k, v, dout = inputs(4, 2, seq, 0)
     docs = document_ids(16)[:, :seq]
     ref = reference(q.double(), k.double(), v.double(), docs).float()
+    from hybrid.context_parallel import block_attention
     for comm_type in COMM_TYPES:
-        out = context_parallel_attention(q, k, v, group=group, comm_type=comm_type,
-                                         token_index=torch.arange(seq), document_ids=docs)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for kernel in ("bmm", "flash"):
+            block_attention.KERNEL = kernel
+            out = context_parallel_attention(q, k, v, group=group, comm_type=comm_type,
+                                             token_index=torch.arange(seq), document_ids=docs)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    block_attention.KERNEL = "auto"
 
 
 def test_bad_input_is_one_clear_error():

@@ -247,14 +247,15 @@ def plan(q_parts: list, k_parts: list, q_index: torch.Tensor, k_index: torch.Ten
         for k0, k1, k_lo, k_hi in k_parts:
             if k_lo > q_hi:
                 continue                                  # every key after every query
-            masked = k_hi > q_lo
+            masked, mask = k_hi > q_lo, None
             if q_doc is not None:
                 mask = visible(q_index[q0:q1], k_index[k0:k1], q_doc[:, q0:q1], k_doc[:, k0:k1])
                 if not bool(mask.any()):
                     continue
                 masked = not bool(mask.all())
-            causal = (masked and q_doc is None
-                      and _is_diagonal(q_index[q0:q1], k_index[k0:k1]))
+            causal = masked and _is_diagonal(q_index[q0:q1], k_index[k0:k1])
+            if causal and mask is not None:           # one document throughout: causal alone
+                causal = torch.equal(mask, visible(q_index[q0:q1], k_index[k0:k1]).expand_as(mask))
             tile = [q0, q1, k0, k1, masked, causal]
             last = row[-1] if row else None
             if (last is not None and last[3] == k0 and fits(q1 - q0, k1 - last[2])

@@ -175,3 +175,23 @@ def test_bad_input_is_one_clear_error():
                                    token_index=local_positions(32, 0, 4))
     with pytest.raises(ValueError, match="token_index must be int64"):
         context_parallel_attention(q, k, v, group=group, comm_type="p2p", token_index=index[:4])
+
+
+def test_ring_steps_skip_hidden_halves_by_chunk_index_ranges():
+    """Load-balanced layout at CP 2 (rank 0: chunks 0, 3; rank 1: chunks 1, 2): a block from a
+    lower rank is seen by both query chunks in its first chunk only, one from a higher rank by the
+    second query chunk only, both without a mask; the own block is two diagonal tiles (lower
+    triangles, the flash kernel's causal mask) plus the fully visible chunk; a tile whose pairs all
+    cross a document border is skipped."""
+    from hybrid.context_parallel.block_attention import Tile, parts, plan
+    r0, r1 = local_positions(16, 0, 2), local_positions(16, 1, 2)
+    assert plan(parts(r1, 2), parts(r0, 2), r1, r0) == [Tile(0, 8, 0, 4, False)]
+    assert plan(parts(r0, 2), parts(r1, 2), r0, r1) == [Tile(4, 8, 0, 8, False)]
+    assert plan(parts(r0, 2), parts(r0, 2), r0, r0, flash=True) == [
+        Tile(0, 4, 0, 4, True, True), Tile(4, 8, 0, 4, False), Tile(4, 8, 4, 8, True, True)]
+    docs = torch.tensor([[0] * 4 + [1] * 4])               # chunks 0 and 3 of rank 0: a border
+    assert plan(parts(r0, 2), parts(r0, 2), r0, r0, docs, docs, flash=True) == [
+        Tile(0, 4, 0, 4, True, True), Tile(4, 8, 4, 8, True, True)]
+    docs = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])        # a border inside chunk 0
+    assert plan(parts(r0, 2), parts(r0, 2), r0, r0, docs, docs, flash=True) == [
+        Tile(0, 4, 0, 4, True, False), Tile(4, 8, 0, 4, True), Tile(4, 8, 4, 8, True, True)]

@@ -70,6 +70,7 @@ class ModelDims:
     attention_dropout: bool = True  # the core keeps a dropout mask (attention dropout > 0)
     cp: int = 1                     # context-parallel degree: the rank holds seq / cp tokens
     cp_comm_type: str = "p2p"       # p2p (ring) | a2a | allgather
+    hidden_dropout: bool = True     # the two hidden dropouts keep masks (hidden dropout > 0)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "seq", "micro_batch", "tp", "bytes_per_element",
@@ -101,21 +102,24 @@ class ModelDims:
         (``cpu_core``); on CUDA masks are bool and the core is SDPA's fused kernels (``"flash"``:
         no [s, s] scores kept). ``other_bytes`` defaults to the fp32
         logits shard the vocab-parallel loss keeps (:func:`~hybrid.perf.activations.logits_bytes`)
-        plus four ``sbh`` tensors around the final LayerNorm and the output layer (of the rank's
-        ``seq / cp`` tokens)."""
+        plus the ``sbh`` tensors around the final LayerNorm and the output layer: its input and
+        output (two), and with hidden dropout the embedding dropout's mask and output (four; the
+        count measured by tests/recompute), of the rank's ``seq / cp`` tokens."""
         on_cpu = str(device).startswith("cpu")
         mask_bytes = bytes_per_element if on_cpu else 1
         if other_bytes is None:
             seq = config.seq_length // cp
             sbh = seq * micro_batch * config.hidden_size
             vocab = config.padded_vocab_size(tp)
+            around = 4 if config.hidden_dropout > 0 else 2
             other_bytes = (act.logits_bytes(seq, micro_batch, vocab, tp=tp)
-                           + 4 * sbh * bytes_per_element)
+                           + around * sbh * bytes_per_element)
         return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                    micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
                    other_bytes, on_cpu, config.perf_architecture(),
                    attention_core="cpu" if on_cpu else "flash",
-                   attention_dropout=config.attention_dropout > 0, cp=cp, cp_comm_type=cp_comm_type)
+                   attention_dropout=config.attention_dropout > 0, cp=cp, cp_comm_type=cp_comm_type,
+                   hidden_dropout=config.hidden_dropout > 0)
 
     @property
     def local_seq(self) -> int:
@@ -161,7 +165,8 @@ def layer_activation_bytes(d: ModelDims, recompute: str) -> float:
     masks = 2 * d.sbh / (t if sp else 1)                 # hidden-dropout mask elements (1 byte in b16)
     stats = 1 if d.arch.rmsnorm else 2                   # fp32 rstd (RMSNorm) or mean and rstd
     ln_stats = 2 * stats * 4 * d.local_seq * d.micro_batch / (t if sp else 1)   # of the 2 norms
-    value = (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats
+    value = ((b16 - masks) * d.bytes_per_element / 2 + ln_stats
+             + (masks * d.mask_bytes if d.hidden_dropout else 0.0))   # p = 0: no dropout runs
     if recompute == "none":   # the core that runs: scores, probabilities, masks or log-sum-exp
         value += act.attention_core_bytes(d.seq, d.micro_batch, d.hidden, d.heads, tp=t,
                                           core=d.core, dropout=d.attention_dropout,

@@ -17,8 +17,8 @@ Model: :func:`hybrid.recompute.planner.layer_activation_bytes` of
 (embedding output, final norm, logits shard).
 
 The budget is the model's bytes at CP 1 and ``--base-seq`` tokens; for each CP degree the longest
-sequence (a multiple of ``64 C``: whole causal blocks of the CPU core) the model says fits it is
-measured, and so is half of it.
+sequence the model says fits it is measured (a multiple of 64 tokens at CP 1, whole causal blocks
+of the CPU core; of ``16 C`` under CP), and so is about half of it.
 
 Run:  python benchmarks/cp_memory.py [--base-seq 1024]
 Writes benchmarks/results/cp_memory.json and prints a markdown table.
@@ -52,9 +52,10 @@ def model_bytes(seq: int, cp: int, comm_type: str = "p2p") -> float:
     return d.num_layers * layer_activation_bytes(d, "none") + d.other_bytes
 
 
-def longest_seq(budget: float, cp: int, comm_type: str = "p2p", step: int = 64) -> int:
-    """The longest multiple of ``step * cp`` tokens whose modelled bytes per rank fit ``budget``."""
-    grain, seq = step * cp, 0
+def longest_seq(budget: float, cp: int, comm_type: str = "p2p") -> int:
+    """The longest sequence whose modelled bytes per rank fit ``budget``: a multiple of 64 tokens at
+    CP 1 (whole causal blocks of the CPU core), of ``16 C`` under CP (16 tokens a chunk)."""
+    grain, seq = (64 if cp == 1 else 16 * cp), 0
     while model_bytes(seq + grain, cp, comm_type) <= budget:
         seq += grain
     return seq
@@ -114,7 +115,7 @@ def run(base_seq: int = 1024, comm_type: str = "p2p") -> dict:
     rows = []
     for cp in CP_DEGREES:
         longest = longest_seq(budget, cp, comm_type)
-        half = longest // 2 // (64 * cp) * (64 * cp)
+        half = longest // 2 // 64 * 64
         seqs = [s for s in (half, longest) if s > 0]
         for seq, got in zip(seqs, measure_all(seqs, cp, comm_type)):
             want = model_bytes(seq, cp, comm_type)

@@ -221,7 +221,8 @@ def _offload_needs(cfg: TrainConfig, mode: str, dp: int, shard: int) -> list:
     params = (infinity.partitioned_param_bandwidth(link["nvme"], dp, DGX2_PARAM_GATHER_BANDWIDTH)
               if p.offload_params == "nvme" else None)
     return infinity.offload_needs(
-        micro_batch=cfg.data.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size, dp=shard,
+        micro_batch=cfg.data.micro_batch_size, hidden=m.hidden_size, dp=shard,
+        seq=m.seq_length // getattr(p, "context_parallel_size", 1),   # this CP rank's tokens
         peak_flops=cfg.logging.peak_tflops * 1e12, target=p.offload_target_efficiency,
         optimizer_bandwidth=link.get(p.offload_optimizer), param_bandwidth=params,
         checkpoint_bandwidth=link["cpu"] if mode == "full-pa-cpu" else None)

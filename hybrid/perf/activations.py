@@ -80,7 +80,8 @@ def attention_core_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *,
       core's own output ``b (s / cp) h / t`` (a tensor of its own beside the projection's
       permuted input) and the fp32 log-sum-exp ``b (a / t) (s / cp)``; a2a holds ``a / cp`` heads
       of all ``s`` tokens, the same count; all-gather-KV also keeps the gathered K and V of the
-      other ranks, ``2 (cp - 1) b (s / cp) g d / t`` (``kv_hidden`` = ``g d``; None: ``h``).
+      whole sequence (a tensor of its own, its own part included), ``2 b s g d / t`` elements
+      (``kv_hidden`` = ``g d``; None: ``h``).
     """
     if core not in ATTENTION_CORES:
         raise ValueError(f"attention core must be one of {ATTENTION_CORES}, got {core!r}")
@@ -89,9 +90,9 @@ def attention_core_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *,
     if core == "flash" or cp > 1:
         queries = seq / cp
         kept = rows_heads * queries * (hidden // heads * value_bytes + LSE_BYTES)
-        if cp > 1 and cp_comm_type == "allgather":   # the other ranks' K and V, gathered
+        if cp > 1 and cp_comm_type == "allgather":   # K and V of the whole sequence, gathered
             kv = hidden if kv_hidden is None else kv_hidden
-            kept += 2 * (cp - 1) * micro_batch * queries * kv / tp * value_bytes
+            kept += 2 * cp * micro_batch * queries * kv / tp * value_bytes
         return kept
     if core == "cpu":
         pairs = causal_block_elements(seq, CPU_CORE_BLOCK[value_bytes])

@@ -29,3 +29,12 @@ def test_measured_activations_match_the_model_at_cp_1_2_4():
     longest = {r["cp"]: r["seq"] for r in rows if r["longest"]}
     for cp in (2, 4):
         assert 0.9 * cp <= longest[cp] / longest[1] <= 1.25 * cp, longest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["a2a", "allgather"])
+def test_a2a_and_allgather_activations_match_the_model(comm_type):
+    """a2a keeps what the ring keeps (a/C heads of all S tokens); the all-gather baseline also the
+    gathered K and V of the whole sequence."""
+    got = cp_memory.measure_all([1024], 2, comm_type)[0]["kept"]
+    assert got == pytest.approx(cp_memory.model_bytes(1024, 2, comm_type), rel=0.10)

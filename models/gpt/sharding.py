@@ -51,13 +51,35 @@ def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
              "ln2.weight": (h,), "ln2.bias": (h,), "mlp.fc1.weight": (mlp_in, h),
              "mlp.fc1.bias": (mlp_in,), "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
     layer = {k: v for k, v in layer.items() if _present(config, k)}
-    for i in range(config.num_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    moe_layer = {**{k: v for k, v in layer.items() if not k.startswith("mlp.")},
+                 **moe_mlp_shapes(config)}
+    for i, moe in enumerate(config.moe_layer_pattern()):
+        shapes.update({f"layers.{i}.{k}": v for k, v in (moe_layer if moe else layer).items()})
     shapes["final_norm.weight"] = (h,)
     if config.normalization == "LayerNorm":
         shapes["final_norm.bias"] = (h,)
     if config.untie_embeddings_and_output_weights:
         shapes[OUTPUT_LAYER] = (config.vocab_size, h)
+    return shapes
+
+
+def moe_mlp_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's ``mlp.*`` parameters (issue 32, canonical, TP/EP-independent): router [E, h]
+    (+ the expert-bias buffer [E]), experts' fc1 [E, 2f, h] (SwiGLU rows [gate; up] per expert,
+    like the dense fc1) and fc2 [E, h, f], the shared expert like a dense MLP and its gate [1, h].
+    No biases."""
+    h, e, f = config.hidden_size, config.num_experts, config.expert_ffn_hidden_size
+    shapes = {"mlp.router.weight": (e, h)}
+    if config.moe_router_enable_expert_bias:
+        shapes["mlp.router.expert_bias"] = (e,)
+    shapes["mlp.experts.fc1.weight"] = (e, 2 * f if config.swiglu else f, h)
+    shapes["mlp.experts.fc2.weight"] = (e, h, f)
+    fs = config.moe_shared_expert_intermediate_size
+    if fs:
+        shapes["mlp.shared_expert.fc1.weight"] = (2 * fs if config.swiglu else fs, h)
+        shapes["mlp.shared_expert.fc2.weight"] = (h, fs)
+        if config.moe_shared_expert_gate:
+            shapes["mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -67,6 +89,8 @@ def _present(config: GPTConfig, layer_key: str) -> bool:
         return True
     if layer_key.startswith("ln"):
         return config.normalization == "LayerNorm"
+    if layer_key == "attn.qkv.bias":
+        return config.add_bias_linear or config.add_qkv_bias
     return config.add_bias_linear
 
 

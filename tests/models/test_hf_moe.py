@@ -137,7 +137,8 @@ def test_router_semantics_mapping():
 
 @pytest.mark.parametrize("change,match", [
     ({"moe_router_score_function": "sigmoid"}, "sigmoid router scores"),
-    ({"moe_router_enable_expert_bias": True}, "expert bias"),
+    ({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"},
+     "sigmoid router scores.*expert bias"),
     ({"moe_router_topk_scaling_factor": 2.5}, "scaling factor"),
     ({"moe_layer_freq": 2}, "dense layers between MoE layers"),
     ({"moe_router_pre_softmax": True}, "renormalises"),

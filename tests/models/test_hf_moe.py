@@ -156,3 +156,24 @@ def test_hf_configs_we_cannot_build_are_refused():
         gpt_config_from_hf_moe({**meta, "sliding_window": 4})
     with pytest.raises(HFMoEError, match="silu"):
         gpt_config_from_hf_moe({**meta, "hidden_act": "gelu"})
+
+
+# transformers' MixtralForCausalLM / Qwen2MoeForCausalLM of the released configs, counted on meta
+# (total, active = total less E - k experts per layer); test_hf_moe_transformers.py recounts them
+RELEASED_COUNTS = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248),
+                   "qwen1.5-moe-a2.7b": (14_315_784_192, 2_689_173_504)}
+
+
+@pytest.mark.parametrize("name", RELEASED_COUNTS)
+def test_presets_built_on_meta_count_the_released_parameters(name):
+    """Our model at full size on meta: every parameter summed, and the expert-parallel ones (the
+    routed experts) reduced to k of E, equal the released totals; so do the config's counts."""
+    from hybrid.parallel_state import ParallelState
+    from models.gpt.model import GPTModel
+    config = get_config(name)
+    model = GPTModel(config, ParallelState.single_process(), device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for p in model.parameters() if getattr(p, "expert_parallel", False))
+    active = total - experts + experts * config.moe_router_topk // config.num_experts
+    assert (total, active) == RELEASED_COUNTS[name]
+    assert (config.num_parameters(), config.num_active_parameters()) == RELEASED_COUNTS[name]

@@ -129,6 +129,7 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                                                                   and pcfg.num_model_chunks > 1),
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
+            "params_active": gcfg.num_active_parameters(state.tp_size),   # MoE: k of E experts
             "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
             "optimizer_bytes_per_param": k, "optimizer_bytes_terms": k_terms,
             "moment_dtypes": (o.exp_avg_dtype, o.exp_avg_sq_dtype),
@@ -277,7 +278,10 @@ def format_report(r: dict) -> str:
              f"rank {r['rank']}: TP rank {r['tp_rank']} in {_span(r['tp_group'])}, DP rank "
              f"{r['dp_rank']} in {_span(r['dp_group'])}"
              + ("  (WARNING: TP groups cross nodes)" if r["tp_crosses_nodes"] else ""),
-             f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
+             f"parameters: {r['params_total']:,} total"
+             + (f" ({r['params_active']:,} active per token: MFU counts their FLOPs)"
+                if r.get("params_active", r["params_total"]) != r["params_total"] else "")
+             + f", {r['params_per_rank']:,} on this rank",
              f"model states per rank: {r['precision']} params {s['params_16bit']}, "
              f"{r['precision']} grads {s['grads_16bit']}, "
              f"fp32 master {s['master_fp32']}, Adam moments ({r['moment_dtypes'][0]} exp_avg, "

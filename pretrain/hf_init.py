@@ -93,8 +93,8 @@ def check_hf_dims(path: str, model_config) -> None:
     from models.gpt.hf import CONFIG_FILE, is_hf_directory, read_hf_config
     from models.gpt.hf_llama import is_llama
     if not is_hf_directory(path):
-        raise FileNotFoundError(f"--init-from-hf {path!r} is not a Hugging Face GPT-2, Llama, "
-                                f"Mixtral or Qwen2-MoE directory ({CONFIG_FILE} + "
+        raise FileNotFoundError(f"--init-from-hf {path!r} is not a Hugging Face GPT-2 directory or "
+                                f"Llama, Mixtral or Qwen2-MoE directory ({CONFIG_FILE} + "
                                 f"model.safetensors); export one "
                                 f"with tools/export_hf.py or pass the directory save_pretrained wrote")
     source = read_hf_config(path)

@@ -177,3 +177,25 @@ def test_presets_built_on_meta_count_the_released_parameters(name):
     active = total - experts + experts * config.moe_router_topk // config.num_experts
     assert (total, active) == RELEASED_COUNTS[name]
     assert (config.num_parameters(), config.num_active_parameters()) == RELEASED_COUNTS[name]
+
+
+@pytest.mark.parametrize("config", [MIXTRAL, QWEN], ids=["mixtral", "qwen2-moe"])
+def test_checkpoint_exports_through_tools(tmp_path, config):
+    """A checkpoint of a MoE GPTModel (the trainer's format) -> tools/export_hf.py -> an HF directory
+    holding the model's canonical tensors."""
+    from hybrid.checkpoint import save_checkpoint
+    from hybrid.checkpoint.state import state_pieces
+    from hybrid.parallel_state import ParallelState
+    from models.gpt.weights import build_model
+    from tools import export_hf
+    state = ParallelState.single_process()
+    canonical = random_moe_canonical(config, seed=5)
+    model = build_model(config, state, canonical)
+    pieces = state_pieces(model, model.checkpoint_layout(), state, for_save=True)
+    save_checkpoint(tmp_path / "ckpt", 1, pieces, {}, {"model_config": config.to_dict()}, state.world)
+    assert export_hf.main(["--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"),
+                           "--no-tokenizer"]) == 0
+    back, back_config = load_hf_directory(tmp_path / "hf", make_vocab_size_divisible_by=1)
+    assert back_config.moe_layer_pattern() == config.moe_layer_pattern()
+    for name, t in canonical.items():
+        assert torch.equal(back[name], t), name

@@ -188,6 +188,8 @@ class GPTModel(nn.Module):
             self.to_empty(device=self.device)
         for name, p in self.named_parameters():
             p.copy_(self.init_parameter(name, seed))
+        for moe in self.moe_layers():
+            moe.router.reset_buffers(self.device)
         if self.output_weight is not None:
             self.output_weight = self.init_parameter(WORD_EMBEDDING, seed).to(
                 self.device, self.output_weight.dtype).requires_grad_()

@@ -182,12 +182,12 @@ def test_presets_built_on_meta_count_the_released_parameters(name):
 @pytest.mark.parametrize("config", [MIXTRAL, QWEN], ids=["mixtral", "qwen2-moe"])
 def test_checkpoint_exports_through_tools(tmp_path, config):
     """A checkpoint of a MoE GPTModel (the trainer's format) -> tools/export_hf.py -> an HF directory
-    holding the model's canonical tensors."""
+    holding the model's canonical tensors; tools/import_hf.py -> a canonical file, equal again."""
     from hybrid.checkpoint import save_checkpoint
     from hybrid.checkpoint.state import state_pieces
     from hybrid.parallel_state import ParallelState
-    from models.gpt.weights import build_model
-    from tools import export_hf
+    from models.gpt.weights import build_model, load_canonical
+    from tools import export_hf, import_hf
     state = ParallelState.single_process()
     canonical = random_moe_canonical(config, seed=5)
     model = build_model(config, state, canonical)
@@ -197,5 +197,8 @@ def test_checkpoint_exports_through_tools(tmp_path, config):
                            "--no-tokenizer"]) == 0
     back, back_config = load_hf_directory(tmp_path / "hf", make_vocab_size_divisible_by=1)
     assert back_config.moe_layer_pattern() == config.moe_layer_pattern()
+    assert import_hf.main(["--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "c.safetensors")]) == 0
+    again, again_config = load_canonical(tmp_path / "c.safetensors")
+    assert again_config.num_experts == config.num_experts
     for name, t in canonical.items():
-        assert torch.equal(back[name], t), name
+        assert torch.equal(back[name], t) and torch.equal(again[name], t), name

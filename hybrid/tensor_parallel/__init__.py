@@ -11,14 +11,16 @@ from hybrid.tensor_parallel.layers import (ColumnParallelLinear, LayerNorm, RMSN
                                            RowParallelLinear, VocabParallelEmbedding,
                                            VocabParallelOutput, set_tp_attributes)
 from hybrid.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
-                                             reduce_from_tp, reduce_scatter_to_sequence,
+                                             gather_sequence_replicated, reduce_from_tp,
+                                             reduce_scatter_to_sequence,
                                              scatter_to_sequence, scatter_to_tp)
 from hybrid.tensor_parallel.random import RNGStates, RNGTracker
 
 __all__ = [
     "ColumnParallelLinear", "LayerNorm", "RMSNorm", "RNGStates", "RNGTracker", "RowParallelLinear",
     "VocabParallelEmbedding", "VocabParallelOutput", "column_parallel_linear", "copy_to_tp",
-    "full_init", "gather_from_sequence", "gather_from_tp", "linear_cross_entropy",
+    "full_init", "gather_from_sequence", "gather_from_tp", "gather_sequence_replicated",
+    "linear_cross_entropy",
     "reduce_from_tp", "reduce_scatter_to_sequence", "scatter_to_sequence", "scatter_to_tp",
     "set_tp_attributes", "shard", "vocab_parallel_cross_entropy",
 ]

@@ -168,6 +168,17 @@ class _GatherFromSequence(torch.autograd.Function):
         return _reduce_scatter_first(grad, ctx.group), None
 
 
+class _GatherSequenceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, 0, ctx.group), None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -210,6 +221,13 @@ def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Megatron SP ``g-bar``: all-gather dim 0 forward, reduce-scatter dim 0 backward.
     ``[s/tp, b, h] -> [s, b, h]``; the incoming gradient is a partial sum over TP ranks."""
     return apply_communicating(_GatherFromSequence, x, group, group=group)
+
+
+def gather_sequence_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave the sequence-parallel region for a replicated computation: all-gather dim 0 forward,
+    keep this rank's slice of the gradient backward (every TP rank computed the same full gradient:
+    Megatron's gather with ``tensor_parallel_output_grad=False``; the MoE router, issue 32)."""
+    return apply_communicating(_GatherSequenceReplicated, x, group, group=group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -84,6 +84,42 @@ class GPTConfig:
                                             "when the model is bf16 or fp16 (on CPU slower than "
                                             "the bf16 core)",
                                             default=False)
+    # ---- mixture of experts (issue 32; Megatron-LM's names) ----
+    num_experts: int | None = _help("experts per MoE layer (none: a dense model)", default=None)
+    moe_router_topk: int = _help("experts each token is routed to (k)", default=2)
+    moe_ffn_hidden_size: int | None = _help("width f of each routed expert's SwiGLU (default: "
+                                            "--ffn-hidden-size)", default=None)
+    moe_shared_expert_intermediate_size: int | None = _help(
+        "width of the shared expert every token passes through (none: no shared expert)",
+        default=None)
+    moe_shared_expert_gate: bool = _help("Qwen2-MoE's sigmoid gate on the shared expert's output",
+                                         default=False)
+    moe_layer_freq: int | tuple[int, ...] = _help(
+        "which layers are MoE: N = every N-th layer from layer 0, or one 0/1 per layer", default=1)
+    moe_router_score_function: str = _help("softmax | sigmoid (DeepSeek-V3) router scores",
+                                           default="softmax")
+    moe_router_pre_softmax: bool = _help("softmax over all experts, then top-k (default: top-k "
+                                         "logits, then softmax over the k, as Mixtral)",
+                                         default=False)
+    moe_router_topk_scaling_factor: float | None = _help(
+        "multiply the routing probabilities of the chosen experts by this (DeepSeek: 2.5)",
+        default=None)
+    moe_router_load_balancing_type: str = _help(
+        "aux_loss (Switch/GShard, per micro-batch) | seq_aux_loss (per sequence, DeepSeek) | none",
+        default="aux_loss")
+    moe_aux_loss_coeff: float = _help("weight of the load-balancing loss (0: off)", default=0.0)
+    moe_z_loss_coeff: float | None = _help("weight of the router z-loss (mean logsumexp^2; none: "
+                                           "off)", default=None)
+    moe_router_enable_expert_bias: bool = _help(
+        "DeepSeek-V3's aux-loss-free balancing: a per-expert bias on the selection scores, moved "
+        "each step toward the mean load (needs sigmoid scores)", default=False)
+    moe_router_bias_update_rate: float = _help("step of the expert-bias update per optimizer step",
+                                               default=1e-3)
+    moe_expert_capacity_factor: float | None = _help(
+        "expert capacity = ceil(factor x tokens x k / experts) per micro-batch; overflow tokens "
+        "are dropped (none: dropless)", default=None)
+    moe_token_dispatcher_type: str = _help("alltoall | allgather token dispatch with expert "
+                                           "parallelism", default="alltoall")
 
     def __post_init__(self) -> None:
         if self.max_position_embeddings is None:
@@ -94,6 +130,8 @@ class GPTConfig:
         self._check_shapes()
         self._check_numbers()
         self._check_options()
+        self._normalise_moe()
+        self._check_moe()
 
     def _default_ffn_hidden_size(self) -> int:
         """4h; with SwiGLU 2/3 of that rounded down to a multiple of 64 (Megatron's rule: three
@@ -196,6 +234,100 @@ class GPTConfig:
                 f"{a} attention heads cannot be shared evenly by {g} query groups; use a number "
                 f"of query groups that divides {a} (e.g. {_nearest_divisor(a, g)})")
 
+    def _normalise_moe(self) -> None:
+        """A layer pattern read from YAML/JSON or the command line is a list: one value is the
+        frequency N, several are the 0/1 pattern (kept as a tuple: the config is frozen)."""
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            freq = freq[0] if len(freq) == 1 else tuple(freq)
+            object.__setattr__(self, "moe_layer_freq", freq)
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+
+    def _check_moe(self) -> None:
+        """The MoE fields: one error per problem, naming the flag to change."""
+        e = self.num_experts
+        if e is None:
+            return
+        for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}; set {_flag(name)}")
+        if self.moe_router_topk > e:
+            raise ConfigError(f"moe_router_topk {self.moe_router_topk} exceeds the {e} experts: a "
+                              f"token cannot go to more experts than exist; set --moe-router-topk "
+                              f"to at most {e}")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (isinstance(shared, bool) or not isinstance(shared, int)
+                                   or shared < 1):
+            raise ConfigError(f"moe_shared_expert_intermediate_size must be a positive integer, got "
+                              f"{shared!r}; set --moe-shared-expert-intermediate-size")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ConfigError("--moe-shared-expert-gate gates the shared expert, but there is none; "
+                              "add --moe-shared-expert-intermediate-size or drop the gate")
+        if not self.swiglu:
+            raise ConfigError("the experts are SwiGLU MLPs (Mixtral, DeepSeek, Qwen2-MoE); add "
+                              "--swiglu to use --num-experts")
+        self._check_moe_layer_freq()
+        _check_choice("moe_router_score_function", self.moe_router_score_function,
+                      ("softmax", "sigmoid"))
+        _check_choice("moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+                      ("aux_loss", "seq_aux_loss", "none"))
+        _check_choice("moe_token_dispatcher_type", self.moe_token_dispatcher_type,
+                      ("alltoall", "allgather"))
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ConfigError("--moe-router-pre-softmax orders softmax and top-k, which only the "
+                              "softmax score function has; drop it or use "
+                              "--moe-router-score-function softmax")
+        self._check_moe_numbers()
+
+    def _check_moe_layer_freq(self) -> None:
+        freq, layers = self.moe_layer_freq, self.num_layers
+        if isinstance(freq, tuple):
+            if len(freq) != layers or any(v not in (0, 1) or isinstance(v, float) for v in freq):
+                raise ConfigError(f"moe_layer_freq as a pattern needs one 0 (dense) or 1 (MoE) per "
+                                  f"layer, {layers} values, got {list(freq)}; or give one number N "
+                                  f"(every N-th layer)")
+            if not any(freq):
+                raise ConfigError("moe_layer_freq marks no layer as MoE; put a 1 in the pattern or "
+                                  "drop --num-experts for a dense model")
+        elif isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+            raise ConfigError(f"moe_layer_freq must be a positive integer N (every N-th layer is "
+                              f"MoE) or a 0/1 pattern per layer, got {freq!r}; set --moe-layer-freq")
+
+    def _check_moe_numbers(self) -> None:
+        for name in ("moe_aux_loss_coeff", "moe_router_bias_update_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative number, got {value!r}; set "
+                                  f"{_flag(name)}")
+        for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor",
+                     "moe_router_topk_scaling_factor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise ConfigError(f"{name} must be a positive number or unset, got {value!r}; set "
+                                  f"{_flag(name)} > 0 or leave it out")
+        if self.moe_router_enable_expert_bias:
+            if self.moe_router_score_function != "sigmoid":
+                raise ConfigError("--moe-router-enable-expert-bias is DeepSeek-V3's aux-loss-free "
+                                  "balancing, defined on sigmoid scores; add "
+                                  "--moe-router-score-function sigmoid")
+            if not self.moe_router_bias_update_rate > 0:
+                raise ConfigError("--moe-router-enable-expert-bias needs a positive "
+                                  "--moe-router-bias-update-rate (DeepSeek-V3: 1e-3)")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether transformer layer ``index`` (0-based) is a MoE layer."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[index]) if isinstance(freq, tuple) else index % freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
     def validate_for_tp(self, tp: int) -> None:
         """Raise :class:`ConfigError` unless the model can be split across ``tp`` ranks
         (whole attention heads and equal slices of h and of the MLP per rank)."""
@@ -223,6 +355,13 @@ class GPTConfig:
             raise ConfigError(
                 f"ffn hidden size {f} is not divisible by tensor-model-parallel size {tp}; use a TP "
                 f"degree that divides {f} or set --ffn-hidden-size to a multiple of {tp}")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            width = getattr(self, name) if self.num_experts is not None else None
+            if width is not None and width % tp:
+                raise ConfigError(
+                    f"{name.replace('_', ' ')} {width} is not divisible by tensor-model-parallel "
+                    f"size {tp} (experts are split like the dense MLP); set {_flag(name)} to a "
+                    f"multiple of {tp}")
 
     # ---- derived sizes ---------------------------------------------------------------------
     @property
@@ -265,8 +404,31 @@ class GPTConfig:
         return sharded, replicated
 
     def layer_parameters(self) -> int:
-        """Parameters of one transformer layer (4h^2 + 2hf + 9h + f = 12h^2 + 13h for GPT-2)."""
+        """Parameters of one dense transformer layer (4h^2 + 2hf + 9h + f = 12h^2 + 13h for GPT-2)."""
         return sum(self._layer_split())
+
+    def _moe_layer_split(self) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of one MoE layer: the dense layer without its MLP,
+        plus E routed SwiGLU experts 3 h f_moe and the shared expert 3 h f_s (sharded), the
+        router E h and the shared-expert gate h (replicated). No biases in the MoE block."""
+        sharded, replicated = self._layer_split()
+        h, f, bias = self.hidden_size, self.ffn_hidden_size, self.add_bias_linear
+        sharded -= 3 * h * f + (2 * f if bias else 0)           # the dense SwiGLU MLP
+        replicated -= h if bias else 0                            # its row-parallel bias
+        shared = self.moe_shared_expert_intermediate_size or 0
+        sharded += self.num_experts * 3 * h * self.moe_ffn_hidden_size + 3 * h * shared
+        replicated += self.num_experts * h + (h if self.moe_shared_expert_gate else 0)
+        return sharded, replicated
+
+    def _layers_split(self) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of all layers, MoE layers counted with every expert."""
+        moe = self.num_moe_layers
+        dense, dense_rep = self._layer_split()
+        out = [(self.num_layers - moe) * dense, (self.num_layers - moe) * dense_rep]
+        if moe:
+            sharded, replicated = self._moe_layer_split()
+            out = [out[0] + moe * sharded, out[1] + moe * replicated]
+        return out[0], out[1]
 
     def _embedding_parameters(self, vocab_rows: int) -> int:
         """Word embedding (+ untied output layer) of ``vocab_rows`` rows and learned positions."""
@@ -279,17 +441,16 @@ class GPTConfig:
         """Exact parameter count of the whole model with the vocab padded for ``tp`` (a tied output
         layer counted once)."""
         return (self._embedding_parameters(self.padded_vocab_size(tp))
-                + self.num_layers * self.layer_parameters() + self.norm_parameters)
+                + sum(self._layers_split()) + self.norm_parameters)
 
     def num_parameters_per_rank(self, tp: int = 1) -> int:
         """Exact parameter count held by one of ``tp`` tensor-parallel ranks: the sharded matrices,
         column-parallel biases and vocab tables divided by ``tp``; norms, row-parallel biases and
         position embeddings replicated."""
         self.validate_for_tp(tp)
-        sharded, replicated = self._layer_split()
-        layer = sharded // tp + replicated
+        sharded, replicated = self._layers_split()
         embeddings = self._embedding_parameters(self.padded_vocab_size(tp) // tp)
-        return embeddings + self.num_layers * layer + self.norm_parameters
+        return embeddings + sharded // tp + replicated + self.norm_parameters
 
     def perf_architecture(self) -> Architecture:
         """The options as the perf models (hybrid.perf: parameters, FLOPs, activations) take them."""

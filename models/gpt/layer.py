@@ -193,15 +193,22 @@ class ParallelMLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """Pre-norm layer: ``x + drop(attn(ln1(x)))`` then ``x + drop(mlp(ln2(x)))``, on ``[s, b, h]``
-    (``[s/tp, b, h]`` with sequence parallelism); ln1/ln2 are LayerNorm or RMSNorm."""
+    (``[s/tp, b, h]`` with sequence parallelism); ln1/ln2 are LayerNorm or RMSNorm. With ``moe``
+    the MLP is a :class:`~models.gpt.moe.MoELayer` sharing ``aux_scale`` with the model."""
 
     def __init__(self, config: GPTConfig, group: Group, *, sequence_parallel: bool = False,
-                 rng: RNGTracker | None = None, device=None, dtype=None):
+                 rng: RNGTracker | None = None, device=None, dtype=None, moe: bool = False,
+                 aux_scale=None):
         super().__init__()
         self.ln1 = build_norm(config, group, sequence_parallel, device, dtype)
         self.attn = ParallelAttention(config, group, sequence_parallel, rng, device, dtype)
         self.ln2 = build_norm(config, group, sequence_parallel, device, dtype)
-        self.mlp = ParallelMLP(config, group, sequence_parallel, device, dtype)
+        if moe:   # a mixture-of-experts layer (models/gpt/moe.py; config.is_moe_layer)
+            from models.gpt.moe import MoELayer
+            self.mlp = MoELayer(config, group, sequence_parallel=sequence_parallel,
+                                aux_scale=aux_scale, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(config, group, sequence_parallel, device, dtype)
         self.p, self.rng, self.tp = config.hidden_dropout, rng, group.size
         self.sequence_parallel = sequence_parallel
 

@@ -47,6 +47,7 @@ from hybrid.zero.results import Fragment, copy_overlaps
 from models.gpt.config import GPTConfig
 from models.gpt.kv_cache import KVCache
 from models.gpt.layer import TransformerLayer, build_norm, dropout
+from models.gpt.moe import AuxLossScale, MoELayer, probe_loss_gradient
 from models.gpt.sharding import (WORD_EMBEDDING, canonical_init, checkpoint_layout, gather_canonical,
                                  shard_tensor)
 
@@ -149,9 +150,11 @@ class GPTModel(nn.Module):
         # Built on meta, then materialised once by init_weights: no throw-away initialisation.
         meta = dict(device="meta", dtype=dtype)
         self.embedding = GPTEmbedding(config, state, sp, rng, **meta) if pre_process else None
+        self.aux_scale = AuxLossScale()   # the gradient scale of the MoE layers' aux losses
         self.layers = LayerRange(
-            (TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta)
-             for _ in range(start, stop)), start)
+            (TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta,
+                              moe=config.is_moe_layer(i), aux_scale=self.aux_scale)
+             for i in range(start, stop)), start)
         self.final_norm = build_norm(config, state.tp, sp, **meta) if post_process else None
         self.output_layer = None   # tied: the logits use the word embedding
         self.output_weight = None   # the last stage's copy of the tied embedding (docstring)
@@ -279,7 +282,33 @@ class GPTModel(nn.Module):
         x = self.final_norm(x)
         if labels is None:
             return self._output_logits(x).transpose(0, 1).contiguous()  # [b, s, V_p/tp]
-        return self._output_loss(x, labels.t()).t().contiguous()    # [b, s]
+        loss = self._output_loss(x, labels.t()).t().contiguous()    # [b, s]
+        if self.moe_layers():   # the MoE aux losses' gradient scale (models/gpt/moe.py)
+            loss = probe_loss_gradient(loss, self.aux_scale)
+        return loss
+
+    def moe_layers(self) -> list[MoELayer]:
+        """This stage's MoE blocks, in layer order."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+
+    def update_expert_biases(self, dp_group) -> None:
+        """DeepSeek-V3's aux-loss-free balancing: once per optimizer step, after it, move each
+        router's expert bias by the loads of the global batch (summed over ``dp_group``, the
+        data-parallel ranks). A no-op without ``moe_router_enable_expert_bias``."""
+        for moe in self.moe_layers():
+            moe.router.update_expert_bias(dp_group)
+
+    def pop_moe_metrics(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per MoE layer (global index): the metrics summed since the last call
+        (:meth:`models.gpt.moe.MoELayer.pop_metrics`)."""
+        out = {}
+        for index, layer in zip(range(self.layers.start, self.layers.start + len(self.layers)),
+                                self.layers):
+            if isinstance(layer.mlp, MoELayer):
+                metrics = layer.mlp.pop_metrics()
+                if metrics is not None:
+                    out[index] = metrics
+        return out
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [b, s, V_p/tp] of tokens at positions ``cache.length ..`` (no recompute, no SP)."""

@@ -30,8 +30,13 @@ from hybrid.comm import Group
 from hybrid.tensor_parallel.init import full_init, shard
 from models.gpt.config import GPTConfig
 
-_COLUMN_PARALLEL = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")
-_ROW_PARALLEL = ("attn.proj.weight", "mlp.fc2.weight")
+_COLUMN_PARALLEL = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+                    "mlp.shared_expert.fc1.weight")
+_ROW_PARALLEL = ("attn.proj.weight", "mlp.fc2.weight", "mlp.shared_expert.fc2.weight")
+# MoE experts [E, 2f, h] / [E, h, f] (issue 32): experts on dim 0 (over EP), then TP like the dense
+# column/row-parallel pair: fc1's rows (dim 1), fc2's columns (dim 2)
+EXPERT_FC1, EXPERT_FC2 = "mlp.experts.fc1.weight", "mlp.experts.fc2.weight"
+_SWIGLU_ROWS = ("mlp.fc1.weight", "mlp.fc1.bias", "mlp.shared_expert.fc1.weight")
 WORD_EMBEDDING = "embedding.word.weight"
 OUTPUT_LAYER = "output_layer.weight"   # only with untie_embeddings_and_output_weights
 VOCAB_TABLES = (WORD_EMBEDDING, OUTPUT_LAYER)   # rows padded to the TP degree's vocab
@@ -51,14 +56,30 @@ def canonical_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
              "ln2.weight": (h,), "ln2.bias": (h,), "mlp.fc1.weight": (mlp_in, h),
              "mlp.fc1.bias": (mlp_in,), "mlp.fc2.weight": (h, f), "mlp.fc2.bias": (h,)}
     layer = {k: v for k, v in layer.items() if _present(config, k)}
+    moe_layer = {k: v for k, v in layer.items() if not k.startswith("mlp.")}
+    moe_layer.update(_moe_shapes(config) if config.num_experts is not None else {})
     for i in range(config.num_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+        chosen = moe_layer if config.is_moe_layer(i) else layer
+        shapes.update({f"layers.{i}.{k}": v for k, v in chosen.items()})
     shapes["final_norm.weight"] = (h,)
     if config.normalization == "LayerNorm":
         shapes["final_norm.bias"] = (h,)
     if config.untie_embeddings_and_output_weights:
         shapes[OUTPUT_LAYER] = (config.vocab_size, h)
     return shapes
+
+
+def _moe_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The MoE block's parameters (no biases): router, experts, shared expert and its gate."""
+    h, e, f = config.hidden_size, config.num_experts, config.moe_ffn_hidden_size
+    out = {"mlp.router.weight": (e, h), EXPERT_FC1: (e, 2 * f, h), EXPERT_FC2: (e, h, f)}
+    fs = config.moe_shared_expert_intermediate_size
+    if fs is not None:
+        out.update({"mlp.shared_expert.fc1.weight": (2 * fs, h),
+                    "mlp.shared_expert.fc2.weight": (h, fs)})
+        if config.moe_shared_expert_gate:
+            out["mlp.shared_expert_gate.weight"] = (1, h)
+    return out
 
 
 def _present(config: GPTConfig, layer_key: str) -> bool:
@@ -79,7 +100,7 @@ def canonical_init(config: GPTConfig, name: str, seed: int) -> torch.Tensor:
     if "norm" in name or ".ln" in name:
         return torch.ones(shape)
     std = config.init_method_std
-    if name.endswith(_ROW_PARALLEL):
+    if name.endswith(_ROW_PARALLEL + (EXPERT_FC2,)):
         std /= math.sqrt(2.0 * config.num_layers)
     return full_init(name, shape, std, seed)
 
@@ -90,6 +111,10 @@ def partition_dim(name: str) -> int:
         return 0
     if name.endswith(_ROW_PARALLEL):
         return 1
+    if name.endswith(EXPERT_FC1):
+        return 1
+    if name.endswith(EXPERT_FC2):
+        return 2
     return -1
 
 
@@ -117,9 +142,12 @@ def to_tp_layout(config: GPTConfig, name: str, full: torch.Tensor, tp: int) -> t
         # per group: [q rows of its a/g heads, k rows, v rows] side by side
         grouped = [t.reshape(g, -1, *rest) for t in (q, k, v)]
         return torch.cat(grouped, dim=1).reshape(full.shape)
-    if config.swiglu and name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+    if config.swiglu and name.endswith(_SWIGLU_ROWS):
         # [2, f, ...] -> [f, 2, ...]: gate row i next to up row i
         return full.view(2, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+    if name.endswith(EXPERT_FC1):   # per expert, the same interleave: [E, 2, f, h] -> [E, f, 2, h]
+        e, rows, h = full.shape
+        return full.view(e, 2, rows // 2, h).transpose(1, 2).reshape(full.shape)
     return full
 
 
@@ -133,8 +161,11 @@ def from_tp_layout(config: GPTConfig, name: str, full: torch.Tensor) -> torch.Te
         grouped = full.reshape(g, -1, *rest)                           # [g, (a/g + 2) d, ...]
         q, k, v = grouped.split([q_rows // g, k_rows // g, k_rows // g], dim=1)
         return torch.cat([t.reshape(-1, *rest) for t in (q, k, v)]).reshape(full.shape)
-    if config.swiglu and name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
+    if config.swiglu and name.endswith(_SWIGLU_ROWS):
         return full.view(-1, 2, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
+    if name.endswith(EXPERT_FC1):
+        e, rows, h = full.shape
+        return full.view(e, rows // 2, 2, h).transpose(1, 2).reshape(full.shape)
     return full
 
 

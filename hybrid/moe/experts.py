@@ -1,0 +1,130 @@
+"""SwiGLU experts of a mixture-of-experts layer as grouped GEMMs (issue 32; Mixtral §2.1,
+Megatron-Core's grouped GEMM), tensor-parallel like the dense MLP (Megatron-LM §3).
+
+This rank holds ``E_local`` experts, each split over TP exactly as the dense
+``ColumnParallelLinear`` / ``RowParallelLinear`` pair:
+
+    fc1.weight [E_local, 2f/tp, h]   rows (gate/up interleaved: gate 0, up 0, gate 1, ...) over TP
+    fc2.weight [E_local, h, f/tp]    columns over TP
+
+Input: tokens [N, h] grouped by expert (``counts[e]`` rows for local expert e, as the dispatcher
+gives them), the same on every TP rank. They enter through ``f`` (identity forward, all-reduce of
+the gradient backward), each rank computes its slice ``silu(gate_r) * up_r`` and its partial
+``fc2`` product, and the partial outputs leave through ``g`` (all-reduce forward): [N, h], equal on
+every TP rank, so the probability weighting after it is replicated and the router's gradient is the
+same on every TP rank (the router weight is replicated like a LayerNorm gain).
+
+The products are ONE call per GEMM for all local experts, never a loop over tokens:
+
+* ``torch._grouped_mm(tokens, W^T, offs)`` where the device supports it (CUDA with compute
+  capability 9.0+ in bf16; the CPU kernel of torch 2.13 in fp32 and bf16), when every row stride is
+  a multiple of 16 bytes (the kernel's requirement);
+* otherwise a padded batched product: tokens scattered into ``[E_local, max_count, h]`` (zero rows
+  past each expert's count), one ``bmm`` per GEMM, and gathered back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.comm import Group
+from hybrid.tensor_parallel import copy_to_tp, reduce_from_tp, set_tp_attributes
+
+
+class ExpertWeight(nn.Module):
+    """One stacked expert weight [E_local, rows, cols] split over TP along ``partition_dim`` (1:
+    fc1's rows, 2: fc2's columns); carries ``expert_parallel = True`` (ZeRO reduces it over the
+    expert-data-parallel group) and keeps its attributes through ``.to()`` / ``.to_empty()``."""
+
+    def __init__(self, shape: tuple[int, int, int], partition_dim: int, tp: int, device, dtype):
+        super().__init__()
+        self.partition_dim, self.tp = partition_dim, tp
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self._mark()
+
+    def _mark(self) -> None:
+        set_tp_attributes(self.weight, tensor_model_parallel=True, partition_dim=self.partition_dim)
+        self.weight.expert_parallel = True
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._mark()
+        return out
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (the grouped GEMM's backward
+    rejects expanded gradients, e.g. of a ``sum()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs these operands here (see the module docstring)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.device.type != "cpu":
+        return False
+    size = x.element_size()
+    dims = [x.size(1)] + [d for w in weights for d in w.shape[1:]]
+    return all(d * size % 16 == 0 for d in dims)
+
+
+def padded_bmm(x: torch.Tensor, weight_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x [N, in] grouped by expert, weight_t [E, in, out] -> [N, out], one ``bmm`` over experts
+    padded to the largest count."""
+    e, n = weight_t.size(0), x.size(0)
+    longest = max(counts) if counts else 0
+    if n == 0 or longest == 0:
+        return x.new_zeros(n, weight_t.size(2)) + 0 * weight_t.sum()   # keep the graph
+    counts_t = torch.tensor(counts, device=x.device)
+    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts_t)       # [N]
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    slot = expert * longest + torch.arange(n, device=x.device) - starts[expert]       # [N]
+    padded = x.new_zeros(e * longest, x.size(1)).index_copy(0, slot, x)
+    out = torch.bmm(padded.view(e, longest, -1), weight_t)                            # [E, max, out]
+    return out.view(e * longest, -1).index_select(0, slot)
+
+
+class GroupedSwiGLUExperts(nn.Module):
+    """``E_local`` SwiGLU experts of width f, TP-split over ``group`` (module docstring)."""
+
+    def __init__(self, num_local_experts: int, hidden: int, ffn: int, group: Group, *,
+                 device=None, dtype=None):
+        super().__init__()
+        tp = group.size
+        if ffn % tp:
+            raise ValueError(f"expert width {ffn} is not divisible by the tensor-parallel size {tp}; "
+                             f"set --moe-ffn-hidden-size to a multiple of {tp}")
+        self.group, self.num_local_experts = group, num_local_experts
+        self.fc1 = ExpertWeight((num_local_experts, 2 * ffn // tp, hidden), 1, tp, device, dtype)
+        self.fc2 = ExpertWeight((num_local_experts, hidden, ffn // tp), 2, tp, device, dtype)
+        self.use_grouped_mm = True   # False forces the padded batched product
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """tokens [N, h] (``counts[e]`` rows per local expert, in order) -> outputs [N, h]."""
+        x = copy_to_tp(tokens, self.group) if self.group.size > 1 else tokens
+        w1 = self.fc1.weight.transpose(1, 2)                     # [E, h, 2f/tp]
+        w2 = self.fc2.weight.transpose(1, 2)                     # [E, f/tp, h]
+        if self.use_grouped_mm and grouped_mm_supported(x, w1, w2):
+            offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
+            y = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))              # [N, 2f/tp]
+            gate, up = y.view(y.size(0), -1, 2).unbind(dim=-1)
+            act = F.silu(gate) * up                                                      # [N, f/tp]
+            out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))          # [N, h]
+        else:
+            y = padded_bmm(x, w1, counts)
+            gate, up = y.view(y.size(0), -1, 2).unbind(dim=-1)
+            out = padded_bmm(F.silu(gate) * up, w2, counts)
+        return reduce_from_tp(out, self.group) if self.group.size > 1 else out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -49,8 +50,9 @@ from hybrid.perf.links import nodes_of, split_bytes
 
 @dataclass(frozen=True)
 class CommRecord:
-    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | send | recv
-    group: str         # tp | dp | world | pp | embedding | mp
+    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all | all_to_all_v |
+                       # broadcast | send | recv
+    group: str         # tp | dp | world | pp | embedding | mp | ep | expert_dp
     numel: int         # elements of the full (unsharded) tensor the collective is about
     dtype: torch.dtype
     bytes_per_rank: float  # logical ring volume moved by each rank
@@ -98,6 +100,26 @@ class CommLedger:
             ranks = group.ranks if peer is None else [group.ranks[group.rank], group.ranks[peer]]
             nodes = nodes_of(ranks, self.ranks_per_node)
             _, cross = split_bytes(nbytes, op, algorithm, nodes, src_index)
+            self.records.append(CommRecord(op, group.kind, numel, dtype, nbytes, cross, algorithm,
+                                           self.category))
+            if len(self.records) > self.max_records:
+                half = len(self.records) // 2
+                del self.records[:half]
+                self.dropped += half
+
+    def record_sent(self, op: str, group: "Group", numel: int, dtype: torch.dtype,
+                    sent_rows: list[int], row_numel: int, algorithm: str = "direct") -> None:
+        """Record a collective whose per-rank volume is what this rank really sends: ``sent_rows[j]``
+        rows of ``row_numel`` elements to group member j (its own entry stays local and is not
+        counted). The cross-host part is the rows sent to members on other hosts, exactly."""
+        if self.enabled and group.size > 1:
+            item = _itemsize(dtype)
+            nodes = nodes_of(group.ranks, self.ranks_per_node)
+            mine = nodes[group.rank]
+            off = [rows if j != group.rank else 0 for j, rows in enumerate(sent_rows)]
+            nbytes = float(sum(off) * row_numel * item)
+            cross = float(sum(rows for j, rows in enumerate(off) if nodes[j] != mine)
+                          * row_numel * item)
             self.records.append(CommRecord(op, group.kind, numel, dtype, nbytes, cross, algorithm,
                                            self.category))
             if len(self.records) > self.max_records:
@@ -405,6 +427,48 @@ def all_to_all(output: torch.Tensor, source: torch.Tensor, group: Group, async_o
         return _Done() if async_op else None
     group.require_process_group()
     return dist.all_to_all_single(output, source, group=group.pg, async_op=async_op)
+
+
+@_timed(4)
+def all_to_all_v(output: torch.Tensor, source: torch.Tensor, output_split_sizes: list[int],
+                 input_split_sizes: list[int], group: Group, async_op: bool = False):
+    """All-to-all with variable split sizes along dim 0 (expert parallelism's token exchange,
+    issue 32): rows ``input_split_sizes[j]`` of ``source`` (in member order) go to member j, and
+    ``output`` receives ``output_split_sizes[i]`` rows from member i, in member order. The sizes
+    must agree across ranks (exchange them first: :func:`exchange_counts`); nothing is padded.
+
+    The ledger records op ``all_to_all_v`` with the bytes this rank really sends to its peers (its
+    own rows stay local), and their cross-host part exactly (:meth:`CommLedger.record_sent`)."""
+    n = group.size
+    if len(input_split_sizes) != n or len(output_split_sizes) != n:
+        raise ValueError(f"all-to-all-v needs {n} input and output split sizes, got "
+                         f"{len(input_split_sizes)} and {len(output_split_sizes)}")
+    if sum(input_split_sizes) != source.shape[0] or sum(output_split_sizes) != output.shape[0]:
+        raise ValueError(f"all-to-all-v split sizes sum to {sum(input_split_sizes)} (input) and "
+                         f"{sum(output_split_sizes)} (output) rows, but the tensors have "
+                         f"{source.shape[0]} and {output.shape[0]}")
+    row = math.prod(source.shape[1:])
+    if math.prod(output.shape[1:]) != row:
+        raise ValueError(f"all-to-all-v rows differ: {row} elements sent per row, "
+                         f"{math.prod(output.shape[1:])} received")
+    group.ledger.record_sent("all_to_all_v", group, source.numel(), source.dtype,
+                             list(input_split_sizes), row)
+    if n == 1:
+        output.copy_(source)
+        return _Done() if async_op else None
+    group.require_process_group()
+    return dist.all_to_all_single(output, source, output_split_sizes=list(output_split_sizes),
+                                  input_split_sizes=list(input_split_sizes), group=group.pg,
+                                  async_op=async_op)
+
+
+def exchange_counts(send_counts: torch.Tensor, group: Group) -> torch.Tensor:
+    """The counts exchange that precedes :func:`all_to_all_v`: ``send_counts`` is int64
+    ``[size, c]`` (row j: what this rank will send member j); the result's row i is what member i
+    will send this rank. A small equal-split all-to-all, recorded as op ``all_to_all`` of int64."""
+    received = torch.empty_like(send_counts)
+    all_to_all(received, send_counts.contiguous(), group)
+    return received
 
 
 @_timed(1)

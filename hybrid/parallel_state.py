@@ -22,6 +22,12 @@ DP group on one host reuses its process group: intra is the DP group, inter this
 every user gets the same ones; where the hosts hold unequal shares of a DP group both are None and
 :meth:`ParallelState.require_host_groups` says why.
 
+Expert parallelism (issue 32, :meth:`Topology.ep_groups`): ``ep`` is the rank's EP group (the ranks
+that hold different experts of each MoE layer and exchange tokens by all-to-all; ledger kind ``ep``)
+and ``expert_dp`` its expert-DP group (the DP / EP ranks holding the same experts, over which expert
+gradients are reduced and partitioned; ledger kind ``expert_dp``). At EP 1 ``ep`` is this rank alone
+and ``expert_dp`` is the DP group itself (same process group, same transport, ledger kind ``dp``).
+
 ``ParallelState.single_process()`` needs no process group at all; its groups have size 1 and every
 collective degenerates to a local copy.
 """
@@ -47,7 +53,8 @@ class ParallelState:
                  device: torch.device, ledger: CommLedger, *, pp: Group | None = None,
                  embedding: Group | None = None, mp: Group | None = None,
                  host_groups: tuple[Group, Group] | None = None,
-                 host_split_problem: str | None = None):
+                 host_split_problem: str | None = None, ep: Group | None = None,
+                 expert_dp: Group | None = None):
         self.topology = topology
         self.rank = rank
         self.world = world
@@ -58,6 +65,8 @@ class ParallelState:
         self.pp = pp if pp is not None else Group("pp", [rank], 0, ledger)
         self.embedding = embedding if embedding is not None else Group("embedding", [rank], 0, ledger)
         self.mp = mp if mp is not None else tp
+        self.ep = ep if ep is not None else Group("ep", [rank], 0, ledger)
+        self.expert_dp = expert_dp if expert_dp is not None else dp
         self._host_split_problem = host_split_problem   # the topology's reason there are none
         if host_split_problem is not None:
             self.dp_intra_host_group = self.dp_inter_host_group = None
@@ -91,12 +100,19 @@ class ParallelState:
             intra, inter = (topology.dp_intra_host_group_of(rank), topology.dp_inter_host_group_of(rank))
             host_groups = (Group(INTRA, intra, intra.index(rank), ledger),
                            Group(INTER, inter, inter.index(rank), ledger))
+        ep = expert_dp = None
+        if topology.ep_size > 1:
+            ep_ranks, edp_ranks = topology.ep_group_of(rank), topology.expert_dp_group_of(rank)
+            ep_rank, expert_dp_rank = topology.expert_coords(rank)
+            ep = Group("ep", ep_ranks, ep_rank, ledger)
+            expert_dp = Group("expert_dp", edp_ranks, expert_dp_rank, ledger)
         return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger, pp=pp,
-                   embedding=embedding, mp=mp, host_groups=host_groups, host_split_problem=problem)
+                   embedding=embedding, mp=mp, host_groups=host_groups, host_split_problem=problem,
+                   ep=ep, expert_dp=expert_dp)
 
     @classmethod
     def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
-                        pipeline_parallel_size: int = 1,
+                        pipeline_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                         gpus_per_node: int | None = None, allow_tp_across_nodes: bool = False,
                         timeout: timedelta = DEFAULT_TIMEOUT, dp_transport: str = "auto",
                         device: str | torch.device | None = None) -> "ParallelState":
@@ -104,14 +120,17 @@ class ParallelState:
         (``env`` not distributed), else join the job and create its TP, DP and PP groups. A node holds
         the launcher's ``LOCAL_WORLD_SIZE`` ranks, else ``gpus_per_node``, else the whole world."""
         if not env.distributed:
-            if pipeline_parallel_size > 1:
-                raise ValueError(f"pipeline-model-parallel size {pipeline_parallel_size} needs as "
-                                 f"many ranks at least; launch with torchrun")
+            for name, size in (("pipeline", pipeline_parallel_size),
+                               ("expert", expert_model_parallel_size)):
+                if size > 1:
+                    raise ValueError(f"{name}-model-parallel size {size} needs as many ranks at "
+                                     f"least; launch with torchrun")
             return cls.single_process(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         per_node = env.local_world_size or gpus_per_node or env.world_size
         topology = Topology(env.world_size, tensor_parallel_size, gpus_per_node=per_node,
                             allow_tp_across_nodes=allow_tp_across_nodes,
-                            pipeline_parallel_size=pipeline_parallel_size)
+                            pipeline_parallel_size=pipeline_parallel_size,
+                            expert_model_parallel_size=expert_model_parallel_size)
         return cls.initialize(topology, env=env, timeout=timeout, dp_transport=dp_transport,
                               device=device)
 
@@ -163,9 +182,16 @@ class ParallelState:
         problem = topology.dp_host_split_problem()
         host_groups = None if problem is not None else _make_host_groups(
             topology, rank, dp, ledger, backend, timeout, dp_transport, device)
+        ep = expert_dp = None
+        if topology.ep_size > 1:   # EP 1: ep is this rank alone, expert_dp the DP group (__init__)
+            ep = _make_groups("ep", topology.ep_groups(), rank, ledger, backend, timeout)
+            expert_dp = _make_groups("expert_dp", topology.expert_dp_groups(), rank, ledger,
+                                     backend, timeout)
+            expert_dp.shm = _dp_shared_memory(expert_dp, "gloo" if dp_transport == "gloo" else "auto",
+                                              device, timeout)
         log.debug("rank %d: %s", rank, topology.describe())
         return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp,
-                   host_groups=host_groups, host_split_problem=problem)
+                   host_groups=host_groups, host_split_problem=problem, ep=ep, expert_dp=expert_dp)
 
     def require_host_groups(self, option: str) -> tuple[Group, Group]:
         """(intra-host, inter-host) DP groups for ``option``, or a ValueError saying why the layout
@@ -206,6 +232,14 @@ class ParallelState:
         return self.pp.size
 
     @property
+    def ep_rank(self) -> int:
+        return self.ep.rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp.rank == 0
 
@@ -217,6 +251,7 @@ class ParallelState:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, "
                 + (f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else "")
+                + (f"ep={self.ep_rank}/{self.ep_size}, " if self.ep_size > 1 else "")
                 + f"device={self.device})")
 
 

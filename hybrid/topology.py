@@ -20,6 +20,15 @@ With PP > 1 each stage is a contiguous block of ``world / pp`` ranks (whole node
 layout), so the point-to-point traffic between stages crosses nodes while TP stays inside one.
 A PP group is one (dp, tp) column through the stages; the embedding group of a column is its first
 and last stage, which hold the two uses of the tied word embedding.
+
+Expert parallelism (issue 32; Megatron-Core's layout) is carved out of DP: inside every DP group
+(one stage, one TP rank), each run of ``ep`` consecutive DP ranks is an EP group (its ranks hold
+different experts and exchange tokens by all-to-all), and the ranks with the same EP index form an
+expert-DP group of ``dp / ep`` ranks (they hold the same experts and reduce their gradients):
+
+    world 8, tp 2, ep 2       DP groups: [0,2,4,6] [1,3,5,7]
+        EP groups:         [0,2] [4,6] [1,3] [5,7]
+        expert-DP groups:  [0,4] [2,6] [1,5] [3,7]
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ class Topology:
     gpus_per_node: int = 16
     allow_tp_across_nodes: bool = False
     pipeline_parallel_size: int = 1
+    expert_model_parallel_size: int = 1   # EP, carved out of DP (module docstring)
 
     def __post_init__(self) -> None:
         world, tp, per_node = self.world_size, self.tensor_parallel_size, self.gpus_per_node
@@ -94,6 +104,14 @@ class Topology:
                     f"tensor-model-parallel size {tp} is larger than a node ({per_node} GPUs): its "
                     f"all-reduces would cross the inter-node network; lower TP to at most {per_node} "
                     f"or opt in with --allow-tp-across-nodes")
+        ep = self.expert_model_parallel_size
+        if not isinstance(ep, int) or ep < 1:
+            raise TopologyError(f"expert-model-parallel size must be a positive integer, got {ep!r}")
+        if self.dp_size % ep:
+            raise TopologyError(
+                f"expert-model-parallel size {ep} does not divide the data-parallel size "
+                f"{self.dp_size} (EP groups are carved out of DP); choose an EP degree that divides "
+                f"{self.dp_size} (e.g. {_largest_divisor_at_most(self.dp_size, ep)}) or add ranks")
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -107,6 +125,15 @@ class Topology:
     @property
     def pp_size(self) -> int:
         return self.pipeline_parallel_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        """Ranks holding the same experts: DP / EP (their gradients are reduced over it)."""
+        return self.dp_size // self.expert_model_parallel_size
 
     @property
     def num_nodes(self) -> int:
@@ -165,6 +192,34 @@ class Topology:
         """Model-parallel groups: every TP rank of every stage of one DP replica (what together
         holds one copy of the model; the gradient norm of stage 0 sums over it)."""
         return self.grid3d.transpose(0, 1).reshape(self.dp_size, -1).tolist()
+
+    def ep_groups(self) -> list[list[int]]:
+        """Every DP group cut into runs of ``ep`` consecutive DP ranks: one EP group per
+        (stage, TP rank, expert-DP index), ranks in EP-rank order. ``ep`` 1: every rank alone."""
+        ep = self.ep_size
+        return self.grid3d.transpose(1, 2).reshape(-1, ep).tolist()
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """The ranks with the same EP index in each DP group (strided by ``ep`` DP ranks): one
+        expert-DP group of ``dp / ep`` ranks per (stage, TP rank, EP rank). ``ep`` 1: the DP groups."""
+        ep, edp = self.ep_size, self.expert_dp_size
+        cols = self.grid3d.transpose(1, 2).reshape(-1, edp, ep)    # [pp*tp, edp, ep]
+        return cols.transpose(1, 2).reshape(-1, edp).tolist()
+
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """``(ep_rank, expert_dp_rank)`` of ``rank``: its index in its EP group (``dp_rank % ep``)
+        and in its expert-DP group (``dp_rank // ep``)."""
+        expert_dp_rank, ep_rank = divmod(self.coords(rank).dp_rank, self.ep_size)
+        return ep_rank, expert_dp_rank
+
+    def ep_group_of(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        start = c.dp_rank - c.dp_rank % self.ep_size
+        return self.grid3d[c.pp_rank, start:start + self.ep_size, c.tp_rank].tolist()
+
+    def expert_dp_group_of(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return self.grid3d[c.pp_rank, c.dp_rank % self.ep_size::self.ep_size, c.tp_rank].tolist()
 
     def tp_group_of(self, rank: int) -> list[int]:
         c = self.coords(rank)
@@ -248,7 +303,25 @@ class Topology:
                 f" | TP {self.tp_size} ({self.world_size // self.tp_size} TP groups, {crossing})"
                 f" | DP {self.dp_size} ({self.tp_size * self.pp_size} DP groups)"
                 + (f" | PP {self.pp_size} ({self.world_size // self.pp_size} PP groups)"
-                   if self.pp_size > 1 else ""))
+                   if self.pp_size > 1 else "")
+                + (f" | EP {self.ep_size} x expert-DP {self.expert_dp_size}"
+                   if self.ep_size > 1 else ""))
+
+
+def check_expert_split(num_experts: int | None, expert_model_parallel_size: int) -> None:
+    """The experts of a MoE layer split evenly over the EP ranks (rank e holds experts
+    ``e*E/ep .. (e+1)*E/ep - 1``), or a TopologyError naming the fix. Dense models (None) need EP 1."""
+    ep = expert_model_parallel_size
+    if ep == 1:
+        return
+    if not num_experts:
+        raise TopologyError(f"expert-model-parallel size {ep} needs a mixture-of-experts model; "
+                            f"set --num-experts or use --expert-model-parallel-size 1")
+    if num_experts % ep:
+        raise TopologyError(
+            f"{num_experts} experts do not split evenly over expert-model-parallel size {ep}; "
+            f"choose an EP degree that divides {num_experts} "
+            f"(e.g. {_largest_divisor_at_most(num_experts, ep)})")
 
 
 def _largest_divisor_at_most(n: int, k: int) -> int:

@@ -43,7 +43,8 @@ def build_parallel_state(cfg: TrainConfig, layout: RunLayout,
     p = cfg.parallel
     return ParallelState.from_launch_env(
         env, tensor_parallel_size=layout.tensor_parallel,
-        pipeline_parallel_size=layout.pipeline_parallel, gpus_per_node=p.gpus_per_node,
+        pipeline_parallel_size=layout.pipeline_parallel,
+        expert_model_parallel_size=p.expert_model_parallel_size, gpus_per_node=p.gpus_per_node,
         allow_tp_across_nodes=p.allow_tp_across_nodes, dp_transport=p.dp_transport,
         timeout=timedelta(minutes=p.distributed_timeout_minutes))
 

@@ -52,6 +52,7 @@ class TrainConfig:
         except ConfigError as err:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
+        self._check_experts()
         self._check_operations()
         self._check_schedule_units()
         self._check_offloaded_moments()
@@ -77,6 +78,14 @@ class TrainConfig:
                 f"--sequence-parallel shards the sequence over the TP ranks, but --seq-length {seq} "
                 f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
                 f"is a multiple of {tp} or drop --sequence-parallel")
+
+    def _check_experts(self) -> None:
+        """Expert parallelism (issue 32): the experts split evenly over the EP ranks."""
+        from hybrid.topology import TopologyError, check_expert_split
+        try:
+            check_expert_split(self.model.num_experts, self.parallel.expert_model_parallel_size)
+        except TopologyError as err:
+            raise TrainConfigError(str(err)) from None
 
     def _check_offloaded_moments(self) -> None:
         """16-bit moments live on the device only: the offloaded AdamW has no 16-bit path."""
@@ -260,6 +269,12 @@ class TrainConfig:
                 f"check --global-batch-size")
         layout = self.layout(world_size)
         self.check_sections()
+        ep = p.expert_model_parallel_size
+        if layout.data_parallel % ep:
+            raise TrainConfigError(
+                f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
+                f"{layout.data_parallel} of {world_size} ranks (EP groups are carved out of DP); "
+                f"choose an EP degree that divides {layout.data_parallel} or launch more ranks")
         self.pipeline_config(layout)
         self._check_batch_schedule(layout)
         self.train_iterations(layout)

@@ -60,7 +60,8 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     p, m, o = cfg.parallel, cfg.model, cfg.optimizer
     topology = Topology(world, layout.tensor_parallel, gpus_per_node=p.gpus_per_node,
                         allow_tp_across_nodes=p.allow_tp_across_nodes,
-                        pipeline_parallel_size=layout.pipeline_parallel)
+                        pipeline_parallel_size=layout.pipeline_parallel,
+                        expert_model_parallel_size=p.expert_model_parallel_size)
     state = ParallelState.dry_run(topology, rank)
     gcfg = gpt_config(cfg, m.vocab_size or GPT2_VOCAB_SIZE)
     gcfg.validate_for_tp(state.tp_size)

@@ -164,7 +164,6 @@ def _noop(name: str, meaning: str, why: str, value=SWITCH, when=None) -> Megatro
 
 _FP8 = ("parameters stay bf16 here; ZeRO stage 3 can all-gather them as FP8 blocks: --zero-stage "
         "3 --zero-quantized-weights --zero-quantized-weights-format fp8")
-_MOE = "this framework trains dense models only; size the MLP with --ffn-hidden-size"
 _FUSION = "a kernel-fusion switch: it changes speed, not results; our kernels are chosen per device"
 
 CATALOGUE: tuple[MegatronFlag, ...] = (
@@ -233,15 +232,20 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--cross-entropy-loss-fusion", "fused cross-entropy", "the vocab-parallel cross entropy "
           "is computed blockwise in one pass already"),
     # ---- MoE / FP8 / context parallelism: not here ----
-    _refused("--num-experts", "mixture-of-experts layers", _MOE),
-    _refused("--moe-router-topk", "experts per token", _MOE),
-    _refused("--moe-grouped-gemm", "grouped GEMM for experts", _MOE),
-    _refused("--moe-aux-loss-coeff", "MoE load-balancing loss", _MOE),
-    _refused("--moe-router-load-balancing-type", "MoE load balancing", _MOE),
-    _refused("--moe-token-dispatcher-type", "MoE token dispatch", _MOE),
-    _noop("--expert-model-parallel-size", "expert parallelism (MoE)",
-          "1 means no expert parallelism; larger values are refused (dense models only)", int,
-          when=_equals(1)),
+    _native("--num-experts", "model.num_experts", "mixture-of-experts layers", int),
+    _native("--moe-router-topk", "model.moe_router_topk", "experts per token", int),
+    _noop("--moe-grouped-gemm", "grouped GEMM for experts", "always on: the experts run as "
+          "grouped GEMMs (torch._grouped_mm where the device has it, else one padded batched "
+          "product)"),
+    _native("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "MoE load-balancing loss", float),
+    _native("--moe-router-load-balancing-type", "model.moe_router_load_balancing_type",
+            "MoE load balancing", str),
+    _native("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type",
+            "MoE token dispatch over the EP group (alltoall | allgather)", str),
+    _native("--expert-model-parallel-size", "parallel.expert_model_parallel_size",
+            "expert parallelism: experts split over EP ranks carved out of DP", int),
+    _native("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size",
+            "TP degree of the experts (here only the dense TP degree)", int),
     _native("--fp8-format", "optimizer.fp8_format", "FP8 training (e4m3 | hybrid)", str),
     _native("--fp8-recipe", "optimizer.fp8_recipe", "FP8 scaling recipe (tensorwise | delayed; "
             "here also torchao's rowwise; mxfp8 and blockwise are not here)", str),

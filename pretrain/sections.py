@@ -98,6 +98,12 @@ class ParallelSection:
                                           default=None)
     sequence_parallel: bool = _help("shard LayerNorm/dropout activations along the sequence",
                                     default=False)
+    expert_model_parallel_size: int = _help("EP degree: the experts of each MoE layer split over "
+                                            "this many DP ranks (carved out of DP; expert-DP = "
+                                            "DP / EP)", default=1)
+    expert_tensor_parallel_size: int | None = _help(
+        "TP degree of the experts; only the dense TP degree is supported (default: the same)",
+        default=None)
     zero_stage: int = _help("ZeRO-DP stage: 0 baseline, 1 Pos, 2 Pos+g, 3 Pos+g+p", default=1)
     zero_bucket_size: int = _help("elements per gradient bucket (ZeRO-R CB)",
                                   default=DEFAULT_BUCKET_ELEMENTS)
@@ -160,6 +166,14 @@ class ParallelSection:
         _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node",
                   "pipeline_model_parallel_size")
         _positive(self, "world_size", "num_layers_per_virtual_pipeline_stage", allow_none=True)
+        _positive(self, "expert_model_parallel_size")
+        ett, tp = self.expert_tensor_parallel_size, self.tensor_model_parallel_size
+        if ett is not None and ett != tp:
+            raise TrainConfigError(
+                f"--expert-tensor-parallel-size {ett} differs from --tensor-model-parallel-size {tp}:"
+                f" here the experts are split over the same TP ranks as the dense layers (the tokens"
+                f" they receive are replicated on that TP group), so only {tp} is supported; drop the"
+                f" flag or set it to {tp}")
         if not self.distributed_timeout_minutes > 0:
             raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
                                    f"{self.distributed_timeout_minutes}")

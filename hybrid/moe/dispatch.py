@@ -14,11 +14,33 @@ row in ``tokens`` and nothing in the sum. Both steps are differentiable (gradien
 
 :class:`LocalDispatcher` is expert-parallel size 1: all E experts are on this rank, so the
 permutation is a sort of the routes by expert; no communication.
+
+With expert parallelism (EP carved out of DP, :mod:`hybrid.topology`) the E experts are split over
+the EP group, EP rank e holding experts ``e*E/EP .. (e+1)*E/EP - 1``. Two dispatchers, chosen by
+``--moe-token-dispatcher-type`` like Megatron-Core's:
+
+* :class:`AllToAllDispatcher` (``alltoall``, the default): the routes are sorted by destination
+  (expert order is destination-rank order), the per-(rank, expert) counts are exchanged first (a
+  small all-to-all of int64), then the hidden states of exactly the routed tokens travel by one
+  variable-size all-to-all (:func:`hybrid.comm.all_to_all_v`, no padding to a capacity), and are
+  regrouped from (source rank, expert) order to (expert, source rank) order. ``combine`` reverses
+  both and weights by the probs at the token's own rank. The backward of each all-to-all is the
+  reverse all-to-all.
+* :class:`AllGatherDispatcher` (``allgather``): every EP rank all-gathers the group's tokens, routes
+  and probs, keeps the routes to its own experts, weights their outputs by the probs there, and a
+  reduce-scatter returns each rank its tokens' sums. Simple, and it needs no counts, but it moves
+  every token to every rank: worth it only for small EP or top-k close to E.
+
+Bytes per MoE layer and step: docs/moe.md, "Communication" (the ledger test checks them).
 """
 
 from __future__ import annotations
 
 import torch
+
+from hybrid import comm
+from hybrid.comm import Group
+from hybrid.tensor_parallel.mappings import apply_communicating
 
 
 class LocalDispatcher:
@@ -56,3 +78,180 @@ class LocalDispatcher:
     def offsets(self) -> torch.Tensor:
         """Cumulative counts [E] int32 on the device (grouped GEMM offsets, no host read)."""
         return torch.cumsum(self._state[4], 0).to(torch.int32)
+
+
+DISPATCHER_TYPES = ("alltoall", "allgather")
+
+
+def _check_experts(num_experts: int, group: Group) -> int:
+    if num_experts % group.size:
+        raise ValueError(f"{num_experts} experts do not split evenly over {group.size} "
+                         f"expert-parallel ranks; choose an EP degree that divides {num_experts}")
+    return num_experts // group.size
+
+
+def _check_routes(hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor) -> None:
+    if hidden.dim() != 2 or expert_index.dim() != 2 or expert_index.shape != probs.shape \
+            or expert_index.shape[0] != hidden.shape[0]:
+        raise ValueError(f"dispatch needs hidden [T, h], expert_index and probs [T, k]; got "
+                         f"{tuple(hidden.shape)}, {tuple(expert_index.shape)}, {tuple(probs.shape)}")
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Rows ``send[j]`` of ``x`` to member j, ``recv[i]`` rows from member i; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, recv, send, group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        comm.all_to_all_v(out, x.contiguous(), recv, send, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        comm.all_to_all_v(back, grad.contiguous(), ctx.send, ctx.recv, ctx.group)
+        return back, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather dim 0 over the group forward, reduce-scatter dim 0 backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+        comm.all_gather_into(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
+        comm.reduce_scatter_into(out, grad.contiguous(), group)
+        return out, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """Reduce-scatter dim 0 over the group forward, all-gather dim 0 backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+        comm.reduce_scatter_into(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        out = grad.new_empty((grad.shape[0] * group.size, *grad.shape[1:]))
+        comm.all_gather_into(out, grad.contiguous(), group)
+        return out, None
+
+
+def all_to_all_rows(x: torch.Tensor, recv: list[int], send: list[int], group: Group) -> torch.Tensor:
+    """Differentiable :func:`hybrid.comm.all_to_all_v` of the rows of ``x``."""
+    return apply_communicating(_AllToAllV, x, recv, send, group, group=group)
+
+
+def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor, token: torch.Tensor,
+                  num_tokens: int) -> torch.Tensor:
+    """``out[t] = sum of weights[i] * rows[i] over the i with token[i] == t``, summed in fp32 at
+    least (the probs' precision), returned in the rows' dtype. rows [R, h], weights/token [R] -> [T, h]."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    out = torch.zeros((num_tokens, rows.shape[1]), dtype=acc, device=rows.device)
+    out = out.index_add(0, token, rows.to(acc) * weights.to(acc).unsqueeze(1))
+    return out.to(rows.dtype)
+
+
+class AllToAllDispatcher:
+    """``alltoall``: variable-size all-to-all of exactly the routed tokens over the EP group."""
+
+    def __init__(self, num_experts: int, group: Group):
+        self.num_experts, self.group = num_experts, group
+        self.num_local_experts = _check_experts(num_experts, group)
+        self._saved = None
+
+    def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int]]:
+        _check_routes(hidden, expert_index, probs)
+        ep, local = self.group.size, self.num_local_experts
+        num_tokens, k = expert_index.shape
+        flat = expert_index.reshape(-1)                                          # [T*k]
+        kept = (flat >= 0).nonzero().squeeze(1)                                  # routes not dropped
+        experts = flat[kept]
+        order = torch.sort(experts, stable=True).indices                         # by expert = by rank
+        route = kept[order]                                                      # [S] flat route ids
+        token = torch.div(route, k, rounding_mode="floor")                      # [S] source token
+        per_expert = torch.bincount(experts, minlength=self.num_experts)         # [E]
+        send_counts = per_expert.view(ep, local)             # row j: to rank j, per local expert
+        recv_counts = comm.exchange_counts(send_counts, self.group)   # row i: from rank i
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        received = all_to_all_rows(hidden[token], recv, send, self.group)       # [R, h]
+        # received is (source rank, local expert)-major; regroup to (local expert, source rank)
+        block = torch.repeat_interleave(
+            torch.arange(ep * local, device=hidden.device), recv_counts.reshape(-1).to(hidden.device))
+        source, expert = torch.div(block, local, rounding_mode="floor"), block % local
+        regroup = torch.sort(expert * ep + source, stable=True).indices         # [R]
+        self._saved = (regroup, send, recv, token, probs.reshape(-1)[route], num_tokens)
+        return received[regroup], recv_counts.sum(0).tolist()
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        if self._saved is None:
+            raise RuntimeError("combine() needs a dispatch() first")
+        regroup, send, recv, token, weights, num_tokens = self._saved
+        self._saved = None
+        back = torch.empty_like(regroup)
+        back[regroup] = torch.arange(regroup.numel(), device=regroup.device)   # inverse permutation
+        returned = all_to_all_rows(expert_out[back], send, recv, self.group)     # [S, h] route order
+        return _weighted_sum(returned, weights, token, num_tokens)
+
+
+class AllGatherDispatcher:
+    """``allgather``: every EP rank sees every token and keeps the routes to its own experts.
+    Every rank of the group must hold the same number of tokens (equal micro-batches)."""
+
+    def __init__(self, num_experts: int, group: Group):
+        self.num_experts, self.group = num_experts, group
+        self.num_local_experts = _check_experts(num_experts, group)
+        self._saved = None
+
+    def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int]]:
+        _check_routes(hidden, expert_index, probs)
+        group, local = self.group, self.num_local_experts
+        num_tokens, k = expert_index.shape
+        every_hidden = apply_communicating(_GatherRows, hidden, group, group=group)    # [EP*T, h]
+        every_probs = apply_communicating(_GatherRows, probs, group, group=group)      # [EP*T, k]
+        every_index = expert_index.new_empty((num_tokens * group.size, k))
+        comm.all_gather_into(every_index, expert_index.contiguous(), group)
+        first = group.rank * local
+        flat = every_index.reshape(-1) - first                                # local expert id
+        mine = ((flat >= 0) & (flat < local) & (every_index.reshape(-1) >= 0)).nonzero().squeeze(1)
+        experts = flat[mine]
+        order = torch.sort(experts, stable=True).indices
+        route = mine[order]                                                   # [N] flat route ids
+        token = torch.div(route, k, rounding_mode="floor")                   # [N] in EP*T tokens
+        self._saved = (token, every_probs.reshape(-1)[route], num_tokens * group.size)
+        counts = torch.bincount(experts, minlength=local).tolist()
+        return every_hidden[token], counts
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        if self._saved is None:
+            raise RuntimeError("combine() needs a dispatch() first")
+        token, weights, every_tokens = self._saved
+        self._saved = None
+        summed = _weighted_sum(expert_out, weights, token, every_tokens)     # [EP*T, h] partial
+        return apply_communicating(_ReduceScatterRows, summed, self.group, group=self.group)
+
+
+def make_dispatcher(dispatcher_type: str, num_experts: int, ep: Group):
+    """The EP dispatcher of ``--moe-token-dispatcher-type`` over the EP group ``ep``."""
+    if dispatcher_type == "alltoall":
+        return AllToAllDispatcher(num_experts, ep)
+    if dispatcher_type == "allgather":
+        return AllGatherDispatcher(num_experts, ep)
+    raise ValueError(f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHER_TYPES)}, "
+                     f"got {dispatcher_type!r}")

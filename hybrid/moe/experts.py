@@ -87,7 +87,9 @@ def padded_bmm(x: torch.Tensor, weight_t: torch.Tensor, counts: list[int]) -> to
     e, n = weight_t.size(0), x.size(0)
     longest = max(counts) if counts else 0
     if n == 0 or longest == 0:
-        return x.new_zeros(n, weight_t.size(2)) + 0 * weight_t.sum()   # keep the graph
+        # no rows (an EP rank that received no token): [0, out], still a function of x and the
+        # weight, so the backward reaches the dispatcher's all-to-all as on every other rank
+        return torch.mm(x, weight_t[0]) if e else x.new_zeros(n, weight_t.size(2))
     counts_t = torch.tensor(counts, device=x.device)
     expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts_t)       # [N]
     starts = torch.cumsum(counts_t, 0) - counts_t
@@ -117,14 +119,15 @@ class GroupedSwiGLUExperts(nn.Module):
         x = copy_to_tp(tokens, self.group) if self.group.size > 1 else tokens
         w1 = self.fc1.weight.transpose(1, 2)                     # [E, h, 2f/tp]
         w2 = self.fc2.weight.transpose(1, 2)                     # [E, f/tp, h]
-        if self.use_grouped_mm and grouped_mm_supported(x, w1, w2):
+        # no rows: the padded path (torch._grouped_mm's backward rejects empty operands)
+        if self.use_grouped_mm and x.size(0) > 0 and grouped_mm_supported(x, w1, w2):
             offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
             y = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))              # [N, 2f/tp]
-            gate, up = y.view(y.size(0), -1, 2).unbind(dim=-1)
+            gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
             act = F.silu(gate) * up                                                      # [N, f/tp]
             out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))          # [N, h]
         else:
             y = padded_bmm(x, w1, counts)
-            gate, up = y.view(y.size(0), -1, 2).unbind(dim=-1)
+            gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
             out = padded_bmm(F.silu(gate) * up, w2, counts)
         return reduce_from_tp(out, self.group) if self.group.size > 1 else out

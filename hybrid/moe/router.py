@@ -94,6 +94,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, num_sequences: int = 1) -> Routing:
         """``x`` [T, h] with tokens in Megatron's ``[s, b]`` order flattened (token t belongs to
         sequence ``t % num_sequences``; only seq_aux_loss reads it)."""
+        if self.expert_bias is not None and self.expert_bias.is_meta:
+            self.reset_buffers(x.device)   # built on meta and never materialised (ZeRO stage 3)
         logits = x.float() @ self.weight.float().t()                     # [T, E] fp32
         scores, selection = self._scores(logits)
         _, expert_index = torch.topk(selection, self.topk, dim=-1)       # [T, k]
@@ -153,6 +155,13 @@ class Router(nn.Module):
         f = onehot.view(-1, b, e).mean(dim=0) / self.topk                        # [b, E]
         per_seq = (f * p.view(-1, b, e).mean(dim=0)).sum(dim=-1)                 # [b]
         return self.aux_loss_coeff * e * per_seq.mean()
+
+    @torch.no_grad()
+    def reset_buffers(self, device) -> None:
+        """The initial state on ``device``: zero expert bias and no pending load."""
+        if self.expert_bias is not None:
+            self.expert_bias = torch.zeros(self.num_experts, device=device)
+            self.pending_load = torch.zeros(self.num_experts, device=device)
 
     @torch.no_grad()
     def update_expert_bias(self, dp_group: Group | None) -> None:

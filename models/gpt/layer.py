@@ -198,7 +198,7 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: GPTConfig, group: Group, *, sequence_parallel: bool = False,
                  rng: RNGTracker | None = None, device=None, dtype=None, moe: bool = False,
-                 aux_scale=None):
+                 aux_scale=None, ep: Group | None = None):
         super().__init__()
         self.ln1 = build_norm(config, group, sequence_parallel, device, dtype)
         self.attn = ParallelAttention(config, group, sequence_parallel, rng, device, dtype)
@@ -206,7 +206,7 @@ class TransformerLayer(nn.Module):
         if moe:   # a mixture-of-experts layer (models/gpt/moe.py; config.is_moe_layer)
             from models.gpt.moe import MoELayer
             self.mlp = MoELayer(config, group, sequence_parallel=sequence_parallel,
-                                aux_scale=aux_scale, device=device, dtype=dtype)
+                                aux_scale=aux_scale, device=device, dtype=dtype, ep=ep)
         else:
             self.mlp = ParallelMLP(config, group, sequence_parallel, device, dtype)
         self.p, self.rng, self.tp = config.hidden_dropout, rng, group.size

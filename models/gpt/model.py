@@ -48,8 +48,8 @@ from models.gpt.config import GPTConfig
 from models.gpt.kv_cache import KVCache
 from models.gpt.layer import TransformerLayer, build_norm, dropout
 from models.gpt.moe import AuxLossScale, MoELayer, probe_loss_gradient
-from models.gpt.sharding import (WORD_EMBEDDING, canonical_init, checkpoint_layout, gather_canonical,
-                                 shard_tensor)
+from models.gpt.sharding import (WORD_EMBEDDING, canonical_init, checkpoint_layout, expert_slice,
+                                 gather_canonical, gather_experts, shard_tensor)
 
 
 class PositionEmbedding(nn.Module):
@@ -153,7 +153,8 @@ class GPTModel(nn.Module):
         self.aux_scale = AuxLossScale()   # the gradient scale of the MoE layers' aux losses
         self.layers = LayerRange(
             (TransformerLayer(config, state.tp, sequence_parallel=sp, rng=rng, **meta,
-                              moe=config.is_moe_layer(i), aux_scale=self.aux_scale)
+                              moe=config.is_moe_layer(i), aux_scale=self.aux_scale,
+                              ep=getattr(state, "ep", None))
              for i in range(start, stop)), start)
         self.final_norm = build_norm(config, state.tp, sp, **meta) if post_process else None
         self.output_layer = None   # tied: the logits use the word embedding
@@ -188,6 +189,8 @@ class GPTModel(nn.Module):
             self.to_empty(device=self.device)
         for name, p in self.named_parameters():
             p.copy_(self.init_parameter(name, seed))
+        for moe in self.moe_layers():
+            moe.router.reset_buffers(self.device)
         if self.output_weight is not None:
             self.output_weight = self.init_parameter(WORD_EMBEDDING, seed).to(
                 self.device, self.output_weight.dtype).requires_grad_()
@@ -195,7 +198,7 @@ class GPTModel(nn.Module):
     def init_parameter(self, name: str, seed: int) -> torch.Tensor:
         """This rank's TP shard of parameter ``name``'s canonical initial value (what ZeRO stage 3
         partitions further without ever materialising the whole model)."""
-        full = canonical_init(self.config, name, seed)
+        full = expert_slice(name, canonical_init(self.config, name, seed), *self._ep_position())
         return shard_tensor(self.config, name, full, self.state.tp_rank, self.state.tp_size)
 
     @torch.no_grad()
@@ -206,11 +209,20 @@ class GPTModel(nn.Module):
             raise KeyError(f"canonical state dict lacks {missing[:4]} ({len(missing)} missing)")
         tp_rank, tp = self.state.tp_rank, self.state.tp_size
         for name, p in self.named_parameters():
-            p.copy_(shard_tensor(self.config, name, state_dict[name], tp_rank, tp))
+            full = expert_slice(name, state_dict[name], *self._ep_position())
+            p.copy_(shard_tensor(self.config, name, full, tp_rank, tp))
 
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full reference-layout state dict, gathered over TP (every TP rank must call)."""
-        return gather_canonical(self.config, dict(self.named_parameters()), self.group)
+        """The full reference-layout state dict, gathered over TP and, for the experts, over EP
+        (every TP and EP rank must call)."""
+        out = gather_canonical(self.config, dict(self.named_parameters()), self.group)
+        ep = getattr(self.state, "ep", None)
+        return gather_experts(out, ep) if ep is not None else out
+
+    def _ep_position(self) -> tuple[int, int]:
+        """(EP rank, EP size) of this rank: which slice of the experts it holds."""
+        ep = getattr(self.state, "ep", None)
+        return (ep.rank, ep.size) if ep is not None else (0, 1)
 
     # ---- the checkpoint state protocol (hybrid.checkpoint.state.CheckpointState) ------------
     optimizer_state_replicated = True   # a model holds no optimizer state: nothing to save twice

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybrid.comm import Group
-from hybrid.moe.dispatch import LocalDispatcher
+from hybrid.moe.dispatch import LocalDispatcher, make_dispatcher
 from hybrid.moe.experts import GroupedSwiGLUExperts
 from hybrid.moe.router import Router
 from hybrid.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tp,
@@ -129,9 +129,16 @@ class MoELayer(nn.Module):
     (see :meth:`pop_metrics`)."""
 
     def __init__(self, config: GPTConfig, group: Group, *, sequence_parallel: bool = False,
-                 aux_scale: AuxLossScale | None = None, device=None, dtype=None):
+                 aux_scale: AuxLossScale | None = None, device=None, dtype=None,
+                 ep: Group | None = None):
         super().__init__()
         h, e = config.hidden_size, config.num_experts
+        # expert parallelism (hybrid/moe/dispatch.py): this rank holds experts
+        # ep.rank * E/EP .. (ep.rank + 1) * E/EP - 1; the router still scores all E
+        ep_size = ep.size if ep is not None else 1
+        if e % ep_size:
+            raise ValueError(f"{e} experts do not split evenly over expert-model-parallel size "
+                             f"{ep_size}; choose an EP degree that divides {e}")
         self.group, self.sequence_parallel = group, sequence_parallel and group.size > 1
         self.aux_scale = aux_scale if aux_scale is not None else AuxLossScale()
         self.num_experts = e
@@ -147,9 +154,10 @@ class MoELayer(nn.Module):
                              capacity_factor=config.moe_expert_capacity_factor,
                              device=device, dtype=dtype)
         set_tp_attributes(self.router.weight, tensor_model_parallel=False, partition_dim=-1)
-        self.experts = GroupedSwiGLUExperts(e, h, config.moe_ffn_hidden_size, group,
+        self.experts = GroupedSwiGLUExperts(e // ep_size, h, config.moe_ffn_hidden_size, group,
                                             device=device, dtype=dtype)
-        self.dispatcher = LocalDispatcher(e)
+        self.dispatcher = (LocalDispatcher(e) if ep_size == 1 else
+                           make_dispatcher(config.moe_token_dispatcher_type, e, ep))
         self.shared_expert = None
         self.shared_expert_gate = None
         if config.moe_shared_expert_intermediate_size is not None:

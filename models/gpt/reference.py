@@ -9,6 +9,8 @@ The Llama-family options are spelled out differently from the TP model too: RMSN
 rotary embeddings as complex multiplication of the channel pairs (i, i + d/2) by e^{i p theta}, with
 the Llama-3.1 frequency scaling evaluated per frequency in plain Python; grouped-query attention by
 indexing each head's key/value group; SwiGLU from the ``[gate; up]`` halves with silu = x sigmoid(x).
+Mixture-of-experts layers (issue 32): :class:`MixtureOfExperts`, dense gate matrices instead of the
+TP model's token sorting.
 """
 
 from __future__ import annotations
@@ -113,15 +115,147 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(y, approximate="tanh"))
 
 
+class Weight(nn.Module):
+    """A bare ``weight`` parameter (so names read ``experts.fc1.weight``)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape))
+
+
+class MixtureOfExperts(nn.Module):
+    """The MoE block from its definitions (issue 32), on [b, s, h], written without the TP model's
+    sort-and-group machinery: every expert runs on every token and a dense [tokens, E] gate matrix
+    (zero off the chosen experts) mixes the outputs; capacity is a Python loop over experts.
+
+    Router in fp32: logits = x W_r^T. Softmax: top-k of the logits then softmax over the k
+    (Mixtral), or with pre_softmax softmax over E then top-k. Sigmoid: top-k of sigmoid(logits) +
+    bias, the chosen sigmoid scores divided by their sum (k > 1). Times the scaling factor.
+    Capacity C = ceil(factor T k / E): an expert offered more routes keeps the C of largest
+    probability, ties to the earlier token then the earlier choice. Losses over the T tokens of this
+    call: aux = E sum_e (routes to e / (T k)) (mean_t p_te), per sequence for seq_aux_loss (rows of
+    the batch), z = mean_t logsumexp^2, each times its coefficient. Expert e: SwiGLU with
+    fc1 rows [gate; up]."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = c = config
+        h, e, f = c.hidden_size, c.num_experts, c.moe_ffn_hidden_size
+        self.router = Weight(e, h)
+        self.experts = nn.Module()
+        self.experts.fc1, self.experts.fc2 = Weight(e, 2 * f, h), Weight(e, h, f)
+        self.shared_expert = self.shared_expert_gate = None
+        if c.moe_shared_expert_intermediate_size is not None:
+            fs = c.moe_shared_expert_intermediate_size
+            self.shared_expert = nn.Module()
+            self.shared_expert.fc1, self.shared_expert.fc2 = Weight(2 * fs, h), Weight(h, fs)
+            self.shared_expert_gate = Weight(1, h) if c.moe_shared_expert_gate else None
+        self.router.register_buffer("expert_bias", torch.zeros(e))
+        self.load_since_update = torch.zeros(e)
+        self.aux = torch.zeros(())   # this call's balancing losses (with their graph)
+
+    @staticmethod
+    def swiglu(x, fc1, fc2):
+        gate, up = (x @ fc1.t()).chunk(2, dim=-1)
+        return (gate * torch.sigmoid(gate) * up) @ fc2.t()
+
+    def route(self, x: torch.Tensor):
+        """x [T, h] -> (chosen [T, k] expert ids, weights [T, k], scores p [T, E], logits)."""
+        c = self.config
+        logits = x.float() @ self.router.weight.float().t()
+        k = c.moe_router_topk
+        if c.moe_router_score_function == "sigmoid":
+            sig = torch.sigmoid(logits)
+            key = sig + self.router.expert_bias if c.moe_router_enable_expert_bias else sig
+            chosen = torch.argsort(key.detach(), dim=1, descending=True, stable=True)[:, :k]
+            weights = sig.gather(1, chosen)
+            if k > 1:
+                weights = weights / (weights.sum(1, keepdim=True) + 1e-20)
+            p = sig / (sig.sum(1, keepdim=True) + 1e-20)
+        else:
+            soft = torch.softmax(logits, dim=1)
+            chosen = torch.argsort(logits.detach(), dim=1, descending=True, stable=True)[:, :k]
+            if c.moe_router_pre_softmax:
+                weights = soft.gather(1, chosen)
+            else:
+                picked = logits.gather(1, chosen)
+                weights = torch.exp(picked - picked.max(1, keepdim=True).values)
+                weights = weights / weights.sum(1, keepdim=True)
+            p = soft
+        if c.moe_router_topk_scaling_factor is not None:
+            weights = weights * c.moe_router_topk_scaling_factor
+        return chosen, weights, p, logits
+
+    def keep_mask(self, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[T, k] bool: the routes the capacity keeps (all of them when dropless)."""
+        c = self.config
+        keep = torch.ones(chosen.shape, dtype=torch.bool)
+        if c.moe_expert_capacity_factor is None:
+            return keep
+        t, k = chosen.shape
+        cap = math.ceil(c.moe_expert_capacity_factor * t * k / c.num_experts)
+        w = weights.detach().tolist()
+        ids = chosen.tolist()
+        for e in range(c.num_experts):
+            routes = [(ti, j) for ti in range(t) for j in range(k) if ids[ti][j] == e]
+            routes.sort(key=lambda r: (-w[r[0]][r[1]], r[0], r[1]))
+            for ti, j in routes[cap:]:
+                keep[ti, j] = False
+        return keep
+
+    def balance_losses(self, chosen, p, logits, b: int) -> torch.Tensor:
+        c, e, k = self.config, self.config.num_experts, self.config.moe_router_topk
+        total = torch.zeros(())
+        if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff:
+            picked = torch.zeros(p.shape).scatter(1, chosen, 1.0)        # [T, E] 0/1
+            groups = [slice(None)] if c.moe_router_load_balancing_type == "aux_loss" else \
+                [slice(i * (p.size(0) // b), (i + 1) * (p.size(0) // b)) for i in range(b)]
+            terms = [e * (picked[g].sum(0) / (picked[g].size(0) * k) * p[g].mean(0)).sum()
+                     for g in groups]
+            total = total + c.moe_aux_loss_coeff * torch.stack(terms).mean()
+        if c.moe_z_loss_coeff is not None:
+            total = total + c.moe_z_loss_coeff * (torch.logsumexp(logits, 1) ** 2).mean()
+        return total
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h)                                         # sequence i: rows i s ..
+        chosen, weights, p, logits = self.route(flat)
+        self.aux = self.balance_losses(chosen, p, logits, b)
+        if torch.is_grad_enabled():
+            self.load_since_update += torch.bincount(chosen.reshape(-1),
+                                                     minlength=self.config.num_experts).float()
+        gates = torch.zeros(b * s, self.config.num_experts).scatter_add(
+            1, chosen, weights * self.keep_mask(chosen, weights))           # [T, E]
+        outs = torch.stack([self.swiglu(flat, self.experts.fc1.weight[e], self.experts.fc2.weight[e])
+                            for e in range(self.config.num_experts)], dim=1)   # [T, E, h]
+        y = (gates.unsqueeze(2) * outs.float()).sum(1).to(x.dtype)
+        if self.shared_expert is not None:
+            shared = self.swiglu(flat, self.shared_expert.fc1.weight, self.shared_expert.fc2.weight)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(flat @ self.shared_expert_gate.weight.t())
+            y = y + shared
+        return y.view(b, s, h)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """After an optimizer step: bias += rate * sign(mean load - load) over the step's tokens."""
+        if self.config.moe_router_enable_expert_bias:
+            load = self.load_since_update
+            self.router.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(
+                load.mean() - load)
+        self.load_since_update.zero_()
+
+
 class Block(nn.Module):
     """Pre-norm transformer layer: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         self.ln1 = make_norm(config)
         self.attn = Attention(config)
         self.ln2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MixtureOfExperts(config) if config.is_moe_layer(index) else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +284,7 @@ class ReferenceGPT(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.final_norm = make_norm(config)
         self.output_layer = None                                                # tied
         if config.untie_embeddings_and_output_weights:
@@ -161,6 +295,14 @@ class ReferenceGPT(nn.Module):
         """The canonical initial values (same as every TP degree of the model)."""
         for name, p in self.named_parameters():
             p.copy_(canonical_init(self.config, name, seed))
+
+    def moe_blocks(self) -> list[MixtureOfExperts]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MixtureOfExperts)]
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """The balancing losses of the last forward, summed over the MoE blocks (the training
+        objective is the mean token loss plus this; the reported loss is the former)."""
+        return sum((block.aux for block in self.moe_blocks()), torch.zeros(()))
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, V], or per-token loss [b, s] (fp32) given labels [b, s]."""

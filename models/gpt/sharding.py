@@ -186,6 +186,34 @@ def shard_tensor(config: GPTConfig, name: str, full: torch.Tensor, tp_rank: int,
     return shard(to_tp_layout(config, name, full, tp_size), partition_dim(name), tp_rank, tp_size)
 
 
+def is_expert(name: str) -> bool:
+    """Whether ``name`` is a stacked expert weight (split over EP along dim 0)."""
+    return name.endswith((EXPERT_FC1, EXPERT_FC2))
+
+
+def expert_slice(name: str, full: torch.Tensor, ep_rank: int, ep_size: int) -> torch.Tensor:
+    """EP rank ``ep_rank``'s experts of a canonical expert tensor [E, ...]: experts
+    ``ep_rank * E/EP .. (ep_rank + 1) * E/EP - 1`` (issue 32, contract 2); other tensors whole."""
+    if ep_size == 1 or not is_expert(name):
+        return full
+    per_rank = full.size(0) // ep_size
+    return full.narrow(0, ep_rank * per_rank, per_rank)
+
+
+def gather_experts(tensors: dict[str, torch.Tensor], ep: Group) -> dict[str, torch.Tensor]:
+    """Canonical tensors whose expert weights hold this EP rank's experts -> every expert, by one
+    all-gather over ``ep`` per expert tensor (the inverse of :func:`expert_slice`)."""
+    if ep.size == 1:
+        return tensors
+    out = dict(tensors)
+    for name, t in tensors.items():
+        if is_expert(name):
+            full = t.new_empty((ep.size * t.size(0), *t.shape[1:]))
+            comm.all_gather_into(full, t.contiguous(), ep)
+            out[name] = full
+    return out
+
+
 def shard_state_dict(config: GPTConfig, state_dict: dict[str, torch.Tensor], tp_rank: int,
                      tp_size: int) -> dict[str, torch.Tensor]:
     """Reference (canonical) state dict -> the local state dict of TP rank ``tp_rank`` of ``tp_size``."""

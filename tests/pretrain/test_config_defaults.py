@@ -78,6 +78,10 @@ FEEDS = {
         ("Topology.tensor_parallel_size", field_default(Topology, "tensor_parallel_size"))],
     "parallel.pipeline_model_parallel_size": [
         ("Topology.pipeline_parallel_size", field_default(Topology, "pipeline_parallel_size"))],
+    "parallel.expert_model_parallel_size": [
+        ("Topology.expert_model_parallel_size", field_default(Topology, "expert_model_parallel_size")),
+        ("ParallelState.from_launch_env(expert_model_parallel_size)",
+         parameter_default(ParallelState.from_launch_env, "expert_model_parallel_size"))],
     "parallel.allow_tp_across_nodes": [
         ("Topology.allow_tp_across_nodes", field_default(Topology, "allow_tp_across_nodes"))],
     "parallel.gpus_per_node": [

@@ -13,7 +13,9 @@ the parameters of both models at the released sizes, built on meta. Checked here
 - the presets "mixtral-8x7b" and "qwen1.5-moe-a2.7b" count exactly transformers' parameters
   (total; active = total less the E - k experts a token skips).
 
-The same import at EP 2 x TP 2 over four gloo ranks is the slow test at the end.
+Slow: the same import at EP 2 x TP 2 over four gloo ranks; and a 4-rank trainer run at EP 2 x TP 2
+(ZeRO 1) whose checkpoint tools/export_hf.py turns into a directory transformers loads with our
+logits.
 """
 
 import json
@@ -196,3 +198,50 @@ def test_random_transformers_model_imports_at_ep2_tp2(hf_run, kind):
         assert local_experts * 2 == experts and same
         diff = (torch.from_numpy(logits) - out[f"{kind}/logits"]).abs().max().item()
         assert diff < 1e-4, f"{kind} at EP 2 x TP 2: max |logits diff| = {diff}"
+
+
+MOE_TRAINER_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                     "--num-experts", "4", "--moe-router-topk", "2",
+                     "--expert-model-parallel-size", "2", "--hidden-dropout", "0",
+                     "--attention-dropout", "0"]
+
+LOAD_AND_RUN = r"""
+import json, sys, torch, transformers
+from safetensors.torch import save_file
+model_dir, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+with torch.no_grad():
+    save_file({"logits": model(torch.tensor(tokens)).logits.contiguous()}, out)
+print(type(model).__name__)
+"""
+
+
+def _train_and_save(rank, world_size, save_dir):
+    from tests.training_helpers import make_trainer, tiny_args
+    extra = ["--save", save_dir, "--save-interval", "2", "--lr-decay-iters", "2", *MOE_TRAINER_FLAGS]
+    make_trainer(tiny_args(tp=2, zero=1, iters=2, extra=extra)).train()
+
+
+@pytest.mark.slow
+def test_trainer_checkpoint_at_ep2_tp2_exports_and_loads_in_transformers(tmp_path, hf_python):  # noqa: F811
+    """The issue's last check in miniature: a 4-rank trainer run (EP 2 x TP 2, ZeRO 1) saves; its
+    checkpoint through tools/export_hf.py loads in transformers as a MixtralForCausalLM whose
+    logits equal our model's loaded from the checkpoint (1e-4)."""
+    from hybrid.testing.multirank import run_on_ranks
+    from models.gpt.weights import load_model
+    from tools import export_hf
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    run_on_ranks(_train_and_save, 4, args=(str(ckpt),), timeout=600)
+    assert export_hf.main(["--load", str(ckpt), "--out", str(out), "--no-tokenizer"]) == 0
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(2))
+    run = subprocess.run([hf_python, "-c", LOAD_AND_RUN, str(out), json.dumps(tokens.tolist()),
+                          str(tmp_path / "logits.safetensors")], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "MixtralForCausalLM"
+    model = load_model(ckpt, ParallelState.single_process())
+    with torch.no_grad():
+        ours = model(tokens)[..., :200]
+    diff = (ours - load_file(str(tmp_path / "logits.safetensors"))["logits"]).abs().max().item()
+    assert diff < 1e-4, f"max |logits diff| = {diff}"

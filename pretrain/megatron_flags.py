@@ -272,11 +272,11 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
           "refused", str, when=_equals("probs")),
     _refused("--moe-pad-expert-input-to-capacity", "pad every expert's input to its capacity",
              "drop it: experts run on their actual token counts (grouped GEMM)"),
-    # ---- expert parallelism / FP8 / context parallelism: not here ----
     _native("--expert-model-parallel-size", "parallel.expert_model_parallel_size",
             "expert parallelism: experts split over EP ranks carved out of DP", int),
     _native("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size",
             "TP degree of the experts (here only the dense TP degree)", int),
+    # ---- FP8 / context parallelism ----
     _native("--fp8-format", "optimizer.fp8_format", "FP8 training (e4m3 | hybrid)", str),
     _native("--fp8-recipe", "optimizer.fp8_recipe", "FP8 scaling recipe (tensorwise | delayed; "
             "here also torchao's rowwise; mxfp8 and blockwise are not here)", str),

@@ -202,3 +202,20 @@ def test_checkpoint_exports_through_tools(tmp_path, config):
     assert again_config.num_experts == config.num_experts
     for name, t in canonical.items():
         assert torch.equal(back[name], t) and torch.equal(again[name], t), name
+
+
+def test_init_from_moe_directory_and_refusal_of_other_experts(tmp_path):
+    """--init-from-hf's path: an HF Qwen2-MoE directory initialises a model of the same dims; one
+    with other experts is refused naming the difference (not a shape error deep in the load)."""
+    from hybrid.parallel_state import ParallelState
+    from models.gpt.weights import build_model, init_from_pretrained
+    canonical = random_moe_canonical(QWEN, seed=7)
+    save_hf_directory(tmp_path / "hf", QWEN, canonical)
+    model = build_model(QWEN, ParallelState.single_process(), random_moe_canonical(QWEN, seed=8))
+    init_from_pretrained(model, tmp_path / "hf")
+    back = model.canonical_state_dict()
+    assert all(torch.equal(back[k], canonical[k]) for k in canonical)
+    other = QWEN.replace(num_experts=4)
+    wrong = build_model(other, ParallelState.single_process(), random_moe_canonical(other))
+    with pytest.raises(ValueError, match="num_experts: 6 there vs 4 here"):
+        init_from_pretrained(wrong, tmp_path / "hf")

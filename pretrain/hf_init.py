@@ -34,7 +34,19 @@ _HF_OPTIONS = (("position_embedding_type", lambda v: f"--position-embedding-type
                ("untie_embeddings_and_output_weights",
                 lambda v: "--untie-embeddings-and-output-weights" if v
                 else "--no-untie-embeddings-and-output-weights"),
-               ("use_rope_scaling", lambda v: "--use-rope-scaling" if v else "--no-use-rope-scaling"))
+               ("use_rope_scaling", lambda v: "--use-rope-scaling" if v else "--no-use-rope-scaling"),
+               # Mixtral / Qwen2-MoE directories (models/gpt/hf_moe.py)
+               ("add_qkv_bias", lambda v: "--add-qkv-bias" if v else "--no-add-qkv-bias"),
+               ("num_experts", lambda v: f"--num-experts {v}"),
+               ("moe_router_topk", lambda v: f"--moe-router-topk {v}"),
+               ("expert_ffn_hidden_size", lambda v: f"--moe-ffn-hidden-size {v}"),
+               ("moe_shared_expert_intermediate_size",
+                lambda v: f"--moe-shared-expert-intermediate-size {v}"),
+               ("moe_shared_expert_gate",
+                lambda v: "--moe-shared-expert-gate" if v else "--no-moe-shared-expert-gate"),
+               ("moe_router_pre_softmax",
+                lambda v: "--moe-router-pre-softmax" if v else "--no-moe-router-pre-softmax"),
+               ("moe_layer_pattern", lambda v: "--moe-layer-freq " + str([int(m) for m in v])))
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,15 @@ def initial_weights(cfg: TrainConfig, model, resuming: bool) -> InitialWeights:
     return InitialWeights(model)
 
 
+def _option(config, field: str):
+    """An option's value (methods such as ``moe_layer_pattern`` called); MoE options of a dense
+    model are None."""
+    if field.startswith(("moe_", "expert_")) and config.num_experts is None:
+        return None
+    value = getattr(config, field)
+    return value() if callable(value) else value
+
+
 def check_hf_dims(path: str, model_config) -> None:
     """Refuse an HF GPT-2 or Llama directory whose dims or architecture differ from the model the
     flags describe, naming the flags that would match it."""
@@ -73,24 +94,25 @@ def check_hf_dims(path: str, model_config) -> None:
     from models.gpt.hf_llama import is_llama
     if not is_hf_directory(path):
         raise FileNotFoundError(f"--init-from-hf {path!r} is not a Hugging Face GPT-2 directory or "
-                                f"Llama directory ({CONFIG_FILE} + model.safetensors); export one "
+                                f"Llama, Mixtral or Qwen2-MoE directory ({CONFIG_FILE} + "
+                                f"model.safetensors); export one "
                                 f"with tools/export_hf.py or pass the directory save_pretrained wrote")
     source = read_hf_config(path)
     llama = is_llama(source)
     differ = [(flag, llama_key if llama else key, field) for flag, key, llama_key, field in _HF_DIMS
               if (llama or key) and getattr(source, field) != getattr(model_config, field)]
     options = [(field, to_flag) for field, to_flag in _HF_OPTIONS
-               if getattr(source, field) != getattr(model_config, field)]
+               if _option(source, field) != _option(model_config, field)]
     if not differ and not options:
         return
-    fixes = [to_flag(getattr(source, field)) for field, to_flag in options] + [
+    fixes = [to_flag(_option(source, field)) for field, to_flag in options] + [
         ("--group-query-attention " if flag == "--num-query-groups" else "")
         + f"{flag} {getattr(source, field)}" for flag, _, field in differ]
     raise ValueError(
         f"--init-from-hf {path}: the model has other dims or options ("
         + "; ".join([f"{key} {getattr(source, field)} there, {flag} {getattr(model_config, field)} "
                      f"here" for flag, key, field in differ]
-                    + [f"{field} {getattr(source, field)} there, {getattr(model_config, field)} here"
+                    + [f"{field} {_option(source, field)} there, {_option(model_config, field)} here"
                        for field, _ in options])
         + "); pass " + " ".join(fixes)
         + (" (and a tokenizer of at most that many pieces)" if any(d[0] == "--vocab-size"

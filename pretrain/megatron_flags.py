@@ -204,6 +204,8 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _refused("--squared-relu", "squared-ReLU MLP activation", "use GELU (default) or --swiglu"),
     _refused("--openai-gelu", "OpenAI's tanh GELU", "drop it: the exact GELU is used"),
     _native("--disable-bias-linear", "model.add_bias_linear", "no biases in linear layers"),
+    _native("--add-qkv-bias", "model.add_qkv_bias", "QKV biases even with --disable-bias-linear "
+            "(Qwen2)"),
     _native("--untie-embeddings-and-output-weights", "model.untie_embeddings_and_output_weights",
             "an output layer of its own"),
     _native("--init-method-std", "model.init_method_std", "std of the normal weight init", float),

@@ -16,7 +16,9 @@ expert load, aux / z losses and dropped routes (``moe/...``, :func:`moe_metrics`
 spent outside training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
 Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);
-MFU is TFLOP/s per rank over a configurable peak. Only the writer rank opens the backends;
+with mixture-of-experts layers it counts the active FLOPs only (router, the k chosen experts, the
+shared expert: docs/moe.md), never the experts a token skips. MFU is TFLOP/s per rank over a
+configurable peak. Only the writer rank opens the backends;
 every rank may call ``log`` (the others drop it), so no caller needs ``if rank == 0``. Each run
 writes to its own run directory under ``--tensorboard-dir`` (``--run-name``, else its start time),
 so ``tensorboard --logdir`` on the parent shows re-runs side by side instead of overlaid.

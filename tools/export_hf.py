@@ -1,5 +1,7 @@
 """Export a GPT checkpoint of any layout to a Hugging Face ``GPT2LMHeadModel`` directory (a
-Llama-style model - rope, RMSNorm, SwiGLU - to a ``LlamaForCausalLM`` one, models/gpt/hf_llama.py).
+Llama-style model - rope, RMSNorm, SwiGLU - to a ``LlamaForCausalLM`` one, models/gpt/hf_llama.py;
+a mixture-of-experts model, at any TP / EP degree it was trained at, to a ``MixtralForCausalLM`` or,
+with a gated shared expert, a ``Qwen2MoeForCausalLM`` one, models/gpt/hf_moe.py and docs/moe.md).
 
     python tools/export_hf.py --load checkpoints/tiny --out exports/tiny-hf
 

@@ -10,6 +10,9 @@ B is the global batch (sequences per iteration), s the sequence length, l layers
 With the options of :class:`~hybrid.perf.architecture.Architecture` the 12 h^2 GEMM weights of a
 layer become ``arch.matmul_params`` M (GQA's K/V, SwiGLU's third matrix):
                             F = 3 (2 B s l M + 4 B s^2 l h + 2 B s h V)   (+ one layer forward: full recompute)
+Mixture of experts (issue 32): in a MoE layer M's MLP part is what a token multiplies, the router
+E h, k experts k 3 h f_e, the shared expert 3 h f_s and its gate h (``Architecture.moe_mlp_params``
+with ``active``), so MFU counts active FLOPs, never the E - k experts a token skips.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ def layer_param_count(hidden: int, ffn_hidden: int | None = None, *, heads: int 
 
 def gpt_param_count(layers: int, hidden: int, vocab_padded: int, positions: int, *,
                     ffn_hidden: int | None = None, tp: int = 1, heads: int | None = None,
-                    arch: Architecture = GPT2) -> int:
-    """Exact parameters held by ONE of ``tp`` tensor-parallel ranks (tp=1: the whole model).
+                    arch: Architecture = GPT2, ep: int = 1) -> int:
+    """Exact parameters held by ONE of ``tp`` tensor-parallel ranks (tp=1: the whole model); with
+    MoE layers, of one of ``ep`` expert-parallel ranks too (routed experts split over EP x TP).
 
     Sharded across TP: QKV and MLP-in weights and biases, projection and MLP-out weights, the word
     embedding (tied with the output layer, counted once; an untied output layer as much again).
@@ -61,6 +65,7 @@ def gpt_param_count(layers: int, hidden: int, vocab_padded: int, positions: int,
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
         raise ValueError(f"positions must be a non-negative integer, got {positions!r}")
     h, arch = hidden, _arch(arch, ffn_hidden)
+    _positive(ep=ep)
     sharded_per_layer, replicated_per_layer = arch.layer_split(h, heads)
     for name, value in (("hidden", h), ("ffn hidden", arch.ffn(h)), ("padded vocab", vocab_padded)):
         if value % tp:
@@ -69,8 +74,35 @@ def gpt_param_count(layers: int, hidden: int, vocab_padded: int, positions: int,
     per_layer = sharded_per_layer // tp + replicated_per_layer
     tables = 2 if arch.untied else 1
     position_params = positions * h if arch.learned_positions else 0
-    return (tables * vocab_padded * h // tp + position_params + layers * per_layer
-            + arch.norm_params(h))
+    layer_params = layers * per_layer
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ValueError(f"{arch.num_experts} experts cannot be split across EP degree {ep}; "
+                             f"pick an EP degree that divides {arch.num_experts}")
+        moe = arch.moe_layers(layers)
+        dense_sharded, experts, replicated = arch.moe_layer_split(h, heads)
+        layer_params = (layer_params - moe * per_layer
+                        + moe * (dense_sharded // tp + experts // (ep * tp) + replicated))
+    return int(tables * vocab_padded * h // tp + position_params + layer_params
+               + arch.norm_params(h))
+
+
+def active_param_count(layers: int, hidden: int, vocab_padded: int, positions: int, *,
+                       heads: int | None = None, arch: Architecture = GPT2) -> int:
+    """Parameters one token uses (the whole model, TP 1): :func:`gpt_param_count` less the E - k
+    routed experts it skips in every MoE layer (= the total for a dense model)."""
+    total = gpt_param_count(layers, hidden, vocab_padded, positions, heads=heads, arch=arch)
+    if not arch.is_moe:
+        return total
+    skipped = (arch.num_experts - arch.moe_topk) * arch.expert_params(hidden)
+    return int(total - arch.moe_layers(layers) * skipped)
+
+
+def moe_mlp_flops_per_token(hidden: int, arch: Architecture) -> float:
+    """Forward FLOPs of one MoE layer's MLP for one token: 2 per active weight (router E h, k
+    experts, shared expert and its gate); backward twice that. Softmax, top-k and the weighted sum
+    of the k outputs are O(E + k h), left out like the other elementwise work."""
+    return 2.0 * arch.moe_mlp_params(hidden, active=True)
 
 
 def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
@@ -85,16 +117,18 @@ def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vo
     _positive(batch=batch, seq=seq, layers=layers, hidden=hidden, vocab=vocab)
     b, s, l, h = batch, seq, layers, hidden
     if arch != GPT2:
-        layer_forward = _layer_forward_flops(b, s, h, heads, arch)
-        return 3 * (l * layer_forward + 2 * b * s * h * vocab) + (l * layer_forward if full_recompute else 0)
+        layers_forward = _layers_forward_flops(b, s, l, h, heads, arch)
+        return 3 * (layers_forward + 2 * b * s * h * vocab) + (layers_forward if full_recompute else 0)
     if full_recompute:
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
     return 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
 
 
-def _layer_forward_flops(b: int, s: int, h: int, heads: int | None, arch: Architecture) -> float:
-    """One layer's forward: 2 B s M for the GEMMs + 4 B s^2 h for QK^T and the scores x V."""
-    return 2.0 * b * s * arch.matmul_params(h, heads) + 4.0 * b * s * s * h
+def _layers_forward_flops(b: int, s: int, l: int, h: int, heads: int | None,
+                          arch: Architecture) -> float:
+    """``l`` layers' forward: 2 B s M for the GEMMs (M: the weights a token multiplies, MoE layers'
+    active ones) + 4 B s^2 h per layer for QK^T and the scores x V."""
+    return 2.0 * b * s * arch.forward_matmul_params(l, h, heads) + 4.0 * b * s * s * h * l
 
 
 def recompute_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, mode: str, *,
@@ -104,7 +138,7 @@ def recompute_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int
     attention core (QK^T and scores x V), 4 B s² h l; "none" adds nothing."""
     _positive(batch=batch, seq=seq, layers=layers, hidden=hidden)
     b, s, l, h = batch, seq, layers, hidden
-    full = (l * _layer_forward_flops(b, s, h, heads, arch) if arch != GPT2
+    full = (_layers_forward_flops(b, s, l, h, heads, arch) if arch != GPT2
             else 24.0 * b * s * l * h * h * (1 + s / (6 * h)))
     extra = {"none": 0.0, "selective": 4.0 * b * s * s * h * l, "full": full}
     if mode not in extra:

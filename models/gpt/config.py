@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybrid.perf.architecture import Architecture
+from hybrid.perf.flops import active_param_count
 
 
 class ConfigError(ValueError):
@@ -84,6 +85,8 @@ class GPTConfig:
                                             "when the model is bf16 or fp16 (on CPU slower than "
                                             "the bf16 core)",
                                             default=False)
+    add_qkv_bias: bool = _help("biases in the QKV projection even with --disable-bias-linear "
+                               "(Qwen2)", default=False)
     # ---- mixture of experts (issue 32; Megatron-LM's names) ----
     num_experts: int | None = _help("experts per MoE layer (none: a dense model)", default=None)
     moe_router_topk: int = _help("experts each token is routed to (k)", default=2)
@@ -185,7 +188,8 @@ class GPTConfig:
                       ("learned_absolute", "rope"))
         _check_choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         for name in ("use_rope_scaling", "swiglu", "group_query_attention", "add_bias_linear",
-                     "untie_embeddings_and_output_weights", "attention_softmax_in_fp32"):
+                     "untie_embeddings_and_output_weights", "attention_softmax_in_fp32",
+                     "add_qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_rotary()
@@ -400,6 +404,8 @@ class GPTConfig:
         sharded = h * self.qkv_size + h * h + h * mlp_in + f * h
         if bias:
             sharded += self.qkv_size + mlp_in
+        elif self.add_qkv_bias:
+            sharded += self.qkv_size
         replicated = 2 * self.norm_parameters + (2 * h if bias else 0)
         return sharded, replicated
 
@@ -439,9 +445,27 @@ class GPTConfig:
 
     def num_parameters(self, tp: int = 1) -> int:
         """Exact parameter count of the whole model with the vocab padded for ``tp`` (a tied output
-        layer counted once)."""
+        layer counted once); with MoE layers every expert counted (the total)."""
         return (self._embedding_parameters(self.padded_vocab_size(tp))
                 + sum(self._layers_split()) + self.norm_parameters)
+
+    def num_active_parameters(self, tp: int = 1) -> int:
+        """Parameters one token uses: :meth:`num_parameters` less the E - k routed experts it
+        skips in every MoE layer (the total for a dense model)."""
+        return active_param_count(self.num_layers, self.hidden_size, self.padded_vocab_size(tp),
+                                  self.max_position_embeddings, heads=self.num_attention_heads,
+                                  arch=self.perf_architecture())
+
+    # ---- mixture of experts ----------------------------------------------------------------
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Per layer whether it is a MoE layer: ``moe_layer_freq`` N makes layers 0, N, 2N, ... MoE;
+        a sequence gives one 0/1 per layer; a dense model has none."""
+        return tuple(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """One routed expert's width: ``moe_ffn_hidden_size``, else ``ffn_hidden_size``."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def num_parameters_per_rank(self, tp: int = 1) -> int:
         """Exact parameter count held by one of ``tp`` tensor-parallel ranks: the sharded matrices,
@@ -459,7 +483,17 @@ class GPTConfig:
                             swiglu=self.swiglu, bias=self.add_bias_linear,
                             rmsnorm=self.normalization == "RMSNorm",
                             untied=self.untie_embeddings_and_output_weights,
-                            learned_positions=self.position_embedding_type == "learned_absolute")
+                            learned_positions=self.position_embedding_type == "learned_absolute",
+                            qkv_bias=self.add_qkv_bias, **self._perf_moe())
+
+    def _perf_moe(self) -> dict:
+        if self.num_experts is None:
+            return {}
+        return dict(num_experts=self.num_experts, moe_topk=self.moe_router_topk,
+                    moe_ffn_hidden=self.expert_ffn_hidden_size,
+                    shared_expert_ffn=self.moe_shared_expert_intermediate_size,
+                    shared_expert_gate=self.moe_shared_expert_gate,
+                    moe_pattern=tuple(int(m) for m in self.moe_layer_pattern()))
 
     def replace(self, **changes) -> "GPTConfig":
         """A copy with some fields changed (validated again); derived defaults are recomputed unless

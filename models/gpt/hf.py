@@ -1,4 +1,5 @@
-"""Conversion between our canonical GPT-2 state dict and Hugging Face's ``GPT2LMHeadModel``.
+"""Conversion between our canonical GPT-2 state dict and Hugging Face's ``GPT2LMHeadModel``
+(Llama: models/gpt/hf_llama.py; Mixtral and Qwen2-MoE: models/gpt/hf_moe.py, dispatched here).
 
 Both are the GPT-2 architecture (Radford et al. 2019: pre-LayerNorm, learned positions, tied output
 embedding, GELU with the tanh approximation - HF's ``gelu_new``, our ``F.gelu(approximate="tanh")``).
@@ -36,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from hybrid.data.sentencepiece_convert import ConversionError
 from hybrid.data.tokenizer import Tokenizer
 from models.gpt.config import ConfigError, GPTConfig
-from models.gpt import hf_llama
+from models.gpt import hf_llama, hf_moe
 from models.gpt.sharding import canonical_shapes
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,8 @@ def hf_config(config: GPTConfig, *, bos_token_id: int | None = None,
 def gpt_config_from_hf(cfg: dict, *, make_vocab_size_divisible_by: int = 128) -> GPTConfig:
     """Our :class:`GPTConfig` from an HF GPT-2 ``config.json`` (refusing variants we do not model)."""
     if cfg.get("model_type", "gpt2") != "gpt2":
-        raise HFConversionError(f"model_type {cfg.get('model_type')!r} is neither gpt2 nor llama; "
-                                f"only GPT-2 and Llama checkpoints convert")
+        raise HFConversionError(f"model_type {cfg.get('model_type')!r} is not gpt2, llama, mixtral "
+                                f"or qwen2_moe; only those checkpoints convert")
     act = cfg.get("activation_function", "gelu_new")
     if act not in _TANH_GELU:
         raise HFConversionError(f"activation_function {act!r} is not the tanh GELU (gelu_new) our "
@@ -168,14 +169,18 @@ def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[st
     bos = eos = None
     if tokenizer_model is not None:
         bos, eos = write_tokenizer_files(tmp, tokenizer_model)
-    llama = hf_llama.is_llama(config)
+    moe = config.num_experts is not None
+    llama = hf_llama.is_llama(config) and not moe
     _check_names(config, canonical)
-    tensors = (hf_llama.to_hf_llama_state_dict(config, canonical) if llama
-               else to_hf_state_dict(config, canonical))
+    if moe:
+        tensors, write_config = hf_moe.to_hf_moe_state_dict(config, canonical), hf_moe.hf_moe_config
+    elif llama:
+        tensors, write_config = hf_llama.to_hf_llama_state_dict(config, canonical), hf_llama.hf_llama_config
+    else:
+        tensors, write_config = to_hf_state_dict(config, canonical), hf_config
     save_file({k: v.to(dtype) for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
               metadata={"format": "pt"})
-    meta = (hf_llama.hf_llama_config if llama else hf_config)(config, bos_token_id=bos,
-                                                              eos_token_id=eos)
+    meta = write_config(config, bos_token_id=bos, eos_token_id=eos)
     meta["torch_dtype"] = meta["dtype"] = str(dtype).removeprefix("torch.")  # transformers 4 / 5 key
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps(
@@ -183,7 +188,7 @@ def save_hf_directory(out_dir: str | Path, config: GPTConfig, canonical: dict[st
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    log.info("wrote Hugging Face %s directory %s", "Llama" if llama else "GPT-2", out)
+    log.info("wrote Hugging Face %s directory %s", meta["architectures"][0], out)
     return out
 
 
@@ -223,10 +228,13 @@ def is_hf_directory(path: str | Path) -> bool:
 
 
 def read_hf_config(path: str | Path, *, make_vocab_size_divisible_by: int = 128) -> GPTConfig:
-    """The :class:`GPTConfig` of an HF GPT-2 or Llama directory's config.json (no weights read)."""
+    """The :class:`GPTConfig` of an HF GPT-2, Llama, Mixtral or Qwen2-MoE directory's config.json
+    (no weights read)."""
     file = Path(path) / CONFIG_FILE
     meta = _read_json(file)
-    convert = hf_llama.gpt_config_from_hf_llama if meta.get("model_type") == "llama" else gpt_config_from_hf
+    convert = {"llama": hf_llama.gpt_config_from_hf_llama,
+               **dict.fromkeys(hf_moe.MODEL_TYPES, hf_moe.gpt_config_from_hf_moe)}.get(
+        meta.get("model_type"), gpt_config_from_hf)
     try:
         return convert(meta, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     except (KeyError, TypeError) as err:
@@ -245,12 +253,15 @@ def load_hf_directory(path: str | Path, *, make_vocab_size_divisible_by: int = 1
                                 f"{WEIGHTS_FILE} (for .bin checkpoints: re-save them with "
                                 f"save_pretrained(safe_serialization=True))")
     config = read_hf_config(path, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    llama = hf_llama.is_llama(config)
+    moe = config.num_experts is not None
+    llama = hf_llama.is_llama(config) and not moe
     if (path / WEIGHTS_FILE).is_file():
         files = [WEIGHTS_FILE]
     else:
         files = sorted(set(_read_json(path / INDEX_FILE)["weight_map"].values()))
     hf = {k: v.float() for f in files for k, v in _load_tensors(path / f).items()}
+    if moe:
+        return hf_moe.from_hf_moe_state_dict(config, hf), config
     if llama:
         return hf_llama.from_hf_llama_state_dict(config, hf), config
     return from_hf_state_dict(config, hf), config

@@ -94,7 +94,8 @@ class ParallelAttention(nn.Module):
         kw = dict(bias=config.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
                   dtype=dtype)
         # QKV rows per query group ([q of its heads, k, v] of group 0, of group 1, ...), see sharding.py
-        self.qkv = ColumnParallelLinear(h, config.qkv_size, group, **kw)
+        self.qkv = ColumnParallelLinear(h, config.qkv_size, group,
+                                        **{**kw, "bias": config.add_bias_linear or config.add_qkv_bias})
         self.proj = RowParallelLinear(h, h, group, **kw)
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         self.recompute_core = False   # selective recompute (hybrid/recompute): rerun core() in backward

@@ -251,7 +251,9 @@ class GPTModel(nn.Module):
 
     def checkpoint_layout(self) -> dict[str, ParamLayout]:
         """Where each TP-local parameter sits in its full tensor (what a checkpoint piece records)."""
-        return checkpoint_layout(self.config, dict(self.named_parameters()), self.state.tp_size)
+        ep = getattr(self.state, "ep", None)   # experts split over EP (issue 32)
+        return checkpoint_layout(self.config, dict(self.named_parameters()), self.state.tp_size,
+                                 ep.size if ep is not None else 1)
 
     def checkpoint_pieces(self) -> list[Fragment]:
         """This rank's whole TP-local parameters as ``model`` pieces (views: filled in place)."""

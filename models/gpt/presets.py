@@ -6,6 +6,9 @@
   positions, RMSNorm (eps 1e-5), SwiGLU with the released FFN sizes, no biases, untied output
   layer, grouped-query attention with 8 groups for Llama-2 70B and all of Llama 3, Llama-3.1's
   rope scaling; their parameter counts equal the published ones exactly.
+- Mixture of experts (issue 32): "mixtral-8x7b" (MixtralForCausalLM) and "qwen1.5-moe-a2.7b"
+  (Qwen2MoeForCausalLM: fine-grained and shared experts), at full size, whose total and active
+  parameter counts equal those of transformers' models of the released configs exactly.
 - ``PAPER_RUNS``: every row of ZeRO Table 5 (Figure 2 throughput comparison; a ZeRO row and a Megatron
   baseline row per size), Table 6 (60B superlinear scaling) and Table 10 (data-parallel only) as a
   :class:`PaperRun` with its GPU count, model-parallel degree, batch per replica and total batch.
@@ -133,6 +136,37 @@ LLAMA_PRESETS: dict[str, GPTConfig] = {
                             untie_embeddings_and_output_weights=True),
 }
 
+def _mixtral_8x7b() -> GPTConfig:
+    """Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1; the released config.json):
+    Mistral-7B's attention (32 heads, 8 key/value groups, rotary base 1e6, 32k positions) and in
+    every layer 8 SwiGLU experts of width 14336, top-2 (top-k of the logits, softmax over the k)."""
+    return _llama(32, 4096, 32, 14336, vocab=LLAMA2_VOCAB, seq=4096, query_groups=8,
+                  rotary_base=1e6).replace(max_position_embeddings=32768, num_experts=8,
+                                           moe_router_topk=2, moe_router_pre_softmax=False)
+
+
+def _qwen15_moe_a27b() -> GPTConfig:
+    """Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM, the released config.json): 24 layers of 16 heads with
+    QKV biases, 60 fine-grained experts of width 1408, top-4 (softmax over all 60, then the top 4,
+    not renormalised: norm_topk_prob false), a shared expert of width 5632 behind a sigmoid gate in
+    every layer; vocab 151936, RMSNorm eps 1e-6, rotary base 1e6, 8192 positions."""
+    return GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
+                     vocab_size=151936, seq_length=4096, max_position_embeddings=8192,
+                     hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
+                     rotary_base=1e6, normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True,
+                     add_bias_linear=False, add_qkv_bias=True,
+                     untie_embeddings_and_output_weights=True, num_experts=60, moe_router_topk=4,
+                     moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=5632,
+                     moe_shared_expert_gate=True, moe_router_pre_softmax=True)
+
+
+# Mixture-of-experts models at full size (issue 32); parameter counts equal transformers' exactly
+# (tests/models/test_moe_presets.py): total / active
+MOE_PRESETS: dict[str, GPTConfig] = {
+    "mixtral-8x7b": _mixtral_8x7b(),             # 46,702,792,704 / 12,879,925,248
+    "qwen1.5-moe-a2.7b": _qwen15_moe_a27b(),     # 14,315,784,192 /  2,689,173,504
+}
+
 PRESETS: dict[str, GPTConfig] = {
     # CPU presets: quick tests and the default pretraining run on the embedded corpus.
     "tiny": GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
@@ -148,6 +182,7 @@ PRESETS: dict[str, GPTConfig] = {
     "zero-100B": PAPER_RUNS["table5-zero-100B"].config,
     "zero-170B": PAPER_RUNS["table5-zero-170B"].config,
     **LLAMA_PRESETS,
+    **MOE_PRESETS,
 }
 
 

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         self.config = config
         self.heads, self.groups, h = config.num_attention_heads, config.query_groups, config.hidden_size
         kv = self.groups * config.head_dim
-        self.qkv = nn.Linear(h, h + 2 * kv, bias=config.add_bias_linear)   # rows [q; k; v]
+        self.qkv = nn.Linear(h, h + 2 * kv, bias=config.add_bias_linear or config.add_qkv_bias)  # [q; k; v]
         self.proj = nn.Linear(h, h, bias=config.add_bias_linear)
         self.dropout = nn.Dropout(config.attention_dropout)
 

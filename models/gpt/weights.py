@@ -153,9 +153,15 @@ def init_from_pretrained(model: GPTModel, path: str | Path, *, kind: str = "mast
 def _check_same_dims(path, source: GPTConfig, target: GPTConfig) -> None:
     keys = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
             "max_position_embeddings", "position_embedding_type", "normalization", "swiglu",
-            "query_groups", "add_bias_linear", "untie_embeddings_and_output_weights")
-    diffs = [f"{k}: {getattr(source, k)} there vs {getattr(target, k)} here" for k in keys
-             if getattr(source, k) != getattr(target, k)]
+            "query_groups", "add_bias_linear", "untie_embeddings_and_output_weights",
+            "add_qkv_bias", "num_experts", "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_pattern")
+
+    def value(config, key):
+        v = getattr(config, key)
+        return v() if callable(v) else v
+    diffs = [f"{k}: {value(source, k)} there vs {value(target, k)} here" for k in keys
+             if value(source, k) != value(target, k)]
     if diffs:
         raise ValueError(f"{path} holds a model of other dims ({'; '.join(diffs)}); set the model "
                          f"flags to match it")

@@ -137,3 +137,21 @@ def test_llama_presets_are_the_architectures_laid_out_for_8_gpus(name):
     assert (cfg.parallel.world_size, cfg.parallel.gpus_per_node) == (8, 8)
     report = dry_run_report(cfg)
     assert total_bytes(report) < 80e9, total_bytes(report)
+
+
+@pytest.mark.parametrize("name,world", [("mixtral-8x7b", 64), ("qwen1.5-moe-a2.7b", 8)])
+def test_moe_presets_are_the_architectures_and_fit(name, world):
+    """Each MoE launch preset's model section is models/gpt/presets.py's architecture (issue 32); its
+    EP layout passes the dry run, which reports the released total and active parameter counts, and
+    fits an 80 GB GPU."""
+    from models.gpt.presets import MOE_PRESETS
+    from pretrain.dry_run import dry_run_report, format_report, total_bytes
+    cfg, _ = parse_args(["--config", name])
+    expected = MOE_PRESETS[name]
+    assert cfg.model == expected.replace(moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff)
+    assert cfg.parallel.world_size == world
+    report = dry_run_report(cfg)
+    assert (report["params_total"], report["params_active"]) == (expected.num_parameters(),
+                                                                  expected.num_active_parameters())
+    assert f"{expected.num_active_parameters():,} active per token" in format_report(report)
+    assert total_bytes(report) < 80e9, total_bytes(report)

@@ -322,12 +322,12 @@ class TrainConfig:
                 f"check --global-batch-size")
         layout = self.layout(world_size)
         self.check_sections()
-        ep = p.expert_model_parallel_size
-        if layout.data_parallel % ep:
+        ep, dp_cp = p.expert_model_parallel_size, layout.data_parallel * p.context_parallel_size
+        if dp_cp % ep:
             raise TrainConfigError(
-                f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
-                f"{layout.data_parallel} of {world_size} ranks (EP groups are carved out of DP); "
-                f"choose an EP degree that divides {layout.data_parallel} or launch more ranks")
+                f"--expert-model-parallel-size {ep} does not divide the data-parallel x "
+                f"context-parallel size {dp_cp} of {world_size} ranks (EP groups are carved out of "
+                f"it); choose an EP degree that divides {dp_cp} or launch more ranks")
         self.pipeline_config(layout)
         self._check_batch_schedule(layout)
         self.train_iterations(layout)

@@ -45,9 +45,9 @@ def test_dry_run_state_has_ep_and_expert_dp():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=6, expert_model_parallel_size=4), "does not divide the data-parallel size 6"),
+    (dict(world_size=6, expert_model_parallel_size=4), "does not divide the data-parallel x context-parallel size 6"),
     (dict(world_size=4, tensor_parallel_size=2, expert_model_parallel_size=4),
-     "does not divide the data-parallel size 2"),
+     "does not divide the data-parallel x context-parallel size 2"),
     (dict(world_size=4, expert_model_parallel_size=0), "positive integer"),
 ])
 def test_invalid_ep_names_the_fix(kwargs, message):

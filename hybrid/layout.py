@@ -2,7 +2,9 @@
 
 Megatron-LM's rule (§3 "data parallel"; the pipeline terms: Narayanan et al. 2021 §2.2):
 
-    world size           = TP t x PP p x DP d         ranks (their order: docs/design.md §2)
+    world size           = TP t x CP c x PP p x DP d  ranks (their order: docs/design.md §2)
+    c                    context-parallel ranks sharing each sample's sequence (issue 31): they read
+                         the same samples, so the batch arithmetic counts DP d only
     global batch         = micro batch b x d x m      samples per optimizer step
     m                    micro-batches per step and DP rank: the gradient accumulation steps, and with
                          PP the micro-batches one run of the pipeline schedule carries
@@ -31,11 +33,12 @@ class LayoutError(ValueError):
 class RunLayout:
     tensor_parallel: int = 1      # t, --tensor-model-parallel-size
     pipeline_parallel: int = 1    # p, --pipeline-model-parallel-size
-    data_parallel: int = 1        # d = world / (t p)
+    data_parallel: int = 1        # d = world / (t c p)
     micro_batch_size: int         # b, --micro-batch-size
     micro_batches: int = 1        # m per step and DP rank (gradient accumulation)
     model_chunks: int = 1         # v per pipeline stage (1: no virtual pipeline)
     seq_length: int               # s, --seq-length
+    context_parallel: int = 1     # c, --context-parallel-size
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -51,17 +54,21 @@ class RunLayout:
     @classmethod
     def for_world(cls, world_size: int, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                   micro_batch_size: int, global_batch: int | None = None, model_chunks: int = 1,
-                  seq_length: int) -> "RunLayout":
-        """The layout of ``world_size`` ranks: d = world / (t p), m = global batch / (b d);
+                  seq_length: int, context_parallel: int = 1) -> "RunLayout":
+        """The layout of ``world_size`` ranks: d = world / (t c p), m = global batch / (b d);
         ``global_batch`` None is b d (one micro-batch per step)."""
-        tp, pp, micro = tensor_parallel, pipeline_parallel, micro_batch_size
+        tp, pp, micro, cp = tensor_parallel, pipeline_parallel, micro_batch_size, context_parallel
+        if cp > 1 and world_size % (tp * cp * pp):
+            raise LayoutError(f"{world_size} ranks cannot be split into TP {tp} x CP {cp} x PP {pp} "
+                              f"= {tp * cp * pp} ranks per data-parallel replica; launch a multiple "
+                              f"of {tp * cp * pp} ranks or change --context-parallel-size")
         if world_size % (tp * pp):
             what = (f"TP groups of {tp}" if pp == 1 else
                     f"TP {tp} x PP {pp} = {tp * pp} ranks per data-parallel replica")
             raise LayoutError(f"{world_size} ranks cannot be split into {what}; launch a multiple "
                               f"of {tp * pp} ranks or change --tensor-model-parallel-size"
                               + (" / --pipeline-model-parallel-size" if pp > 1 else ""))
-        dp = world_size // (tp * pp)
+        dp = world_size // (tp * cp * pp)
         glob = global_batch if global_batch is not None else micro * dp
         if glob % (micro * dp):
             lower = (glob // (micro * dp)) * micro * dp
@@ -71,11 +78,12 @@ class RunLayout:
                 f"(e.g. {max(lower, micro * dp)}) or change --micro-batch-size")
         return cls(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
                    micro_batch_size=micro, micro_batches=glob // (micro * dp),
-                   model_chunks=model_chunks, seq_length=seq_length)
+                   model_chunks=model_chunks, seq_length=seq_length, context_parallel=cp)
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        return (self.tensor_parallel * self.context_parallel * self.pipeline_parallel
+                * self.data_parallel)
 
     @property
     def global_batch(self) -> int:

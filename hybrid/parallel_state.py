@@ -1,4 +1,10 @@
-"""The explicit parallel state: world, TP, DP and PP process groups of one rank (docs/design.md §1).
+"""The explicit parallel state: world, TP, CP, DP and PP process groups of one rank (docs/design.md §1).
+
+With context parallelism (``Topology.cp`` > 1, issue 31) it holds the rank's CP group ``cp`` (the
+ranks that share the sequences of its samples; ledger kind "cp") and ``dp_cp``, the DP x CP ranks
+with its TP and PP coordinates: the group gradients are reduced and ZeRO partitions built over
+(ledger kind "dp_cp", counted as DP traffic). At CP 1 ``cp`` is this rank alone and ``dp_cp`` is the
+DP group itself (the same object), so nothing changes.
 
 With pipeline parallelism (``Topology.pipeline_parallel_size`` > 1) it also holds the rank's PP group
 (its position in every stage, stage order: the point-to-point peers), its embedding group (first and
@@ -47,12 +53,15 @@ class ParallelState:
                  device: torch.device, ledger: CommLedger, *, pp: Group | None = None,
                  embedding: Group | None = None, mp: Group | None = None,
                  host_groups: tuple[Group, Group] | None = None,
-                 host_split_problem: str | None = None):
+                 host_split_problem: str | None = None, cp: Group | None = None,
+                 dp_cp: Group | None = None):
         self.topology = topology
         self.rank = rank
         self.world = world
         self.tp = tp
         self.dp = dp
+        self.cp = cp if cp is not None else Group("cp", [rank], 0, ledger)
+        self.dp_cp = dp_cp if dp_cp is not None else dp
         self.device = device
         self.ledger = ledger
         self.pp = pp if pp is not None else Group("pp", [rank], 0, ledger)
@@ -85,18 +94,25 @@ class ParallelState:
         emb_ranks = topology.embedding_group_of(rank)
         embedding = Group("embedding", emb_ranks, emb_ranks.index(rank), ledger)
         mp_ranks = topology.mp_group_of(rank)
-        mp = Group("mp", mp_ranks, mp_ranks.index(rank), ledger) if topology.pp_size > 1 else tp
+        mp = (Group("mp", mp_ranks, mp_ranks.index(rank), ledger)
+              if topology.pp_size > 1 else tp)
+        cp = Group("cp", topology.cp_group_of(rank), c.cp_rank, ledger)
+        dp_cp = dp
+        if topology.cp_size > 1:
+            dp_cp_ranks = topology.dp_cp_group_of(rank)
+            dp_cp = Group(DP_CP, dp_cp_ranks, dp_cp_ranks.index(rank), ledger)
         problem, host_groups = topology.dp_host_split_problem(), None
         if problem is None:
             intra, inter = (topology.dp_intra_host_group_of(rank), topology.dp_inter_host_group_of(rank))
             host_groups = (Group(INTRA, intra, intra.index(rank), ledger),
                            Group(INTER, inter, inter.index(rank), ledger))
         return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger, pp=pp,
-                   embedding=embedding, mp=mp, host_groups=host_groups, host_split_problem=problem)
+                   embedding=embedding, mp=mp, host_groups=host_groups, host_split_problem=problem,
+                   cp=cp, dp_cp=dp_cp)
 
     @classmethod
     def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
-                        pipeline_parallel_size: int = 1,
+                        pipeline_parallel_size: int = 1, context_parallel_size: int = 1,
                         gpus_per_node: int | None = None, allow_tp_across_nodes: bool = False,
                         timeout: timedelta = DEFAULT_TIMEOUT, dp_transport: str = "auto",
                         device: str | torch.device | None = None) -> "ParallelState":
@@ -104,14 +120,16 @@ class ParallelState:
         (``env`` not distributed), else join the job and create its TP, DP and PP groups. A node holds
         the launcher's ``LOCAL_WORLD_SIZE`` ranks, else ``gpus_per_node``, else the whole world."""
         if not env.distributed:
-            if pipeline_parallel_size > 1:
-                raise ValueError(f"pipeline-model-parallel size {pipeline_parallel_size} needs as "
-                                 f"many ranks at least; launch with torchrun")
+            for name, size in (("pipeline-model-parallel", pipeline_parallel_size),
+                               ("context-parallel", context_parallel_size)):
+                if size > 1:
+                    raise ValueError(f"{name} size {size} needs as many ranks at least; launch "
+                                     f"with torchrun")
             return cls.single_process(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         per_node = env.local_world_size or gpus_per_node or env.world_size
         topology = Topology(env.world_size, tensor_parallel_size, gpus_per_node=per_node,
                             allow_tp_across_nodes=allow_tp_across_nodes,
-                            pipeline_parallel_size=pipeline_parallel_size)
+                            pipeline_parallel_size=pipeline_parallel_size, cp=context_parallel_size)
         return cls.initialize(topology, env=env, timeout=timeout, dp_transport=dp_transport,
                               device=device)
 
@@ -160,12 +178,17 @@ class ParallelState:
                                  timeout, member_of_all=False)
         mp = (_make_groups("mp", topology.mp_groups(), rank, ledger, backend, timeout)
               if topology.pp_size > 1 else tp)
+        cp, dp_cp = Group("cp", [rank], 0, ledger), dp
+        if topology.cp_size > 1:   # ring / all-to-all traffic (gloo, or NCCL on GPUs)
+            cp = _make_groups("cp", topology.cp_groups(), rank, ledger, backend, timeout)
+            dp_cp = _make_groups(DP_CP, topology.dp_cp_groups(), rank, ledger, backend, timeout)
+            dp_cp.shm = _dp_shared_memory(dp_cp, dp_transport, device, timeout)
         problem = topology.dp_host_split_problem()
         host_groups = None if problem is not None else _make_host_groups(
             topology, rank, dp, ledger, backend, timeout, dp_transport, device)
         log.debug("rank %d: %s", rank, topology.describe())
         return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp,
-                   host_groups=host_groups, host_split_problem=problem)
+                   host_groups=host_groups, host_split_problem=problem, cp=cp, dp_cp=dp_cp)
 
     def require_host_groups(self, option: str) -> tuple[Group, Group]:
         """(intra-host, inter-host) DP groups for ``option``, or a ValueError saying why the layout
@@ -198,6 +221,14 @@ class ParallelState:
         return self.dp.size
 
     @property
+    def cp_rank(self) -> int:
+        return self.cp.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size
+
+    @property
     def pp_rank(self) -> int:
         return self.pp.rank
 
@@ -216,6 +247,7 @@ class ParallelState:
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, "
+                + (f"cp={self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else "")
                 + (f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else "")
                 + f"device={self.device})")
 
@@ -243,6 +275,7 @@ def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
 
 
 INTRA, INTER = "dp_intra_host", "dp_inter_host"   # ledger kinds of the host-split DP groups
+DP_CP = "dp_cp"   # ledger kind of the DP x CP group (CP > 1); the trainer counts it as DP traffic
 
 
 def _one_host_groups(dp: Group, ledger: CommLedger) -> tuple[Group, Group]:

@@ -1,12 +1,13 @@
-"""Pure rank topology of a hybrid TP x DP x PP job (Megatron-LM §3 "model + data parallel"; ZeRO §7;
-pipeline stages: Narayanan et al. 2021 §2.2, §3.2).
+"""Pure rank topology of a hybrid TP x CP x DP x PP job (Megatron-LM §3 "model + data parallel";
+ZeRO §7; pipeline stages: Narayanan et al. 2021 §2.2, §3.2; context parallelism: issue 31).
 
 A :class:`Topology` maps every global rank to its node, its local index on the node, its tensor
-parallel (TP) rank, its data-parallel (DP) rank and its pipeline (PP) stage, with no
-torch.distributed involved, so a 400-GPU DGX-2 layout can be checked on a laptop.
+parallel (TP) rank, its context-parallel (CP) rank, its data-parallel (DP) rank and its pipeline
+(PP) stage, with no torch.distributed involved, so a 400-GPU DGX-2 layout can be checked on a laptop.
 
-Rank order (docs/design.md §2): TP varies fastest, then DP, then PP (Megatron's order). The rank
-grid is ``arange(world).view(pp, dp, tp)``; with PP 1 (the default) it is ``view(dp, tp)``:
+Rank order (docs/design.md §2): TP varies fastest, then CP, then DP, then PP (Megatron's order).
+The rank grid is ``arange(world).view(pp, dp, cp, tp)`` (:attr:`Topology.grid4d`); with CP 1 and
+PP 1 (the defaults) it is ``view(dp, tp)``:
 
     world 8, tp 2, 4 GPUs per node
         node 0: ranks 0 1 | 2 3        TP groups: [0,1] [2,3] [4,5] [6,7]   (adjacent, inside a node)
@@ -18,8 +19,20 @@ its all-reduces then run over InfiniBand instead of NVSwitch.
 
 With PP > 1 each stage is a contiguous block of ``world / pp`` ranks (whole nodes in a real
 layout), so the point-to-point traffic between stages crosses nodes while TP stays inside one.
-A PP group is one (dp, tp) column through the stages; the embedding group of a column is its first
-and last stage, which hold the two uses of the tied word embedding.
+A PP group is one (dp, cp, tp) column through the stages; the embedding group of a column is its
+first and last stage, which hold the two uses of the tied word embedding.
+
+With CP > 1 (``cp=C``) the C ranks of a CP group hold the same TP shard of the same samples, each
+a 1/C part of every sequence (hybrid.context_parallel.layout); they follow each other at stride TP:
+
+    world 8, tp 2, cp 2 (dp 2)         TP groups: [0,1] [2,3] [4,5] [6,7]
+                                       CP groups: [0,2] [1,3] [4,6] [5,7]
+                                       DP groups: [0,4] [1,5] [2,6] [3,7]
+                                       DP x CP groups: [0,2,4,6] [1,3,5,7]
+
+Gradients are reduced and ZeRO partitions built over DP x CP (:meth:`Topology.dp_cp_groups`), since
+a CP rank's gradients cover only its tokens; the data sampler still reads by DP rank (the CP ranks of
+a DP rank read the same samples). A model-parallel group is TP x PP of one (dp, cp) position.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ class RankCoords:
     tp_rank: int
     dp_rank: int
     pp_rank: int = 0
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,14 +73,21 @@ class Topology:
     gpus_per_node: int = 16
     allow_tp_across_nodes: bool = False
     pipeline_parallel_size: int = 1
+    cp: int = 1                   # context-parallel size (--context-parallel-size)
 
     def __post_init__(self) -> None:
         world, tp, per_node = self.world_size, self.tensor_parallel_size, self.gpus_per_node
-        pp = self.pipeline_parallel_size
+        pp, cp = self.pipeline_parallel_size, self.cp
         for name, value in (("world size", world), ("tensor-model-parallel size", tp),
-                            ("GPUs per node", per_node), ("pipeline-model-parallel size", pp)):
+                            ("GPUs per node", per_node), ("pipeline-model-parallel size", pp),
+                            ("context-parallel size", cp)):
             if not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        if cp > 1 and world % (tp * cp * pp):
+            raise TopologyError(
+                f"world size {world} is not divisible by tensor-model-parallel size {tp} x "
+                f"context-parallel size {cp} x pipeline-model-parallel size {pp} = "
+                f"{tp * cp * pp}; choose degrees whose product divides {world}")
         if world % (tp * pp):
             raise TopologyError(
                 f"world size {world} is not divisible by tensor-model-parallel size {tp} x "
@@ -102,7 +123,16 @@ class Topology:
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        return self.world_size // (self.tensor_parallel_size * self.cp * self.pipeline_parallel_size)
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks that gradients are reduced and ZeRO partitions built over: DP x CP."""
+        return self.dp_size * self.cp
 
     @property
     def pp_size(self) -> int:
@@ -120,41 +150,62 @@ class Topology:
     # ---- the rank grid ---------------------------------------------------------------------
     @cached_property
     def grid(self) -> torch.Tensor:
-        """``grid[dp_rank, tp_rank]`` is the global rank: ``arange(world).view(dp, tp)`` of the
-        first pipeline stage (the whole world at PP 1); :attr:`grid3d` holds every stage."""
+        """``grid[dp_cp_rank, tp_rank]`` is the global rank: ``arange(world).view(dp, tp)`` of the
+        first pipeline stage (the whole world at PP 1, CP 1); :attr:`grid3d` holds every stage."""
         return self.grid3d[0]
 
     @cached_property
     def grid3d(self) -> torch.Tensor:
-        """``grid3d[pp_rank, dp_rank, tp_rank]`` is the global rank: ``arange(world).view(pp, dp, tp)``."""
+        """``grid3d[pp_rank, dp_cp_rank, tp_rank]`` is the global rank: ``arange(world).view(pp,
+        dp x cp, tp)`` (``dp_cp_rank = dp_rank x cp + cp_rank``; at CP 1 the DP rank)."""
+        return self.grid4d.reshape(self.pp_size, self.dp_size * self.cp, self.tp_size)
+
+    @cached_property
+    def grid4d(self) -> torch.Tensor:
+        """``grid4d[pp_rank, dp_rank, cp_rank, tp_rank]`` is the global rank:
+        ``arange(world).view(pp, dp, cp, tp)`` (TP fastest, then CP, DP, PP)."""
         import torch
         return torch.arange(self.world_size).view(self.pipeline_parallel_size, self.dp_size,
-                                                  self.tensor_parallel_size)
+                                                  self.cp, self.tensor_parallel_size)
 
     # ---- coordinates -----------------------------------------------------------------------
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise TopologyError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        pp_rank, dp_rank, tp_rank = (self.grid3d == rank).nonzero()[0].tolist()   # where it sits
+        rest, tp_rank = divmod(rank, self.tp_size)            # where it sits in grid4d
+        rest, cp_rank = divmod(rest, self.cp)
+        pp_rank, dp_rank = divmod(rest, self.dp_size)
         node, local_rank = divmod(rank, self.gpus_per_node)
-        return RankCoords(rank, node, local_rank, tp_rank, dp_rank, pp_rank)
+        return RankCoords(rank, node, local_rank, tp_rank, dp_rank, pp_rank, cp_rank)
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> int:
-        return int(self.grid3d[pp_rank, dp_rank, tp_rank])
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0, cp_rank: int = 0) -> int:
+        return int(self.grid4d[pp_rank, dp_rank, cp_rank, tp_rank])
 
     # ---- groups ----------------------------------------------------------------------------
     def tp_groups(self) -> list[list[int]]:
-        """Rows of the grid: one group per (stage, DP replica), adjacent ranks."""
-        return self.grid3d.reshape(-1, self.tp_size).tolist()
+        """Rows of the grid: one group per (stage, DP replica, CP rank), adjacent ranks."""
+        return self.grid4d.reshape(-1, self.tp_size).tolist()
+
+    def cp_groups(self) -> list[list[int]]:
+        """One group per (stage, DP rank, TP rank): the CP ranks of that position, strided by the
+        TP degree (adjacent at TP 1)."""
+        return self.grid4d.permute(0, 1, 3, 2).reshape(-1, self.cp).tolist()
 
     def dp_groups(self) -> list[list[int]]:
-        """Columns of each stage's grid: one group per (stage, TP rank), strided by the TP degree."""
-        return self.grid3d.transpose(1, 2).reshape(-1, self.dp_size).tolist()
+        """One group per (stage, CP rank, TP rank): the replicas of the same model shard and the
+        same sequence part, strided by TP x CP."""
+        return self.grid4d.permute(0, 2, 3, 1).reshape(-1, self.dp_size).tolist()
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """One group per (stage, TP rank): its DP x CP ranks in rank order, the group gradients are
+        reduced and ZeRO partitions built over (a CP rank's gradients cover only its tokens).
+        The DP groups themselves at CP 1."""
+        return self.grid4d.permute(0, 3, 1, 2).reshape(-1, self.dp_size * self.cp).tolist()
 
     def pp_groups(self) -> list[list[int]]:
-        """One group per (DP rank, TP rank): the ranks of that position in every stage, in stage
-        order (strided by ``world / pp``)."""
-        return self.grid3d.permute(1, 2, 0).reshape(-1, self.pp_size).tolist()
+        """One group per (DP rank, CP rank, TP rank): the ranks of that position in every stage, in
+        stage order (strided by ``world / pp``)."""
+        return self.grid4d.permute(1, 2, 3, 0).reshape(-1, self.pp_size).tolist()
 
     def embedding_groups(self) -> list[list[int]]:
         """The first and last stage of every PP group (the tied word embedding's two users); the
@@ -162,21 +213,29 @@ class Topology:
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
 
     def mp_groups(self) -> list[list[int]]:
-        """Model-parallel groups: every TP rank of every stage of one DP replica (what together
-        holds one copy of the model; the gradient norm of stage 0 sums over it)."""
-        return self.grid3d.transpose(0, 1).reshape(self.dp_size, -1).tolist()
+        """Model-parallel groups: every TP rank of every stage of one (DP, CP) position (what
+        together holds one copy of the model; the gradient norm of stage 0 sums over it)."""
+        return self.grid4d.permute(1, 2, 0, 3).reshape(self.dp_size * self.cp, -1).tolist()
 
     def tp_group_of(self, rank: int) -> list[int]:
         c = self.coords(rank)
-        return self.grid3d[c.pp_rank, c.dp_rank].tolist()
+        return self.grid4d[c.pp_rank, c.dp_rank, c.cp_rank].tolist()
+
+    def cp_group_of(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return self.grid4d[c.pp_rank, c.dp_rank, :, c.tp_rank].tolist()
 
     def dp_group_of(self, rank: int) -> list[int]:
         c = self.coords(rank)
-        return self.grid3d[c.pp_rank, :, c.tp_rank].tolist()
+        return self.grid4d[c.pp_rank, :, c.cp_rank, c.tp_rank].tolist()
+
+    def dp_cp_group_of(self, rank: int) -> list[int]:
+        c = self.coords(rank)
+        return self.grid4d[c.pp_rank, :, :, c.tp_rank].reshape(-1).tolist()
 
     def pp_group_of(self, rank: int) -> list[int]:
         c = self.coords(rank)
-        return self.grid3d[:, c.dp_rank, c.tp_rank].tolist()
+        return self.grid4d[:, c.dp_rank, c.cp_rank, c.tp_rank].tolist()
 
     def embedding_group_of(self, rank: int) -> list[int]:
         """The embedding group holding ``rank``; a middle stage is in none (its own rank alone)."""
@@ -185,7 +244,8 @@ class Topology:
         return ends if rank in ends else [rank]
 
     def mp_group_of(self, rank: int) -> list[int]:
-        return self.grid3d[:, self.coords(rank).dp_rank].reshape(-1).tolist()
+        c = self.coords(rank)
+        return self.grid4d[:, c.dp_rank, c.cp_rank].reshape(-1).tolist()
 
     # ---- host split of DP (hybrid sharding, ZeRO++ hpZ) -------------------------------------
     def dp_host_split_problem(self) -> str | None:
@@ -246,7 +306,9 @@ class Topology:
         crossing = "crossing nodes" if self.tp_crosses_nodes else "inside one node each"
         return (f"{self.world_size} ranks = {self.num_nodes} node(s) x {min(self.world_size, self.gpus_per_node)}"
                 f" | TP {self.tp_size} ({self.world_size // self.tp_size} TP groups, {crossing})"
-                f" | DP {self.dp_size} ({self.tp_size * self.pp_size} DP groups)"
+                f" | DP {self.dp_size} ({self.tp_size * self.cp * self.pp_size} DP groups)"
+                + (f" | CP {self.cp} ({self.world_size // self.cp} CP groups)"
+                   if self.cp > 1 else "")
                 + (f" | PP {self.pp_size} ({self.world_size // self.pp_size} PP groups)"
                    if self.pp_size > 1 else ""))
 

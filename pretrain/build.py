@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 def build_parallel_state(cfg: TrainConfig, layout: RunLayout,
                          env: LaunchEnv | None = None) -> ParallelState:
     """Join the launcher's job (``env``, default: this process's environment) or run as one
-    process, and create the TP, PP and DP groups of ``layout`` (``cfg.validate_for_world``)."""
+    process, and create the TP, CP, PP and DP groups of ``layout`` (``cfg.validate_for_world``)."""
     env = env if env is not None else LaunchEnv.from_environ()
     if env.world_size != layout.world_size:
         raise ValueError(f"the layout is for {layout.world_size} ranks but the job has "
@@ -43,7 +43,8 @@ def build_parallel_state(cfg: TrainConfig, layout: RunLayout,
     p = cfg.parallel
     return ParallelState.from_launch_env(
         env, tensor_parallel_size=layout.tensor_parallel,
-        pipeline_parallel_size=layout.pipeline_parallel, gpus_per_node=p.gpus_per_node,
+        pipeline_parallel_size=layout.pipeline_parallel,
+        context_parallel_size=layout.context_parallel, gpus_per_node=p.gpus_per_node,
         allow_tp_across_nodes=p.allow_tp_across_nodes, dp_transport=p.dp_transport,
         timeout=timedelta(minutes=p.distributed_timeout_minutes))
 
@@ -200,7 +201,8 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, pipeline=None,
         sequence_parallel=cfg.parallel.sequence_parallel and state.tp_size > 1,
         memory_budget=cfg.training.memory_budget_bytes,
         bytes_per_element=4 if cfg.optimizer.precision == "fp32" else 2,
-        device=device or state.device.type)
+        device=device or state.device.type, cp=getattr(state, "cp_size", 1),
+        cp_comm_type=getattr(cfg.parallel, "cp_comm_type", "p2p"))
     plan = apply_recompute_method(plan, cfg, pipeline)
     if state.rank == 0:
         log.info("activation recompute: %s", plan)

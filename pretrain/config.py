@@ -52,6 +52,7 @@ class TrainConfig:
         except ConfigError as err:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
+        self._check_context_parallel()
         self._check_operations()
         self._check_schedule_units()
         self._check_offloaded_moments()
@@ -77,6 +78,41 @@ class TrainConfig:
                 f"--sequence-parallel shards the sequence over the TP ranks, but --seq-length {seq} "
                 f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
                 f"is a multiple of {tp} or drop --sequence-parallel")
+
+    def _check_context_parallel(self) -> None:
+        """--context-parallel-size C (issue 31): every sequence cuts into 2C equal chunks (and,
+        with --sequence-parallel, each rank's S/C tokens into TP slices); a2a scatters each TP
+        rank's heads and query groups over the C ranks; no attention dropout (the CP attention
+        has none)."""
+        p, m = self.parallel, self.model
+        cp, tp, seq = p.context_parallel_size, p.tensor_model_parallel_size, m.seq_length
+        if cp == 1:
+            return
+        if seq % (2 * cp):
+            from hybrid.context_parallel.layout import check_divisible   # its message, its rule
+            try:
+                check_divisible(seq, cp)
+            except ValueError as err:
+                raise TrainConfigError(str(err)) from None
+        if p.sequence_parallel and (seq // cp) % tp:
+            raise TrainConfigError(
+                f"--sequence-parallel shards each CP rank's {seq // cp} tokens (--seq-length {seq} "
+                f"/ --context-parallel-size {cp}) over --tensor-model-parallel-size {tp}, which does "
+                f"not divide them; use a --seq-length that is a multiple of {2 * cp * tp}")
+        if p.cp_comm_type == "a2a":
+            for what, n, flag in (("attention heads", m.num_attention_heads, "--num-attention-heads"),
+                                  ("query groups", m.query_groups, "--num-query-groups")):
+                if (n // tp) % cp:
+                    raise TrainConfigError(
+                        f"--cp-comm-type a2a scatters each TP rank's {what} over the CP ranks, but "
+                        f"{n // tp} {what} per TP rank ({flag} {n} / --tensor-model-parallel-size "
+                        f"{tp}) is not divisible by --context-parallel-size {cp}; use --cp-comm-type "
+                        f"p2p, or a CP size that divides {n // tp}")
+        if m.attention_dropout > 0:
+            raise TrainConfigError(
+                f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: the "
+                f"context-parallel attention has no dropout on its probabilities (each rank sees "
+                f"only blocks of them); set --attention-dropout 0")
 
     def _check_offloaded_moments(self) -> None:
         """16-bit moments live on the device only: the offloaded AdamW has no 16-bit path."""
@@ -113,8 +149,9 @@ class TrainConfig:
                 "the QKV projection's rows per TP rank": m.qkv_size // tp,
                 "the attention output's inputs per TP rank (--hidden-size / TP)": m.hidden_size // tp,
                 "--ffn-hidden-size per TP rank": f // tp,
-                "tokens per micro-batch (--micro-batch-size x --seq-length)":
-                    self.data.micro_batch_size * m.seq_length}
+                "tokens per micro-batch and CP rank (--micro-batch-size x --seq-length / "
+                "--context-parallel-size)":
+                    self.data.micro_batch_size * m.seq_length // self.parallel.context_parallel_size}
         for what, value in dims.items():
             if value % 16:
                 raise TrainConfigError(f"--fp8-format: {what} is {value}, not a multiple of 16, "
@@ -208,6 +245,7 @@ class TrainConfig:
                                                      p.num_layers_per_virtual_pipeline_stage)
             return RunLayout.for_world(world_size, tensor_parallel=p.tensor_model_parallel_size,
                                        pipeline_parallel=p.pipeline_model_parallel_size,
+                                       context_parallel=p.context_parallel_size,
                                        micro_batch_size=self.data.micro_batch_size,
                                        global_batch=self.nominal_global_batch(), model_chunks=chunks,
                                        seq_length=self.model.seq_length)

@@ -7,7 +7,7 @@ flag of the catalogue is one of
     native    a config field of the same name (``--train-samples`` <-> ``training.train_samples``)
     mapped    sets our equivalent (``--use-distributed-optimizer`` -> ``--zero-stage 1``)
     no-op     accepted with one info line saying why nothing changes (``--use-flash-attn``: SDPA
-              picks flash kernels itself); some only for some values (``--context-parallel-size 1``)
+              picks flash kernels itself); some only for some values (``--expert-model-parallel-size 1``)
     refused   the feature does not exist here: an error with Megatron's meaning and our nearest
               equivalent, never a spelling match
 
@@ -232,7 +232,7 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--no-gradient-accumulation-fusion", "no fused weight-gradient accumulation", _FUSION),
     _noop("--cross-entropy-loss-fusion", "fused cross-entropy", "the vocab-parallel cross entropy "
           "is computed blockwise in one pass already"),
-    # ---- MoE / FP8 / context parallelism: not here ----
+    # ---- MoE / FP8: not here ----
     _refused("--num-experts", "mixture-of-experts layers", _MOE),
     _refused("--moe-router-topk", "experts per token", _MOE),
     _refused("--moe-grouped-gemm", "grouped GEMM for experts", _MOE),
@@ -257,15 +257,17 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
             "trailing bf16 layers", int),
     _refused("--fp8-param-gather", "keep the compute parameters in FP8 and all-gather them in FP8",
              _FP8),
-    _noop("--context-parallel-size", "split the sequence over GPUs inside attention (ring "
-          "attention)", "1 means no context parallelism; larger values are refused: shard long "
-          "sequences' activations with --sequence-parallel (TP > 1) or --recompute", int,
-          when=_equals(1)),
     # ---- parallelism ----
     _native("--tensor-model-parallel-size", "parallel.tensor_model_parallel_size", "TP degree",
             int),
     _native("--pipeline-model-parallel-size", "parallel.pipeline_model_parallel_size",
             "PP degree", int),
+    _native("--context-parallel-size", "parallel.context_parallel_size", "CP degree: the sequence "
+            "split over GPUs inside attention (load-balanced chunks)", int),
+    _native("--cp-comm-type", "parallel.cp_comm_type", "CP attention communication: p2p | a2a | "
+            "allgather (Megatron's a2a+p2p is refused)", str),
+    _refused("--hierarchical-context-parallel-sizes", "CP in levels for --cp-comm-type a2a+p2p",
+             "one CP level: --context-parallel-size with --cp-comm-type p2p, a2a or allgather"),
     _native("--num-layers-per-virtual-pipeline-stage",
             "parallel.num_layers_per_virtual_pipeline_stage", "interleaved schedule chunk size",
             int),

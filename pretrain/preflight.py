@@ -22,7 +22,8 @@ def check_layout(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
     try:
         Topology(world_size, p.tensor_model_parallel_size, gpus_per_node=ranks_per_node,
                  allow_tp_across_nodes=p.allow_tp_across_nodes,
-                 pipeline_parallel_size=p.pipeline_model_parallel_size)
+                 pipeline_parallel_size=p.pipeline_model_parallel_size,
+                 cp=p.context_parallel_size)
     except TopologyError as err:
         hosts = -(-world_size // ranks_per_node)
         raise TrainConfigError(f"a job of {hosts} host{'s' if hosts > 1 else ''} x {ranks_per_node} "

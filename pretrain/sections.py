@@ -40,6 +40,7 @@ def found_by_every_rank(err: Exception) -> Exception:
 FP8_FORMATS = ("e4m3", "hybrid")                    # hybrid.tensor_parallel.fp8_scaling's
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise")  # (this layer imports no torch)
 QUANTIZED_WEIGHTS_FORMATS = ("int8", "fp8")          # hybrid.zero.quantize's
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")         # hybrid.context_parallel.attention's
 
 
 def flag_name(name: str) -> str:
@@ -90,6 +91,12 @@ class ParallelSection:
     tensor_model_parallel_size: int = _help("TP degree (ranks sharing each layer)", default=1)
     pipeline_model_parallel_size: int = _help("PP degree (pipeline stages, each a contiguous block "
                                               "of layers)", default=1)
+    context_parallel_size: int = _help("CP degree: ranks splitting every sequence, each holding 2 "
+                                       "load-balanced chunks; gradients and ZeRO partitions span "
+                                       "DP x CP", default=1)
+    cp_comm_type: str = _help("attention communication under CP: p2p (ring of K/V blocks) | a2a "
+                              "(all-to-all of heads, Ulysses) | allgather (all K/V gathered)",
+                              default="p2p")
     num_layers_per_virtual_pipeline_stage: int | None = _help(
         "layers per model chunk of the interleaved schedule (v = num_layers / (PP x this) chunks "
         "per stage; default: one chunk per stage)", default=None)
@@ -158,7 +165,7 @@ class ParallelSection:
         except ValueError as err:
             raise TrainConfigError(str(err)) from None
         _positive(self, "tensor_model_parallel_size", "zero_bucket_size", "gpus_per_node",
-                  "pipeline_model_parallel_size")
+                  "pipeline_model_parallel_size", "context_parallel_size")
         _positive(self, "world_size", "num_layers_per_virtual_pipeline_stage", allow_none=True)
         if not self.distributed_timeout_minutes > 0:
             raise TrainConfigError(f"--distributed-timeout-minutes must be positive, got "
@@ -185,6 +192,27 @@ class ParallelSection:
             raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1; "
                                    "drop the flag or raise the TP degree")
         self._check_pipeline()
+        self._check_context_parallel()
+
+    def _check_context_parallel(self) -> None:
+        """The CP checks that need this section only (sequence, heads, dropout: TrainConfig)."""
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            extra = (" (Megatron's a2a+p2p, hierarchical CP, is not here: use a2a inside a node or "
+                     "p2p)" if self.cp_comm_type == "a2a+p2p" else "")
+            raise TrainConfigError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got "
+                                   f"{self.cp_comm_type!r}{extra}")
+        if self.context_parallel_size == 1:
+            return
+        hosts = [flag for flag, on in (("--zero-hybrid-shard", self.zero_hybrid_shard),
+                                       ("--zero-hpz", self.zero_hpz),
+                                       ("--zero-quantized-gradients", self.zero_quantized_gradients))
+                 if on]
+        if hosts:
+            raise TrainConfigError(
+                f"{' and '.join(hosts)} with --context-parallel-size "
+                f"{self.context_parallel_size}: these split the DP group by host, while under CP "
+                f"the ZeRO partitions span DP x CP; the host split of DP x CP is not built yet, "
+                f"drop {'them' if len(hosts) > 1 else 'it'} or use --context-parallel-size 1")
 
     @property
     def schedule(self) -> str:

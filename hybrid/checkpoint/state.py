@@ -72,7 +72,8 @@ class CheckpointState(Protocol):
 def state_pieces(holder: CheckpointState, layout: Mapping[str, ParamLayout], state: ParallelState,
                  *, for_save: bool) -> list[Piece]:
     """``holder``'s pieces in the checkpoint's terms: all of them to load, those this rank writes to
-    save (replicated state once: TP-replicated tensors from TP rank 0, DP-replicated from DP rank 0)."""
+    save (replicated state once: TP-replicated tensors from TP rank 0, DP-replicated from DP x CP
+    rank 0)."""
     return [_piece(f, layout[f.param_name], state) for f in holder.checkpoint_pieces()
             if not for_save or _writes(holder, f.kind, layout[f.param_name], state)]
 
@@ -86,7 +87,8 @@ def _writes(holder: CheckpointState, kind: str, layout: ParamLayout, state: Para
     if layout.partition_dim < 0 and state.tp_rank != 0:
         return False
     replicated = holder.parameters_replicated if kind == "model" else holder.optimizer_state_replicated
-    return state.dp_rank == 0 if replicated else holder.state_replica == 0
+    # replicated over DP x CP (CP ranks hold the same model states as their DP rank's): once
+    return state.dp_cp.rank == 0 if replicated else holder.state_replica == 0
 
 
 def save_state(save_dir: str | Path, iteration: int, holder: CheckpointState,

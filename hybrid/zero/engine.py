@@ -80,7 +80,9 @@ class ZeroEngine:
         self.dtype, self.device = config.param_dtype, state.device
         self.shard_group, self.replicas = partition_groups(state, config)   # DP, or by host
         self.scaler = build_loss_scaler(config, state.device)
-        # the reductions sum over DP: the AdamW pass divides by the DP size
+        # the reductions sum over DP (x CP): the AdamW pass divides by the DP size. Under context
+        # parallelism each CP rank's loss is its tokens' share of the micro-batch's loss, so the
+        # sum over CP is the whole gradient and only the DP replicas are averaged
         self.grad_divisor = float(state.dp_size)
         # copies of each owned gradient in the norm group (hybrid sharding: one per host)
         self.norm_replicas = self.replicas.size if self.replicas is not None else 1
@@ -300,5 +302,5 @@ class ZeroEngine:
     def comm_report(self) -> CommReport:
         """Bytes per rank of the last optimizer step (everything since the step before it)."""
         return comm_report(self._last_step_records, 1, stage=self.stage,
-                           dp=self.state.dp_size, psi=self.num_local_params,
+                           dp=self.state.dp_cp.size, psi=self.num_local_params,
                            param_bytes=self.param_bytes)

@@ -43,9 +43,11 @@ HYBRID_FLAG, HPZ_FLAG = "--zero-hybrid-shard", "--zero-hpz"
 
 def partition_groups(state: ParallelState, config: ZeroConfig) -> tuple[Group, Group | None]:
     """(the group model states are partitioned over, the group holding copies of each partition
-    or None): (DP, None) plainly, (intra-host, inter-host) with hybrid sharding."""
+    or None): (DP x CP, None) plainly (the DP group at CP 1; under context parallelism each CP
+    rank's gradients cover only its tokens, so they are summed and partitioned over DP x CP,
+    issue 31), (intra-host, inter-host) with hybrid sharding."""
     if not config.hybrid_shard:
-        return state.dp, None
+        return state.dp_cp, None
     return _host_groups(state, HYBRID_FLAG)
 
 
@@ -58,6 +60,10 @@ def secondary_group(state: ParallelState, config: ZeroConfig) -> Group | None:
 
 
 def _host_groups(state: ParallelState, flag: str) -> tuple[Group, Group]:
+    if state.cp_size > 1:
+        raise ValueError(f"{flag} splits the DP groups by host, but under context parallelism "
+                         f"(CP {state.cp_size}) ZeRO partitions span DP x CP, whose host split is "
+                         f"not built; drop {flag} or use CP 1")
     intra, inter = state.require_host_groups(flag)
     if inter.size == 1:
         raise ValueError(f"{flag}: the {state.dp_size} DP ranks of each group are all on one host "

@@ -145,6 +145,10 @@ def gradient_reduce_scatter(state, quantized: bool):
     :class:`hybrid.parallel_state.ParallelState`."""
     if not quantized:
         return None
+    if state.cp_size > 1:
+        raise ValueError(f"--zero-quantized-gradients reduces over the host split of DP, but under "
+                         f"context parallelism (CP {state.cp_size}) gradients are reduced over DP x "
+                         f"CP, whose host split is not built; drop the flag or use CP 1")
     intra, inter = state.dp_intra_host_group, state.dp_inter_host_group
     if intra is None or inter is None or intra.size * inter.size != state.dp_size:
         raise ValueError("--zero-quantized-gradients reduces inside each host, then across hosts, "

@@ -19,6 +19,7 @@ import pytest
 from torch import nn
 
 from hybrid.adamw_config import AdamWConfig
+from hybrid.layout import RunLayout
 from hybrid.offload.budget import OffloadConfig
 from hybrid.parallel_state import DEFAULT_TIMEOUT, ParallelState
 from hybrid.perf.hardware import Cluster
@@ -78,6 +79,11 @@ FEEDS = {
         ("Topology.tensor_parallel_size", field_default(Topology, "tensor_parallel_size"))],
     "parallel.pipeline_model_parallel_size": [
         ("Topology.pipeline_parallel_size", field_default(Topology, "pipeline_parallel_size"))],
+    "parallel.context_parallel_size": [
+        ("Topology.cp", field_default(Topology, "cp")),
+        ("ParallelState.from_launch_env(context_parallel_size)",
+         parameter_default(ParallelState.from_launch_env, "context_parallel_size")),
+        ("RunLayout.context_parallel", field_default(RunLayout, "context_parallel"))],
     "parallel.allow_tp_across_nodes": [
         ("Topology.allow_tp_across_nodes", field_default(Topology, "allow_tp_across_nodes"))],
     "parallel.gpus_per_node": [

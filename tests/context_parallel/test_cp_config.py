@@ -1,0 +1,58 @@
+"""--context-parallel-size and --cp-comm-type (issue 31): Megatron's names, the batch arithmetic
+(DP = world / (TP x CP x PP)), and one clear error for each layout the CP attention cannot run."""
+
+import pytest
+
+from hybrid.layout import LayoutError, RunLayout
+from pretrain.arguments import parse_args
+from pretrain.config import TrainConfigError
+from pretrain.preflight import check_layout
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1"]
+
+
+def test_flags_set_the_parallel_section_and_the_layout():
+    cfg, _ = parse_args(BASE + ["--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                                "--tensor-model-parallel-size", "2", "--global-batch-size", "4"])
+    assert (cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type) == (2, "a2a")
+    layout = cfg.validate_for_world(16)
+    assert (layout.tensor_parallel, layout.context_parallel, layout.data_parallel) == (2, 2, 4)
+    assert layout.world_size == 16 and layout.micro_batches == 1 and layout.global_batch == 4
+    defaults, _ = parse_args(BASE)
+    assert (defaults.parallel.context_parallel_size, defaults.parallel.cp_comm_type) == (1, "p2p")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--context-parallel-size", "3"], "sequence length 64 is not divisible by 2 x context-parallel size = 6"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], "--cp-comm-type must be one of p2p, a2a, allgather"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], "hierarchical CP"),
+    (["--context-parallel-size", "8", "--cp-comm-type", "a2a"], "4 attention heads per TP rank"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
+      "--num-query-groups", "1"], "1 query groups per TP rank"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "set --attention-dropout 0"),
+    (["--context-parallel-size", "2", "--zero-stage", "3", "--zero-hpz"], "--zero-hpz with --context-parallel-size 2"),
+    (["--context-parallel-size", "0"], "--context-parallel-size must be a positive integer"),
+    (["--context-parallel-size", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+      "--seq-length", "72", "--max-position-embeddings", "72"], "each CP rank's 18 tokens"),
+])
+def test_bad_cp_layouts_are_one_clear_error(extra, message):
+    with pytest.raises(TrainConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        parse_args(BASE + extra)
+
+
+def test_world_not_divisible_names_the_flag():
+    cfg, _ = parse_args(BASE + ["--context-parallel-size", "4", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(TrainConfigError, match="TP 2 x CP 4 x PP 1 = 8 ranks"):
+        cfg.validate_for_world(12)
+    with pytest.raises(TrainConfigError, match="TP 2 x CP 4 x PP 1 = 8"):
+        check_layout(cfg, 4, 4)
+    with pytest.raises(LayoutError, match="--context-parallel-size"):
+        RunLayout.for_world(6, context_parallel=4, micro_batch_size=1, seq_length=8)
+
+
+def test_megatron_catalogue_has_cp_flags_native():
+    from pretrain.megatron_flags import CATALOGUE
+    kinds = {f.name: f.kind for f in CATALOGUE}
+    assert kinds["--context-parallel-size"] == "native" and kinds["--cp-comm-type"] == "native"
+    assert kinds["--hierarchical-context-parallel-sizes"] == "refused"

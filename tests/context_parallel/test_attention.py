@@ -1,7 +1,7 @@
 """Context-parallel attention (ring p2p, all-to-all a2a, all-gather baseline) equals full masked
 attention of the whole sequence on one process, in the output and in the gradients of q, k and v
 (fp32, rtol 1e-5), causal and document-masked, GQA and MHA; and the ledger's CP bytes equal the
-formulas of docs/context-parallel.md."""
+formulas of docs/context-parallel.md (and the communication model's, hybrid/perf/context_parallel.py)."""
 
 import math
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid.context_parallel.layout import local_positions, merge_sequence, split_sequence
+from hybrid.perf.context_parallel import cp_bytes_per_layer
 from hybrid.testing.multirank import run_on_ranks
 
 COMM_TYPES = ("p2p", "a2a", "allgather")
@@ -132,6 +133,10 @@ def check(cp, seq):
                 assert error < 1e-2, (where, error)
         b, d, s = 4, 8, seq // cp
         forward, backward = expected_bytes(comm_type, cp, b, a, g, s, d, masked, dtype.itemsize)
+        model = cp_bytes_per_layer(comm_type=comm_type, cp=cp, micro_batch=b, seq=seq,
+                                   hidden=a * d, heads=a, query_groups=g,
+                                   bytes_per_element=dtype.itemsize, document_ids=masked)
+        assert (model.forward, model.backward) == pytest.approx((forward, backward))  # the model
         for r in per_rank:
             assert r[n][4] == pytest.approx(forward) and r[n][5] == pytest.approx(backward), \
                 (comm_type, masked, r[n][4:], (forward, backward))

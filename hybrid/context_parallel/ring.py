@@ -116,14 +116,16 @@ class _Ring(torch.autograd.Function):
         own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # own block's dK, dV
         sending = []
         for step in range(size):
+            # posted in the order the peer sent them (NCCL matches by order, gloo by tag): the
+            # accumulator left r - 1 at the end of its step - 1, before the next block left it
             ops = []
+            if step >= 2:           # the accumulator of this block, from its earlier visitors
+                incoming = torch.empty_like(own)
+                ops.append(comm.P2POp("recv", incoming, before, _tag(GRAD_TAG, step - 1)))
             if step < size - 1:
                 next_kv = torch.empty_like(kv)
                 ops += [comm.P2POp("send", kv, after, _tag(KV_TAG, step)),
                         comm.P2POp("recv", next_kv, before, _tag(KV_TAG, step))]
-            if step >= 2:           # the accumulator of this block, from its earlier visitors
-                incoming = torch.empty_like(own)
-                ops.append(comm.P2POp("recv", incoming, before, _tag(GRAD_TAG, step - 1)))
             handle = comm.p2p(ops, group) if ops else None
             local = own if step == 0 else torch.zeros_like(own)
             k_index, k_doc = _split_meta(ctx.metas[step], ctx.documents)

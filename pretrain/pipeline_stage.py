@@ -37,10 +37,11 @@ class MaskedLoss:
     def __init__(self, chunk):
         self.chunk = chunk
 
-    def __call__(self, tokens, target, hidden_states=None):
+    def __call__(self, tokens, target, hidden_states=None, **layout):
+        """``layout``: ``layout=`` the micro-batch's TokenLayout, passed on to the chunk."""
         if target is None:
-            return self.chunk(tokens, None, hidden_states=hidden_states)
-        per_token = self.chunk(tokens, target[0], hidden_states=hidden_states)     # [b, s]
+            return self.chunk(tokens, None, hidden_states=hidden_states, **layout)
+        per_token = self.chunk(tokens, target[0], hidden_states=hidden_states, **layout)  # [b, s]
         mask = target[1].to(per_token.dtype)
         return per_token * mask * (mask.numel() / mask.sum().clamp(min=1.0))
 

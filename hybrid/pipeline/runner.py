@@ -93,7 +93,8 @@ class PipelineRunner:
     """Runs a step of the schedule on this rank's model chunks (``chunks[c]``: virtual stage
     ``c * p + stage``). A chunk is called ``chunk(tokens, labels, hidden_states=x)``: the first
     virtual stage ignores ``x``, the last returns the per-token loss [b, s], every other returns
-    its output [s(/t), b, h]."""
+    its output [s(/t), b, h]. A micro-batch is ``(tokens, labels)`` or ``(tokens, labels,
+    layout)``; a layout that is not None is passed to every chunk as ``layout=``."""
 
     def __init__(self, state: ParallelState, config: PipelineConfig, chunks: list[nn.Module], *,
                  activation_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
@@ -279,11 +280,15 @@ class PipelineRunner:
         return float(sum(losses)) if losses else None
 
     def _forward(self, action: Action, batch, inputs: torch.Tensor | None) -> torch.Tensor | None:
-        tokens, labels = batch
+        tokens, labels, *more = batch
+        # a third element: the micro-batch's token layout (positions, documents; issue 31), which
+        # every stage's chunks get
+        layout = dict(layout=more[0]) if more and more[0] is not None else {}
         k, last = self._virtual(action), self.config.is_last(self.stage, action.chunk)
         if inputs is not None:
             inputs.requires_grad_(True)
-        out = self.chunks[action.chunk](tokens, labels if last else None, hidden_states=inputs)
+        out = self.chunks[action.chunk](tokens, labels if last else None, hidden_states=inputs,
+                                        **layout)
         if last:   # per-token loss [b, s] -> this micro-batch's share of the step's mean
             out = out.float().mean() / self.config.num_micro_batches
         else:

@@ -13,6 +13,10 @@ are, so parameter names, checkpoints and the hooks on the layer modules are unch
   on one rank they are identities and compile with the rest. The selective-recompute checkpoint of
   the attention core runs eagerly too (:func:`hybrid.recompute.checkpoint`).
 * **KV-cache decoding runs eagerly**: each new position would be a new graph.
+* **A token layout** (:class:`~models.gpt.token_layout.TokenLayout`, issue 31) is an argument of the
+  compiled forward: the per-token rotary angles compile with the layer, the document-masked or
+  context-parallel core (``ParallelAttention.layout_core``: host-side block planning, CP
+  communication) runs eagerly between compiled regions.
 
 The compiled code is cached on disk by inductor (FX graph and AOT-autograd caches) under
 ``cache_dir``, so a restart with the same model and torch reuses it.
@@ -103,9 +107,11 @@ def _compiled_forward(layer: nn.Module, compiled):
     eager = layer.forward
 
     @functools.wraps(eager)
-    def forward(x: torch.Tensor, cache=None, start: int = 0) -> torch.Tensor:
+    def forward(x: torch.Tensor, cache=None, start: int = 0, layout=None) -> torch.Tensor:
         if cache is not None:
             return eager(x, cache, start)
+        if layout is not None:   # positions traced in; the attention's layout core runs eagerly
+            return compiled(x, None, 0, layout)
         return compiled(x)
     return forward
 

@@ -37,9 +37,11 @@ from hybrid.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RN
                                     RowParallelLinear)
 from models.gpt.attention_core import attention_core, packed_attention_core
 from models.gpt.config import GPTConfig
+from models.gpt.document_attention import document_attention
 from models.gpt.gelu import gelu_tanh
 from models.gpt.kv_cache import LayerKVCache
 from models.gpt.rotary import RotaryEmbedding
+from models.gpt.token_layout import TokenLayout
 
 # SDPA shares key/value heads among query heads itself from torch 2.5 (``enable_gqa``)
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -98,14 +100,17 @@ class ParallelAttention(nn.Module):
         self.recompute_core = False   # selective recompute (hybrid/recompute): rerun core() in backward
         self.core_in_fp32 = config.attention_softmax_in_fp32
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0,
+                layout: TokenLayout | None = None) -> torch.Tensor:
         """``cache``: keys/values of positions ``0 .. start-1`` (decoding); x holds positions
-        ``start ..``, whose k and v are appended to it."""
+        ``start ..``, whose k and v are appended to it. ``layout``: the tokens' positions (rotary),
+        documents and context-parallel group (:meth:`layout_core`); None: causal over ``0 .. s-1``."""
         qkv = self.qkv(x)                                                   # [s, b, (a + 2g) d/tp]
         s, b, _ = qkv.shape
         per_group = self.local_heads // self.local_groups                   # query heads per group
         qkv = qkv.view(s, b, self.local_groups, per_group + 2, self.head_dim)
-        if cache is None and self.rotary is None and qkv.device.type == "cpu":
+        masked = layout is not None and (layout.document_ids is not None or layout.context_parallel)
+        if cache is None and self.rotary is None and not masked and qkv.device.type == "cpu":
             if self.recompute_core:
                 y = _checkpoint_eagerly(self.packed_core, qkv, rng=self.rng)
             else:
@@ -115,10 +120,14 @@ class ParallelAttention(nn.Module):
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]         # [s, b, g/tp, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))               # [b, heads, s, d]
         if self.rotary is not None:
-            q, k = self.rotary(q, k, start)
+            q, k = self.rotary(q, k, start, layout.positions() if layout is not None else None)
         if cache is not None:
             k, v = cache.append(k, v, start)                                # [b, g/tp, start + s, d]
             y = self.core(q, k, v, start)
+        elif masked and self.recompute_core:   # the layout rides along as a plain argument
+            y = _checkpoint_eagerly(self.layout_core, q, k, v, layout, rng=self.rng)
+        elif masked:
+            y = self.layout_core(q, k, v, layout)
         elif self.recompute_core:
             y = _checkpoint_eagerly(self.core, q, k, v, rng=self.rng)
         else:
@@ -134,6 +143,34 @@ class ParallelAttention(nn.Module):
         p = self.p if self.training else 0.0
         with dropout_stream(self.rng, p > 0, self.tp):
             return packed_attention_core(qkv, dropout_p=p, compute_dtype=self._core_dtype())
+
+    @torch.compiler.disable   # host-side block planning and CP communication: eager under compile
+    def layout_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    layout: TokenLayout) -> torch.Tensor:
+        """The core under a :class:`~models.gpt.token_layout.TokenLayout` with documents or context
+        parallelism (issue 31), q [b, a/tp, s, d], k and v [b, g/tp, s, d] -> [b, a/tp, s, d]:
+        across the CP group by
+        :func:`~hybrid.context_parallel.attention.context_parallel_attention` when it has more than
+        one rank, else causal within each document
+        (:func:`~models.gpt.document_attention.document_attention`)."""
+        p = self.p if self.training else 0.0
+        if layout.context_parallel:
+            if p > 0:
+                raise ValueError("attention dropout is not supported with context parallelism; set "
+                                 "--attention-dropout 0")
+            if layout.token_index is None:
+                raise ValueError("context-parallel attention needs TokenLayout.token_index (the "
+                                 "global index of each local token)")
+            # imported here: the CP library is optional for every other path
+            from hybrid.context_parallel.attention import context_parallel_attention
+            return context_parallel_attention(q, k, v, group=layout.cp_group,
+                                              comm_type=layout.cp_comm_type,
+                                              token_index=layout.token_index,
+                                              document_ids=layout.document_ids,
+                                              compute_dtype=self._core_dtype())
+        with dropout_stream(self.rng, p > 0, self.tp):
+            return document_attention(q, k, v, layout.document_ids, dropout_p=p,
+                                      compute_dtype=self._core_dtype())
 
     def _core_dtype(self) -> torch.dtype | None:
         return torch.float32 if self.core_in_fp32 else None
@@ -208,6 +245,9 @@ class TransformerLayer(nn.Module):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.tp)
 
-    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln1(x), cache, start))
+    def forward(self, x: torch.Tensor, cache: LayerKVCache | None = None, start: int = 0,
+                layout: TokenLayout | None = None) -> torch.Tensor:
+        """``layout``: the tokens' :class:`~models.gpt.token_layout.TokenLayout` (None: the default
+        causal layout); ``cache`` and ``start``: KV-cache decoding."""
+        x = x + self._drop(self.attn(self.ln1(x), cache, start, layout))
         return x + self._drop(self.mlp(self.ln2(x)))

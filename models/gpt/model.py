@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from hybrid.checkpoint.state import ParamLayout
 from hybrid.parallel_state import ParallelState
@@ -49,6 +50,7 @@ from models.gpt.kv_cache import KVCache
 from models.gpt.layer import TransformerLayer, build_norm, dropout
 from models.gpt.sharding import (WORD_EMBEDDING, canonical_init, checkpoint_layout, gather_canonical,
                                  shard_tensor)
+from models.gpt.token_layout import TokenLayout
 
 
 class PositionEmbedding(nn.Module):
@@ -87,12 +89,30 @@ class GPTEmbedding(nn.Module):
             self.position = PositionEmbedding(config.max_position_embeddings, config.hidden_size,
                                               sequence_parallel, device, dtype)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """``start``: position of the first token (after a KV cache's positions)."""
+    def forward(self, tokens: torch.Tensor, start: int = 0,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``start``: position of the first token (after a KV cache's positions); ``positions``:
+        each token's position, [b, s] or [s] (a :class:`~models.gpt.token_layout.TokenLayout`'s),
+        instead of ``start ..``."""
         x = self.word(tokens.t())                                   # [s, b, h] or [s/tp, b, h]
         if self.position is not None:
-            x = self._add_positions(x, tokens.size(1), start)
+            if positions is None:
+                x = self._add_positions(x, tokens.size(1), start)
+            else:
+                x = self._add_gathered_positions(x, positions)
         return dropout(x, self.p, self.training, self.rng, self.sequence_parallel, self.group.size)
+
+    def _add_gathered_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the position table gathered per token (issue 31: positions that restart at
+        each document, or a CP rank's global indices)."""
+        weight = self.position.weight                               # [max_positions, h]
+        ids = positions.t() if positions.dim() == 2 else positions[:, None]   # [s, b] or [s, 1]
+        if self.sequence_parallel:
+            # replicated weight used by one sequence shard: f sums its gradient over TP
+            weight = copy_to_tp(weight, self.group)
+            chunk = ids.size(0) // self.group.size
+            ids = ids[self.group.rank * chunk:(self.group.rank + 1) * chunk]   # [s/tp, b]
+        return x + F.embedding(ids, weight)                         # [s(/tp), b or 1, h]
 
     def _add_positions(self, x: torch.Tensor, s: int, start: int) -> torch.Tensor:
         pos = self.position.weight[start:start + s]                 # [s, h]
@@ -254,26 +274,40 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None, *,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, layout: TokenLayout | None = None) -> torch.Tensor:
         """tokens [b, s] int64 -> per-token loss [b, s] (fp32) given labels [b, s], else this rank's
         vocab-parallel logits [b, s, V_padded/tp] (columns >= vocab_size are padding). A pipeline
         stage without the embedding starts from ``hidden_states``; one without the output layer
         returns its last layer's output [s(/tp), b, h]. With ``cache`` (:meth:`new_kv_cache`) the
-        tokens continue the cached positions, and their keys and values are added to it."""
+        tokens continue the cached positions, and their keys and values are added to it.
+        ``layout`` (:class:`~models.gpt.token_layout.TokenLayout`): the tokens' positions, documents
+        and context-parallel placement (issue 31), for the embedding and every layer; every stage
+        of a pipeline gets the same one."""
+        if layout is not None and layout.is_plain():
+            layout = None   # the default path, unchanged
         if cache is not None:
+            if layout is not None:
+                raise ValueError("KV-cache decoding takes no TokenLayout (positions follow the cache)")
             return self._forward_cached(tokens, cache)
         self._check_input(tokens, labels)
+        if layout is not None:
+            layout.check(*tokens.shape, self.config.max_position_embeddings
+                         if self.check_ids and self.config.position_embedding_type ==
+                         "learned_absolute" else None)
         if self.pre_process:
-            x = self.embedding(tokens)                              # [s, b, h] ([s/tp, b, h] SP)
+            positions = layout.positions() if layout is not None else None
+            x = self.embedding(tokens, positions=positions)         # [s, b, h] ([s/tp, b, h] SP)
         elif hidden_states is None:
             raise ValueError("this pipeline stage has no embedding: pass hidden_states")
         else:
             x = hidden_states
+        # the layers' extra arguments (cache, start, layout); none on the default path
+        extra = () if layout is None else (None, 0, layout)
         if self.recomputer is not None:
-            x = self.recomputer.run(self.layers, x)                 # checkpointed per the plan
+            x = self.recomputer.run(self.layers, x, *extra)         # checkpointed per the plan
         else:
             for layer in self.layers:
-                x = layer(x)
+                x = layer(x, *extra)
         if not self.post_process:
             return x                                                # [s(/tp), b, h]
         x = self.final_norm(x)

@@ -13,7 +13,10 @@ kept, and those in between interpolated linearly in ``original / wavelength``.
 
 The rotation has no parameters and acts on each head separately, so tensor parallelism (whole heads
 per rank) needs nothing special. Under sequence parallelism the QKV projection all-gathers the
-sequence first, so the positions here are always those of the whole sequence, ``0 .. s-1``.
+sequence first, so the positions here are always those of the whole sequence, ``0 .. s-1``, unless
+the model's :class:`~models.gpt.token_layout.TokenLayout` gives each token its own (positions that
+restart at every document, a context-parallel rank's global indices): then cos and sin are computed
+per token instead of read from the cached table.
 """
 
 from __future__ import annotations
@@ -48,8 +51,13 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.config = config
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor,
-                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions``: each token's position, [b, s] or [s] int64 (issue 31: positions that
+        restart at each document, or a CP rank's global indices) instead of ``offset ..``."""
+        if positions is not None:
+            cos, sin = _cos_sin_at(self.config, positions, q.dtype)   # [b, 1, s, d] or [s, d]
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
         # compiled (models/gpt/compile.py): the uncached function, traced into the layer's graph,
         # where inductor fuses the angles with the rotation (dynamo would skip the cache anyway)
         table = _cos_sin.__wrapped__ if torch.compiler.is_compiling() else _cos_sin
@@ -64,6 +72,17 @@ def _cos_sin(config: GPTConfig, s: int, device: torch.device, dtype: torch.dtype
     theta = inverse_frequencies(config).to(device)                               # [d/2]
     angles = torch.outer(torch.arange(s, device=device, dtype=torch.float32), theta)
     angles = torch.cat([angles, angles], dim=-1)                                 # [s, d]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _cos_sin_at(config: GPTConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of the angles at ``positions`` [b, s] -> [b, 1, s, d] (one per head), or
+    [s] -> [s, d]; the same fp32 products as the cached table, so equal positions rotate equally."""
+    theta = inverse_frequencies(config).to(positions.device)                     # [d/2]
+    angles = positions.to(torch.float32).unsqueeze(-1) * theta                   # [..., s, d/2]
+    angles = torch.cat([angles, angles], dim=-1)                                 # [..., s, d]
+    if positions.dim() == 2:
+        angles = angles.unsqueeze(1)                                             # [b, 1, s, d]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

@@ -102,13 +102,15 @@ def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precisi
     return dataclasses.replace(stage, runner=runner)
 
 
-def micro_batches(loader, m: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The next ``m`` micro-batches of ``loader`` as the runner's (tokens, labels + loss mask)."""
+def micro_batches(loader, m: int, device) -> list[tuple]:
+    """The next ``m`` micro-batches of ``loader`` as the runner's (tokens, labels + loss mask,
+    token layout or None)."""
+    from pretrain.batches import batch_tensors, token_layout
     out = []
     for _ in range(m):
-        batch = next(loader)
-        target = torch.stack([batch["labels"], batch["loss_mask"].to(batch["labels"].dtype)])
-        out.append((batch["tokens"].to(device), target.to(device)))
+        tokens, labels, mask, positions, documents = batch_tensors(next(loader), device)
+        target = torch.stack([labels, mask.to(labels.dtype)])
+        out.append((tokens, target, token_layout(positions, documents)))
     return out
 
 

@@ -306,11 +306,10 @@ class Trainer:
     def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
         """Mean per-token loss of a micro-batch over the tokens the loss mask keeps (the loader
         delivers the batch on the device, pinned and copied without a wait)."""
-        device = self.state.device
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        per_token = self.model(tokens, labels)                                  # [b, s]
-        mask = batch["loss_mask"].to(device=device, dtype=per_token.dtype, non_blocking=True)
+        from pretrain.batches import batch_tensors, token_layout
+        tokens, labels, mask, positions, documents = batch_tensors(batch, self.state.device)
+        per_token = self.model(tokens, labels, layout=token_layout(positions, documents))  # [b, s]
+        mask = mask.to(per_token.dtype)
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
     def _optimizer_step(self, lr: float):

@@ -25,8 +25,10 @@ import torch
 from hybrid.context_parallel.layout import local_positions, split_sequence
 from hybrid.parallel_state import ParallelState
 from models.gpt.token_layout import TokenLayout
+from pretrain.batches import batch_tensors
 
-SPLIT_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
+SPLIT_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")   # batch_tensors' order
+
 
 
 @dataclass
@@ -54,7 +56,7 @@ def split_micro_batch(batch: dict, state: ParallelState, cp_comm_type: str = "p2
     layout is None."""
     device = device if device is not None else state.device
     cp, rank = state.cp_size, state.cp_rank
-    full = {k: batch[k].to(device, non_blocking=True) for k in SPLIT_KEYS if batch.get(k) is not None}
+    full = {k: v for k, v in zip(SPLIT_KEYS, batch_tensors(batch, device)) if v is not None}
     kept = full["loss_mask"].sum()
     local = {k: split_sequence(v, 1, rank, cp) for k, v in full.items()}
     layout = None

@@ -32,9 +32,11 @@ from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero_policy import (DEFAULT_BUCKET_ELEMENTS, layout_refusal, runnable_stages,
                                 stage_with_pipeline)
 from pretrain.config import TrainConfigError
-from pretrain.sections import LoggingSection, OptimizerSection, ParallelSection
+from hybrid.data.loader import PrefetchLoader, build_pretraining_loader
+from pretrain.sections import DataSection, LoggingSection, OptimizerSection, ParallelSection
 
-SECTIONS = {"parallel": ParallelSection, "optimizer": OptimizerSection, "logging": LoggingSection}
+SECTIONS = {"parallel": ParallelSection, "optimizer": OptimizerSection, "logging": LoggingSection,
+            "data": DataSection}
 
 
 def field_default(cls, name: str):
@@ -59,6 +61,15 @@ FEEDS = {
         ("hybrid.perf.memory.device_memory(bucket_elements)",
          parameter_default(device_memory, "bucket_elements")),
         ("hybrid.zero_policy.DEFAULT_BUCKET_ELEMENTS", DEFAULT_BUCKET_ELEMENTS)],
+    "data.reset_position_ids": [
+        ("build_pretraining_loader(reset_position_ids)",
+         parameter_default(build_pretraining_loader, "reset_position_ids")),
+        ("PrefetchLoader(reset_position_ids)", parameter_default(PrefetchLoader, "reset_position_ids"))],
+    "data.reset_attention_mask": [
+        ("build_pretraining_loader(reset_attention_mask)",
+         parameter_default(build_pretraining_loader, "reset_attention_mask")),
+        ("PrefetchLoader(reset_attention_mask)",
+         parameter_default(PrefetchLoader, "reset_attention_mask"))],
     "parallel.zero_hybrid_shard": [("ZeroConfig.hybrid_shard", field_default(ZeroConfig, "hybrid_shard"))],
     "parallel.zero_hpz": [("ZeroConfig.hpz", field_default(ZeroConfig, "hpz"))],
     "parallel.tile_factor": [("ZeroConfig.tile_factor", field_default(ZeroConfig, "tile_factor"))],

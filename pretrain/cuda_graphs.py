@@ -70,6 +70,11 @@ def cuda_graph_problems(cfg) -> list[str]:
                    f"with --enable-cuda-graph")
     if t.compile:
         out.append("--compile and --enable-cuda-graph both take over the layers; pick one")
+    if p.context_parallel_size > 1:
+        out.append(f"--context-parallel-size {p.context_parallel_size}: the CP attention's ring "
+                   f"and all-to-all run inside each layer with per-micro-batch token indices, which "
+                   f"a layer's graph would freeze (not verified under capture); use "
+                   f"--context-parallel-size 1 with --enable-cuda-graph")
     d = cfg.data
     if d.reset_position_ids or d.reset_attention_mask:
         out.append("--reset-position-ids / --reset-attention-mask give each micro-batch its own "

@@ -31,7 +31,9 @@ from hybrid.zero import build_zero_optimizer
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero_policy import (DEFAULT_BUCKET_ELEMENTS, layout_refusal, runnable_stages,
                                 stage_with_pipeline)
+from models.gpt.token_layout import TokenLayout
 from pretrain.config import TrainConfigError
+from pretrain.token_split import split_micro_batch
 from hybrid.data.loader import PrefetchLoader, build_pretraining_loader
 from pretrain.sections import DataSection, LoggingSection, OptimizerSection, ParallelSection
 
@@ -95,6 +97,10 @@ FEEDS = {
         ("ParallelState.from_launch_env(context_parallel_size)",
          parameter_default(ParallelState.from_launch_env, "context_parallel_size")),
         ("RunLayout.context_parallel", field_default(RunLayout, "context_parallel"))],
+    "parallel.cp_comm_type": [
+        ("TokenLayout.cp_comm_type", field_default(TokenLayout, "cp_comm_type")),
+        ("pretrain.token_split.split_micro_batch(cp_comm_type)",
+         parameter_default(split_micro_batch, "cp_comm_type"))],
     "parallel.allow_tp_across_nodes": [
         ("Topology.allow_tp_across_nodes", field_default(Topology, "allow_tp_across_nodes"))],
     "parallel.gpus_per_node": [

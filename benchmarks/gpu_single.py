@@ -133,11 +133,13 @@ def pick_size(requested: str, memory_bytes: float, micro_batch: int, seq: int, r
 
 def estimate_bytes(c: GPTConfig, micro_batch: int, seq: int, recompute: str) -> float:
     """One GPU, stage 0, bf16 + fp32 master/moments (16 B/param) plus activations (hybrid.perf),
-    with the model's architecture (GQA, SwiGLU, RMSNorm, tied or not)."""
+    with the model's architecture (GQA, SwiGLU, RMSNorm, tied or not) and the attention core that
+    runs on the GPU (SDPA's fused kernels: no [s, s] scores kept, issue 31)."""
     return device_memory(layers=c.num_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
                          seq=seq, vocab=c.vocab_size, micro_batch=micro_batch, tp=1, dp=1, stage=0,
                          recompute=recompute, bucket_elements=None,
-                         arch=c.perf_architecture()).total
+                         arch=c.perf_architecture(), attention_core="flash",
+                         attention_dropout=c.attention_dropout > 0).total
 
 
 def choose_setup(c: GPTConfig, seq: int, memory_bytes: float, micro_batch: int | None,

@@ -201,7 +201,8 @@ def recompute_plan(cfg: TrainConfig, gcfg, state: ParallelState, pipeline=None,
         sequence_parallel=cfg.parallel.sequence_parallel and state.tp_size > 1,
         memory_budget=cfg.training.memory_budget_bytes,
         bytes_per_element=4 if cfg.optimizer.precision == "fp32" else 2,
-        device=device or state.device.type)
+        device=device or state.device.type, cp=getattr(state, "cp_size", 1),
+        cp_comm_type=getattr(cfg.parallel, "cp_comm_type", "p2p"))
     plan = apply_recompute_method(plan, cfg, pipeline)
     if state.rank == 0:
         log.info("activation recompute: %s", plan)

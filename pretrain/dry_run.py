@@ -22,6 +22,14 @@ through its L / p layers, and the logits on the last stage only; its point-to-po
 activations and gradients it sends per step. ZeRO stage 2 with PP is counted as stage 1, which the
 engine runs instead (:func:`hybrid.zero_policy.stage_with_pipeline`).
 
+Context parallelism (issue 31, ``--context-parallel-size C --cp-comm-type``): each rank holds
+``s / C`` tokens of every sample, so its activations, logits and TP/PP messages are those of
+``s / C`` tokens, model states are partitioned (and gradients reduced) over DP x CP, and the CP
+group's attention traffic per step is :func:`hybrid.perf.context_parallel.cp_bytes_per_step` (the
+ring's K/V blocks, or a2a's four all-to-alls each way). The activation estimate counts the attention
+core that runs on the GPUs a dry run describes: SDPA's fused kernels keep no [s, s] scores, only an
+fp32 log-sum-exp per query row (:func:`hybrid.perf.activations.attention_core_bytes`, ``"flash"``).
+
 ZeRO-Infinity §3-§4 (:mod:`hybrid.perf.infinity`, issue 35): the working memory (the largest
 parameter gathered whole with its gradient; one recomputed layer's activations) and, for what the
 run offloads, the bandwidth per GPU the step needs for --offload-target-efficiency at --peak-tflops
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 from hybrid.parallel_state import ParallelState
 from hybrid.perf import infinity
+from hybrid.perf.context_parallel import cp_bytes_per_step
 from hybrid.perf.hardware import DGX2_PARAM_GATHER_BANDWIDTH
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
@@ -45,6 +54,7 @@ from pretrain.config import TrainConfig, TrainConfigError
 from pretrain.traffic import expected_dp_collectives
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GPU_ATTENTION_CORE = "flash"   # SDPA on CUDA: flash / memory-efficient kernels (models/gpt/layer.py)
 
 
 def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
@@ -57,9 +67,12 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                                "--world-size (presets in pretrain/presets/ set it)")
     layout = cfg.validate_for_world(world)
     p, m, o = cfg.parallel, cfg.model, cfg.optimizer
+    cp = getattr(layout, "context_parallel", getattr(p, "context_parallel_size", 1))
+    cp_comm = getattr(p, "cp_comm_type", "p2p")
     topology = Topology(world, layout.tensor_parallel, gpus_per_node=p.gpus_per_node,
                         allow_tp_across_nodes=p.allow_tp_across_nodes,
-                        pipeline_parallel_size=layout.pipeline_parallel)
+                        pipeline_parallel_size=layout.pipeline_parallel,
+                        **({"cp": cp} if cp > 1 else {}))
     state = ParallelState.dry_run(topology, rank)
     gcfg = gpt_config(cfg, m.vocab_size or GPT2_VOCAB_SIZE)
     gcfg.validate_for_tp(state.tp_size)
@@ -103,6 +116,9 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
                              seq=m.seq_length, vocab=gcfg.vocab_size,
                              micro_batch=cfg.data.micro_batch_size,
                              tp=state.tp_size, dp=dp, stage=zero_stage,
+                             attention_core=GPU_ATTENTION_CORE,
+                             attention_dropout=gcfg.attention_dropout > 0, cp=cp,
+                             cp_comm_type=cp_comm,
                              recompute="full" if mode.startswith("full") else mode,
                              sequence_parallel=p.sequence_parallel,
                              partition_activations=mode.startswith("full-pa"),
@@ -113,15 +129,25 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     full = mode.startswith("full")
     activations = (estimate.checkpoints * flight + estimate.working * (1 if full else flight)
                    + (estimate.logits if state.is_last_stage else 0.0))
-    pp_bytes = _pp_bytes_sent(pcfg, state.pp_rank, cfg.data.micro_batch_size * m.seq_length
+    local_seq = m.seq_length // cp   # the tokens of this CP rank
+    pp_bytes = _pp_bytes_sent(pcfg, state.pp_rank, cfg.data.micro_batch_size * local_seq
                               * m.hidden_size * param_bytes
                               / (state.tp_size if p.sequence_parallel else 1))
     tp_bytes = layout.micro_batches * tp_ring_bytes_per_microbatch(
-        stage_layers, m.hidden_size, m.seq_length, cfg.data.micro_batch_size, state.tp_size,
+        stage_layers, m.hidden_size, local_seq, cfg.data.micro_batch_size, state.tp_size,
         full_recompute=mode.startswith("full"), partition_activations=mode.startswith("full-pa"),
         activation_bytes=param_bytes)[0]
+    cp_bytes = cp_bytes_per_step(
+        layers=stage_layers, micro_batches=layout.micro_batches, recompute=mode,
+        comm_type=cp_comm, cp=cp, micro_batch=cfg.data.micro_batch_size, seq=m.seq_length,
+        hidden=m.hidden_size, heads=m.num_attention_heads, query_groups=gcfg.query_groups,
+        tp=state.tp_size, bytes_per_element=param_bytes)
+    cp_group = state.cp.ranks if cp > 1 else [rank]
     return {"topology": topology.describe(), "rank": rank, "tp_rank": state.tp_rank,
             "dp_rank": state.dp_rank, "tp_group": state.tp.ranks, "dp_group": state.dp.ranks,
+            "cp_size": cp, "cp_comm_type": cp_comm, "cp_rank": cp_group.index(rank),
+            "cp_group": cp_group, "local_seq": local_seq, "cp_bytes_per_step": cp_bytes,
+            "cp_cross_host_bytes_per_step": cp_bytes * _cp_cross(cp_group, cp_comm, topology),
             "pp_rank": state.pp_rank, "pp_group": state.pp.ranks, "pipeline": pcfg,
             "micro_batches_held": flight, "pp_bytes_per_step": pp_bytes,
             "pp_cross_host_bytes_per_step": pp_bytes * _p2p_cross(state.pp.ranks, state.pp_rank, topology,
@@ -195,7 +221,8 @@ def _offload_needs(cfg: TrainConfig, mode: str, dp: int, shard: int) -> list:
     params = (infinity.partitioned_param_bandwidth(link["nvme"], dp, DGX2_PARAM_GATHER_BANDWIDTH)
               if p.offload_params == "nvme" else None)
     return infinity.offload_needs(
-        micro_batch=cfg.data.micro_batch_size, seq=m.seq_length, hidden=m.hidden_size, dp=shard,
+        micro_batch=cfg.data.micro_batch_size, hidden=m.hidden_size, dp=shard,
+        seq=m.seq_length // getattr(p, "context_parallel_size", 1),   # this CP rank's tokens
         peak_flops=cfg.logging.peak_tflops * 1e12, target=p.offload_target_efficiency,
         optimizer_bandwidth=link.get(p.offload_optimizer), param_bandwidth=params,
         checkpoint_bandwidth=link["cpu"] if mode == "full-pa-cpu" else None)
@@ -276,6 +303,7 @@ def format_report(r: dict) -> str:
     lines = [f"layout: {r['topology']}",
              f"rank {r['rank']}: TP rank {r['tp_rank']} in {_span(r['tp_group'])}, DP rank "
              f"{r['dp_rank']} in {_span(r['dp_group'])}"
+             + (f", CP rank {r['cp_rank']} in {_span(r['cp_group'])}" if r["cp_size"] > 1 else "")
              + ("  (WARNING: TP groups cross nodes)" if r["tp_crosses_nodes"] else ""),
              f"parameters: {r['params_total']:,} total, {r['params_per_rank']:,} on this rank",
              f"model states per rank: {r['precision']} params {s['params_16bit']}, "
@@ -299,6 +327,7 @@ def format_report(r: dict) -> str:
              f"{_bytes(r['tp_bytes_per_step'])} ({_bytes(r['tp_cross_host_bytes_per_step'])} "
              f"across nodes)",
              *(f"  {line}" for line in describe_collectives(r["dp_collectives"])),
+             *(_cp_lines(r) if r["cp_size"] > 1 else []),
              *(_pipeline_lines(r) if r["pipeline"] is not None else []),
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation"
              + (f"; ramp: {r['batch_ramp']}" if r["batch_ramp"] else ""),
@@ -318,6 +347,28 @@ def _pipeline_lines(r: dict) -> list[str]:
             f"across nodes)"]
 
 
+def _cp_lines(r: dict) -> list[str]:
+    """Context parallelism: the sequence per rank and the CP group's attention traffic."""
+    how = {"p2p": "ring: K, V 2(C-1) blocks forward; K, V and dK, dV 4(C-1) backward",
+           "a2a": "all-to-all: q, k, v, out forward and their gradients backward, (C-1)/C each",
+           "allgather": "all-gather of K, V forward, reduce-scatter of dK, dV backward"}
+    return [f"context parallel {r['cp_size']} ({r['cp_comm_type']}): {r['local_seq']:,} of each "
+            f"sample's tokens per rank; CP traffic per rank per step {_bytes(r['cp_bytes_per_step'])} "
+            f"({_bytes(r['cp_cross_host_bytes_per_step'])} across nodes; "
+            f"{how[r['cp_comm_type']]}, hybrid.perf.context_parallel)"]
+
+
+def _cp_cross(ranks: list[int], comm_type: str, topology: Topology) -> float:
+    """Share of the CP group's bytes that cross nodes: a ring's sends go to the next rank, an
+    all-to-all's to every other rank (group average)."""
+    if len(ranks) == 1:
+        return 0.0
+    node = [r // topology.gpus_per_node for r in ranks]
+    if comm_type == "a2a":
+        return sum(a != b for a in node for b in node) / (len(node) * (len(node) - 1))
+    return sum(node[i] != node[(i + 1) % len(node)] for i in range(len(node))) / len(node)
+
+
 def _host_split(cfg: TrainConfig, state: ParallelState):
     """(the group model states are partitioned over, this rank's intra- and inter-host DP groups);
     the options' errors (one host, unequal hosts, ...) as TrainConfigError."""
@@ -326,7 +377,9 @@ def _host_split(cfg: TrainConfig, state: ParallelState):
     from hybrid.zero.quantized_collectives import gradient_reduce_scatter
     p = cfg.parallel
     if not p.zero_stage or not (p.zero_hybrid_shard or p.zero_hpz or p.zero_quantized_gradients):
-        return state.dp, state.dp_intra_host_group, state.dp_inter_host_group
+        # ZeRO partitions over DP x CP (the DP group itself at CP 1)
+        return (getattr(state, "dp_cp", state.dp), state.dp_intra_host_group,
+                state.dp_inter_host_group)
     try:
         zcfg = ZeroConfig(stage=p.zero_stage, **p.zero_config_options())
         shard, _ = partition_groups(state, zcfg)

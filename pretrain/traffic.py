@@ -25,14 +25,15 @@ def expected_dp_collectives(parallel, state: ParallelState, psi: float, param_by
     builds them). Stage 2 with pipeline parallelism counts as the stage 1 it runs as
     (:func:`hybrid.zero_policy.stage_with_pipeline`). With ``model`` (the run's GPTConfig,
     vocab resolved), stage 3's backward gather leaves out the parameters gathered in forward only
-    (:func:`forward_only_parameters`), as the engine does."""
+    (:func:`forward_only_parameters`), as the engine does. With context parallelism the collectives
+    run over DP x CP (``state.dp_cp``, issue 31), the ranks that hold the same parameters."""
     quantized = ZeroOptions()   # int8 blocks (hybrid.zero.quantize)
     intra, inter = state.dp_intra_host_group, state.dp_inter_host_group
     stage = stage_with_pipeline(parallel.zero_stage, state.pp_size)
     forward_only = 0 if model is None else forward_only_parameters(model, state.tp_size,
                                                                    state.pp_rank == 0)
     return zero_dp_collectives(
-        psi * param_bytes, stage, state.dp.ranks, ranks_per_node,
+        psi * param_bytes, stage, getattr(state, "dp_cp", state.dp).ranks, ranks_per_node,
         intra=intra.ranks if intra is not None else None,
         inter=inter.ranks if inter is not None else None,
         hybrid_shard=parallel.zero_hybrid_shard, hpz=parallel.zero_hpz,

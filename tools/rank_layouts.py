@@ -7,6 +7,15 @@ cluster by predicted throughput under the device memory limit (hybrid/perf/pipel
     python tools/rank_layouts.py --layers 48 --hidden 1600 --heads 16 --gpus 64 --global-batch 512
     python tools/rank_layouts.py --all-presets --out docs/paper/rank_layouts.txt --overwrite
     python tools/rank_layouts.py --preset zero-100b --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+    python tools/rank_layouts.py --layers 32 --hidden 4096 --heads 32 --gpus 1024 \
+        --global-batch 64 --seq-length 131072 --top 5     # long context: CP degrees enumerated
+
+Long sequences (issue 31): from ``--seq-length`` 8192 on, context-parallel degrees C = 2, 4, ... are
+enumerated with TP x C inside one node's GPUs or across nodes, as long as every rank keeps at least
+1024 tokens, with the ring (p2p) and, where the heads split, all-to-all (a2a); a layout then reads
+"TP t x CP C (p2p) x PP p x DP d". The activations counted are those of the attention core that
+runs: ``--attention-core flash`` (SDPA's fused kernels, the default for a custom model) keeps no
+[s, s] scores; the papers' presets use the explicit core of their time ("megatron").
 
 With 16-bit Adam moments (docs/optimizer-precision.md) the model states take K = 4 + 2 + 2 bytes a
 parameter instead of 12, and the optimizer step reads and writes 12 + 2 (2 + 2) = 20 bytes a
@@ -63,12 +72,13 @@ class Preset:
     source: str      # where the published layout and its measured throughput come from
 
     moments: tuple[str, str] = ("fp32", "fp32")   # storage dtypes of exp_avg, exp_avg_sq
+    attention_core: str = "megatron"   # the core whose activations count (hybrid.perf.activations)
 
     def model(self) -> dict:
         """The keyword arguments :func:`hybrid.perf.pipeline.estimate_layout` takes besides the layout."""
         return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
                     vocab=self.vocab, global_batch=self.global_batch, cluster=self.cluster,
-                    **optimizer_options(self.moments))
+                    attention_core=self.attention_core, **optimizer_options(self.moments))
 
 
 def optimizer_options(moments: tuple[str, str]) -> dict:
@@ -98,29 +108,47 @@ PRESETS = {
 }
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+LONG_SEQUENCE = 8192        # from here on context-parallel degrees are enumerated
+MIN_TOKENS_PER_CP_RANK = 1024
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def cp_degrees(seq: int, gpus: int) -> list[int]:
+    """CP degrees worth trying: 1, and for long sequences the powers of two that cut ``seq`` into
+    ``2 C`` equal chunks of a rank's at least :data:`MIN_TOKENS_PER_CP_RANK` tokens."""
+    if seq < LONG_SEQUENCE:
+        return [1]
+    return [1] + [c for c in (2, 4, 8, 16, 32, 64) if gpus % c == 0 and seq % (2 * c) == 0
+                  and seq // c >= MIN_TOKENS_PER_CP_RANK]
+
+
 def candidates(layers, hidden, heads, seq, gpus, global_batch, gpus_per_node):
     for tp in (k for k in _divisors(gpus_per_node) if hidden % k == 0 and heads % k == 0):
-        for pp in (k for k in _divisors(layers) if gpus % (tp * k) == 0):
-            for virtual in (v for v in (1, 2, 4) if layers % (pp * v) == 0 and (v == 1 or pp > 1)):
-                for b in MICRO_BATCHES:
-                    try:
-                        run = RunLayout.for_world(gpus, tensor_parallel=tp, pipeline_parallel=pp,
-                                                  micro_batch_size=b, global_batch=global_batch,
-                                                  model_chunks=virtual, seq_length=seq)
-                    except LayoutError:   # the global batch does not split into b x DP
-                        continue
-                    m, dp = run.micro_batches, run.data_parallel
-                    if virtual > 1 and (m < pp or m % pp):
-                        continue
-                    for stage in runnable_stages(pp):   # the engine's, as hybrid.zero_policy says
-                        for recompute in RECOMPUTE:
-                            yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1)
+        for cp in cp_degrees(seq, gpus // tp):
+            comm_types = ["p2p"] + (["a2a"] if cp > 1 and (heads // tp) % cp == 0 else [])
+            yield from _pipelines(layers, seq, gpus, global_batch, tp, cp, comm_types)
+
+
+def _pipelines(layers, seq, gpus, global_batch, tp, cp, comm_types):
+    for pp in (k for k in _divisors(layers) if gpus % (tp * cp * k) == 0):
+        for virtual in (v for v in (1, 2, 4) if layers % (pp * v) == 0 and (v == 1 or pp > 1)):
+            for b in MICRO_BATCHES:
+                try:   # the batch arithmetic of the t p d ranks of one CP slice
+                    run = RunLayout.for_world(gpus // cp, tensor_parallel=tp, pipeline_parallel=pp,
+                                              micro_batch_size=b, global_batch=global_batch,
+                                              model_chunks=virtual, seq_length=seq)
+                except LayoutError:   # the global batch does not split into b x DP
+                    continue
+                m, dp = run.micro_batches, run.data_parallel
+                if virtual > 1 and (m < pp or m % pp):
+                    continue
+                for stage in runnable_stages(pp):   # the engine's, as hybrid.zero_policy says
+                    for recompute in RECOMPUTE:
+                        for comm in comm_types:
+                            yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1, cp, comm)
 
 
 def rank(preset: Preset) -> list[LayoutEstimate]:
@@ -138,12 +166,16 @@ def rank(preset: Preset) -> list[LayoutEstimate]:
 
 
 def table(found: list[LayoutEstimate], top: int) -> list[str]:
-    lines = [f"{'#':>3} {'layout':<62} {'TFLOP/s':>7} {'step s':>7} {'work':>6} {'bubble':>6} "
-             f"{'p2p':>5} {'DP':>5} {'opt':>5} {'mem GB':>6} {'act GB':>6} {'states':>6}"]
+    with_cp = any(e.layout.cp > 1 for e in found[:top])
+    width = 78 if with_cp else 62
+    lines = [f"{'#':>3} {'layout':<{width}} {'TFLOP/s':>7} {'step s':>7} {'work':>6} {'bubble':>6} "
+             f"{'p2p':>5} " + (f"{'CP':>5} " if with_cp else "")
+             + f"{'DP':>5} {'opt':>5} {'mem GB':>6} {'act GB':>6} {'states':>6}"]
     for i, e in enumerate(found[:top], 1):
-        lines.append(f"{i:>3} {e.layout.describe():<62} {e.tflops_per_gpu:7.1f} {e.time_s:7.2f} "
-                     f"{e.compute_s:6.2f} {e.bubble_s:6.2f} {e.p2p_s:5.2f} {e.dp_s:5.2f} "
-                     f"{e.optimizer_s:5.2f} {e.memory_bytes / 1e9:6.1f} "
+        lines.append(f"{i:>3} {e.layout.describe():<{width}} {e.tflops_per_gpu:7.1f} {e.time_s:7.2f} "
+                     f"{e.compute_s:6.2f} {e.bubble_s:6.2f} {e.p2p_s:5.2f} "
+                     + (f"{e.cp_s:5.2f} " if with_cp else "")
+                     + f"{e.dp_s:5.2f} {e.optimizer_s:5.2f} {e.memory_bytes / 1e9:6.1f} "
                      f"{e.activation_bytes / 1e9:6.1f} {e.model_state_bytes / 1e9:6.1f}")
     return lines
 
@@ -192,7 +224,9 @@ def working_memory_line(preset: Preset, layout: Layout, label: str) -> str:
     if layout.recompute != "full":
         return line + f"; recompute {layout.recompute}: every layer's activations stay live"
     one = activation_bytes_per_layer(preset.seq, layout.micro_batch, preset.hidden, preset.heads,
-                                     tp=layout.tp, sequence_parallel=layout.sequence_parallel)
+                                     tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                     core=preset.attention_core, cp=layout.cp,
+                                     cp_comm_type=layout.cp_comm_type)
     return line + f"; activation working memory (one layer recomputed) {one / 1e9:.2f} GB"
 
 
@@ -276,6 +310,10 @@ def main(argv=None) -> int:
     for flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
         parser.add_argument(flag, choices=("fp32", "bf16"), default="fp32",
                             help="storage dtype of an Adam moment (model states and step traffic)")
+    parser.add_argument("--attention-core", choices=("flash", "megatron"), default="flash",
+                        help="for a custom model: the attention core whose activations count: "
+                             "flash (SDPA's fused kernels, no [s, s] scores; default) or megatron "
+                             "(the explicit core, 5 a s^2 b / t bytes a layer)")
     parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
@@ -310,7 +348,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         preset = Preset(args.layers, args.hidden, args.heads, args.seq_length, args.vocab_size,
-                        args.gpus, args.global_batch, dgx2_v100_cluster(), None, "", moments)
+                        args.gpus, args.global_batch, dgx2_v100_cluster(), None, "", moments,
+                        args.attention_core)
     lines = report(preset, args.top, args.offload, args.target_efficiency)
     if lines is None:
         print(f"error: no layout of this model fits {preset.cluster.memory_bytes / 1e9:.0f} GB per GPU "

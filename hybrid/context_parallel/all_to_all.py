@@ -114,7 +114,7 @@ class _Local(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         blocks.backward_tiles(ctx.tiles, q, k, v, index, index, ctx.doc, ctx.doc, lse, grad, delta,
-                              dq, dk, dv, ctx.compute_dtype)
+                              out, dq, dk, dv, ctx.compute_dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
@@ -131,9 +131,9 @@ def a2a_attention(q, k, v, group, token_index, document_ids, compute_dtype):
     doc = None
     if document_ids is not None:
         doc = metas[:, 1:].permute(1, 0, 2).reshape(b, size * s)[:, order]
-    chunks = 2 * size if s % 2 == 0 else size                               # the layout's chunks
-    pieces = blocks.parts(index, chunks)
-    tiles = blocks.plan(pieces, pieces, index, index, doc, doc, merge_neighbours=False)
+    pieces = blocks.parts(index, blocks.part_count(size * s, 2 * size, q.device))    # the layout's chunks, cut
+    tiles = blocks.plan(pieces, pieces, index, index, doc, doc, max_area=s * s,   # <= [s, s]
+                        flash=blocks.flash_kernel(q.device))
     qs, ks, vs = _ToSequence.apply(group, order, q, k, v)
     out = _Local.apply(qs, ks, vs, index, doc, tiles, compute_dtype)
     return _ToHeads.apply(group, order, out)

@@ -49,9 +49,10 @@ class _AllGather(torch.autograd.Function):
             k_doc = metas[:, 1:].permute(1, 0, 2).reshape(b, size * s)[:, order]
         kv_all = (gathered.view(size, 2, b, g, s, d).permute(1, 2, 3, 0, 4, 5)
                   .reshape(2, b, g, size * s, d).index_select(3, order))    # [2, b, g, C s, d]
-        halves = 2 if s % 2 == 0 else 1
-        tiles = blocks.plan(blocks.parts(token_index, halves), blocks.parts(k_index, halves * size),
-                            token_index, k_index, document_ids, k_doc)
+        count = blocks.part_count(s, 2, q.device)
+        tiles = blocks.plan(blocks.parts(token_index, count), blocks.parts(k_index, count * size),
+                            token_index, k_index, document_ids, k_doc,
+                            flash=blocks.flash_kernel(q.device))
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
         blocks.forward_tiles(tiles, q, kv_all[0], kv_all[1], token_index, k_index, document_ids,
@@ -74,7 +75,7 @@ class _AllGather(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv_all.shape, dtype=torch.float32, device=q.device)  # token order
         blocks.backward_tiles(ctx.tiles, q, kv_all[0], kv_all[1], q_index, k_index, q_doc, k_doc,
-                              lse, grad, delta, dq, dkv[0], dkv[1], ctx.compute_dtype)
+                              lse, grad, delta, out, dq, dkv[0], dkv[1], ctx.compute_dtype)
         ranked = torch.empty_like(dkv).index_copy_(3, order, dkv)           # rank-major order
         full = ranked.view(2, b, g, size, s, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         own = torch.empty(full.shape[1:], dtype=torch.float32, device=q.device)

@@ -70,8 +70,9 @@ class _Ring(torch.autograd.Function):
         documents = document_ids is not None
         kv = torch.stack([k, v])                                            # [2, b, g, s, d]
         meta = _meta(token_index, document_ids)                             # [m, s]
-        halves = 2 if token_index.numel() % 2 == 0 else 1       # the layout's two chunks
-        q_parts = blocks.parts(token_index, halves)
+        count = blocks.part_count(token_index.numel(), 2, q.device)      # the layout's two chunks, cut
+        q_parts = blocks.parts(token_index, count)
+        area = token_index.numel() ** 2 // 2          # the diagonal step: [s/2, s] (one row merged)
         out = q.new_zeros(q.shape, dtype=torch.float32)                     # [b, a, s, d]
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)  # [b, a, s]
         metas, plans = [], []
@@ -85,8 +86,9 @@ class _Ring(torch.autograd.Function):
                                    comm.P2POp("recv", next_meta, before, _tag(META_TAG, step))],
                                   group)
             k_index, k_doc = _split_meta(meta, documents)
-            tiles = blocks.plan(q_parts, blocks.parts(k_index, halves), token_index, k_index,
-                                document_ids, k_doc)
+            tiles = blocks.plan(q_parts, blocks.parts(k_index, count), token_index, k_index,
+                                document_ids, k_doc, max_area=area,
+                                flash=blocks.flash_kernel(q.device))
             blocks.forward_tiles(tiles, q, kv[0], kv[1], token_index, k_index, document_ids, k_doc,
                                  out, lse, compute_dtype)
             metas.append(meta)
@@ -114,19 +116,21 @@ class _Ring(torch.autograd.Function):
         own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)   # own block's dK, dV
         sending = []
         for step in range(size):
+            # posted in the order the peer sent them (NCCL matches by order, gloo by tag): the
+            # accumulator left r - 1 at the end of its step - 1, before the next block left it
             ops = []
+            if step >= 2:           # the accumulator of this block, from its earlier visitors
+                incoming = torch.empty_like(own)
+                ops.append(comm.P2POp("recv", incoming, before, _tag(GRAD_TAG, step - 1)))
             if step < size - 1:
                 next_kv = torch.empty_like(kv)
                 ops += [comm.P2POp("send", kv, after, _tag(KV_TAG, step)),
                         comm.P2POp("recv", next_kv, before, _tag(KV_TAG, step))]
-            if step >= 2:           # the accumulator of this block, from its earlier visitors
-                incoming = torch.empty_like(own)
-                ops.append(comm.P2POp("recv", incoming, before, _tag(GRAD_TAG, step - 1)))
             handle = comm.p2p(ops, group) if ops else None
             local = own if step == 0 else torch.zeros_like(own)
             k_index, k_doc = _split_meta(ctx.metas[step], ctx.documents)
             blocks.backward_tiles(ctx.plans[step], q, kv[0], kv[1], q_index, k_index, q_doc, k_doc,
-                                  lse, grad, delta, dq, local[0], local[1], dtype)
+                                  lse, grad, delta, out, dq, local[0], local[1], dtype)
             if handle is not None:
                 handle.wait()
             if step >= 1:

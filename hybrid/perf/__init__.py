@@ -4,7 +4,11 @@ Pure functions of numbers (docs/design.md §7), shared by the runtime's start-up
 tools/paper_tables.py, tools/dry_run.py and the tests:
 
 - :mod:`~hybrid.perf.model_states` - model-state bytes per device per ZeRO stage (Figure 1, Tables 1-2)
-- :mod:`~hybrid.perf.activations`  - activation bytes per layer, ZeRO-R checkpoints (Pa, Pa+cpu), buffers
+- :mod:`~hybrid.perf.activations`  - activation bytes per layer (with the attention core that runs:
+  Megatron's explicit one, SDPA's flash kernels, the blocked CPU core), ZeRO-R checkpoints (Pa,
+  Pa+cpu), buffers
+- :mod:`~hybrid.perf.context_parallel` - context parallelism: the bytes a CP rank sends per layer and
+  step for ring (p2p), all-to-all (a2a) and all-gather-KV attention, its tokens, the ring's working set
 - :mod:`~hybrid.perf.architecture` - the model options that change the counts (GQA, SwiGLU, ...)
 - :mod:`~hybrid.perf.flops`        - parameter counts and FLOPs per iteration
 - :mod:`~hybrid.perf.memory`       - the sum of the above for one GPU of a run

@@ -21,6 +21,24 @@ ZeRO-R's CB keeps constant-size buckets instead.
 With the options of :class:`~hybrid.perf.architecture.Architecture` the TP-sharded 24 becomes
 ``arch.saved_sharded_elements`` (GQA keeps smaller K and V, SwiGLU more MLP activations); the 10
 replicated (norm and block inputs, dropout masks) and the attention scores are unchanged.
+
+The attention core that actually runs (issue 31), ``core``:
+
+* ``"megatron"`` - the paper's explicit core: softmax output (2), its dropout mask (1) and the
+  dropped probabilities (2 bytes) of every [s, s] score, ``5 a s^2 b / t`` bytes (the default: the
+  papers' tables and their tools reproduce it);
+* ``"flash"`` - SDPA's fused kernels on CUDA (flash / memory-efficient attention) keep no [s, s]
+  tensor: beside q, k, v and the output (the paper's Q, K, V and projection input) only the fp32
+  log-sum-exp of every query row, ``4 a s b / t`` bytes; dropout reruns from its RNG seed;
+* ``"cpu"`` - the blocked CPU core (models/gpt/attention_core.py): the probabilities of the causal
+  blocks only (query block i of ``BLOCK`` rows sees ``(i + 1) BLOCK`` keys; one block of all ``s``
+  keys when ``s < 2 BLOCK``), in the compute dtype, and a bool dropout mask over the same.
+
+Context parallelism over ``cp`` ranks (:mod:`hybrid.perf.context_parallel`): every term is per token,
+and each CP rank holds ``s / cp`` tokens. The ring (p2p) merges its blocks with the log-sum-exp and
+reruns each block in backward, keeping ``out`` and the fp32 log-sum-exp of its ``s / cp`` queries
+whatever the core (as "flash" does for ``s / cp`` rows); all-to-all (a2a) runs the same kernel on the
+whole sequence for ``a / (t cp)`` heads: the same counts.
 """
 
 from __future__ import annotations
@@ -30,24 +48,81 @@ import math
 from hybrid.perf.architecture import GPT2, Architecture
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_CORES = ("megatron", "flash", "cpu")
+CPU_CORE_BLOCK = {4: 64, 8: 64, 2: 128}   # compute bytes -> query rows per causal block, as
+                                          # models/gpt/attention_core.py's BLOCK / BLOCK_16BIT
+LSE_BYTES = 4                             # fp32 log-sum-exp per query row and head
+
+
+def causal_block_elements(seq: int, block: int) -> int:
+    """Probabilities the CPU core keeps per (batch, head) for ``seq`` queries: causal blocks of
+    ``block`` rows when ``seq >= 2 block`` and ``block`` divides it (block i sees ``(i + 1) block``
+    keys), else one block of ``seq x seq``."""
+    if seq >= 2 * block and seq % block == 0:
+        n = seq // block
+        return block * block * n * (n + 1) // 2
+    return seq * seq
+
+
+def attention_core_bytes(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
+                         core: str = "megatron", dropout: bool = True, value_bytes: int = 2,
+                         mask_bytes: int = 1, cp: int = 1, cp_comm_type: str = "p2p",
+                         kv_hidden: int | None = None) -> float:
+    """Bytes one layer's attention core keeps for backward on one rank beyond q, k, v and the
+    output projection's input (the module docstring's ``core``): ``value_bytes`` per probability
+    or output element, ``mask_bytes`` per element of Megatron's dropout mask (the CPU core's is
+    bool: 1). ``seq`` is the whole sequence.
+
+    * megatron: ``a s^2 b / t`` probabilities, with dropout also their mask and the dropped copy;
+    * cpu: the probabilities of the causal blocks and, with dropout, a bool mask over them;
+    * flash, and every context-parallel core (``cp > 1``: ring, all-to-all and all-gather-KV run a
+      flash-style blocked kernel, hybrid/context_parallel/block_attention.py, and no dropout): the
+      core's own output ``b (s / cp) h / t`` (a tensor of its own beside the projection's
+      permuted input) and the fp32 log-sum-exp ``b (a / t) (s / cp)``; a2a holds ``a / cp`` heads
+      of all ``s`` tokens, the same count; all-gather-KV also keeps the gathered K and V of the
+      whole sequence (a tensor of its own, its own part included), ``2 b s g d / t`` elements
+      (``kv_hidden`` = ``g d``; None: ``h``).
+    """
+    if core not in ATTENTION_CORES:
+        raise ValueError(f"attention core must be one of {ATTENTION_CORES}, got {core!r}")
+    _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp, cp=cp)
+    rows_heads = micro_batch * heads / tp          # (batch, head) pairs of this TP rank
+    if core == "flash" or cp > 1:
+        queries = seq / cp
+        kept = rows_heads * queries * (hidden // heads * value_bytes + LSE_BYTES)
+        if cp > 1 and cp_comm_type == "allgather":   # K and V of the whole sequence, gathered
+            kv = hidden if kv_hidden is None else kv_hidden
+            kept += 2 * cp * micro_batch * queries * kv / tp * value_bytes
+        return kept
+    if core == "cpu":
+        pairs = causal_block_elements(seq, CPU_CORE_BLOCK[value_bytes])
+        return rows_heads * pairs * (value_bytes + (1 if dropout else 0))
+    return rows_heads * seq * seq * (value_bytes + (mask_bytes + value_bytes if dropout else 0))
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
-                               arch: Architecture = GPT2) -> float:
-    """Bytes one layer keeps for backward on one TP rank (selective-recompute paper, Table 2)."""
-    _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
+                               arch: Architecture = GPT2, core: str = "megatron",
+                               attention_dropout: bool = True, cp: int = 1,
+                               cp_comm_type: str = "p2p") -> float:
+    """Bytes one layer keeps for backward on one TP (and CP) rank (selective-recompute paper,
+    Table 2, with the attention ``core`` that runs and ``cp`` ranks holding ``seq / cp`` tokens
+    each; ``seq`` is the whole sequence)."""
+    _positive(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp, cp=cp)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    s, b, h, a, t = seq / cp, micro_batch, hidden, heads, tp
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
-    attention = 0.0 if recompute == "selective" else 5 * a * s / h  # softmax, its dropout mask, QK^T
     sharded = arch.saved_sharded_elements(h, a)                     # 24 for GPT-2
-    if sequence_parallel:
-        return sbh / t * (10 + sharded + attention)
-    return sbh * (10 + sharded / t + attention / t)
+    kept = sbh / t * (10 + sharded) if sequence_parallel else sbh * (10 + sharded / t)
+    if recompute == "selective":
+        return kept
+    # softmax, its dropout mask, QK^T: 5 a s^2 b / t with Megatron's core
+    return kept + attention_core_bytes(seq, b, h, a, tp=t, core=core, dropout=attention_dropout,
+                                       cp=cp, cp_comm_type=cp_comm_type,
+                                       kv_hidden=arch.kv_hidden(h, a))
 
 
 def checkpoint_bytes(seq: int, micro_batch: int, hidden: int, layers: int, *, mp: int = 1,

@@ -6,6 +6,12 @@ dimensions and layout. With full recompute the device holds the checkpoints of e
 working activations of the one layer being recomputed (and, with Pa, that layer's all-gathered
 checkpoint); without it, every layer's activations. Fragmentation (ZeRO-R MD) and the CUDA context are
 not modelled: :data:`DEFAULT_RESERVED_BYTES` stands for them.
+
+Context parallelism (issue 31): each of the ``cp`` ranks of a CP group holds ``seq / cp`` tokens, so
+its activations, checkpoints and logits are those of ``seq / cp`` tokens (the attention core's term as
+:func:`hybrid.perf.activations.attention_core_bytes` gives it for the ring or the all-to-all), while
+gradients are reduced and ZeRO partitions built over the ``dp x cp`` ranks that hold the same
+parameters.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
                   cpu_offload: bool = False, bucket_elements: int | None = DEFAULT_BUCKET_ELEMENTS,
                   reserved_bytes: float = DEFAULT_RESERVED_BYTES,
                   arch: Architecture = GPT2,
-                  optimizer_bytes_per_param: int = 12) -> MemoryEstimate:
+                  optimizer_bytes_per_param: int = 12, attention_core: str = "megatron",
+                  attention_dropout: bool = True, cp: int = 1,
+                  cp_comm_type: str = "p2p") -> MemoryEstimate:
     """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
 
     ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
@@ -60,14 +68,20 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
     ``arch``: the model's options (GQA, SwiGLU, untied output layer, ...); GPT-2 by default.
     ``optimizer_bytes_per_param``: K, the paper's 12 (fp32 master and moments) or what the moment
     dtypes make it (:func:`hybrid.perf.model_states.optimizer_bytes_per_param`: 8 with bf16 moments).
+    ``attention_core``: the core that runs (:data:`hybrid.perf.activations.ATTENTION_CORES`; the
+    paper's explicit "megatron" by default, "flash" for SDPA on CUDA); ``cp``, ``cp_comm_type``:
+    context parallelism (``seq`` stays the whole sequence; model states partitioned over ``dp x cp``).
     """
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
                                arch=arch)
-    states = model_state_bytes(psi_rank, stage, dp,
+    states = model_state_bytes(psi_rank, stage, dp * cp,
                                optimizer_bytes_per_param=optimizer_bytes_per_param)
+    core = dict(core=attention_core, attention_dropout=attention_dropout, cp=cp,
+                cp_comm_type=cp_comm_type)
     checkpoints, working = _activations(layers, hidden, heads, seq, micro_batch, tp, recompute,
-                                        sequence_parallel, partition_activations, cpu_offload, arch)
-    logits = act.logits_bytes(seq, micro_batch, pad_vocab(vocab, tp), tp=tp)
+                                        sequence_parallel, partition_activations, cpu_offload, arch,
+                                        core)
+    logits = act.logits_bytes(seq // cp, micro_batch, pad_vocab(vocab, tp), tp=tp)
     if bucket_elements is None:
         buffers = act.fused_gradient_buffer_bytes(psi_rank)
     else:
@@ -78,11 +92,12 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
 
 
 def _activations(layers, hidden, heads, seq, micro_batch, tp, recompute, sequence_parallel,
-                 partitioned, cpu_offload, arch) -> tuple[float, float]:
+                 partitioned, cpu_offload, arch, core) -> tuple[float, float]:
     one_layer = act.activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp=tp,
                                                sequence_parallel=sequence_parallel,
                                                recompute="none" if recompute == "full" else recompute,
-                                               arch=arch)
+                                               arch=arch, **core)
+    seq //= core["cp"]   # the tokens of this CP rank
     if recompute != "full":
         if partitioned or cpu_offload:
             raise ValueError("Pa / Pa+cpu partition activation checkpoints: they need "

@@ -21,6 +21,16 @@ PP is refused with the engine's message); then
 Memory: the stage's model states and buffers, and the activations of the micro-batches in flight:
 p on the first stage under 1F1B, p (1 + (p - 1) / (p v)) interleaved (Megatron §2.2.2), times one
 micro-batch's checkpoints (full recompute) or stored activations (otherwise); the logits once.
+
+Context parallelism (issue 31, ``cp`` C > 1, world t p d C): each rank runs ``s / C`` tokens of every
+sample, so the iteration is modelled at ``s / C`` tokens per sample, plus the attention its queries
+pay against the keys of the other ranks (``4 b (s/C) s h`` per layer forward instead of
+``4 b (s/C)^2 h``, at the same rate), plus the CP traffic of
+:func:`hybrid.perf.context_parallel.cp_bytes_per_step` at the ring bandwidth of the CP group (inside a
+node when t C fits one): the ring (p2p) overlaps each transfer with one block's attention, so only
+what the attention does not hide is exposed; a2a's all-to-alls are exposed whole. Memory: the
+activations of ``s / C`` tokens (:func:`hybrid.perf.memory.device_memory` with ``cp``), model states
+partitioned over d C.
 """
 
 from __future__ import annotations
@@ -28,10 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.layout import LayoutError, RunLayout
+from hybrid.perf.context_parallel import check_a2a_heads, cp_bytes_per_step, local_seq
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.memory import device_memory
-from hybrid.perf.throughput import ThroughputAssumptions, estimate_iteration
+from hybrid.perf.throughput import (ThroughputAssumptions, attention_core_flops_per_iteration,
+                                    estimate_iteration, sustained_efficiency)
 from hybrid.zero_policy import check_layout
 
 
@@ -45,10 +57,14 @@ class Layout:
     recompute: str        # none | selective | full
     micro_batch: int
     sequence_parallel: bool = False
+    cp: int = 1                 # context-parallel degree (issue 31)
+    cp_comm_type: str = "p2p"   # p2p (ring) | a2a
 
     def describe(self) -> str:
         sp = "+SP" if self.sequence_parallel else ""
-        return (f"TP {self.tp}{sp} x PP {self.pp}" + (f" (v {self.virtual})" if self.virtual > 1 else "")
+        cp = f" x CP {self.cp} ({self.cp_comm_type})" if self.cp > 1 else ""
+        return (f"TP {self.tp}{sp}{cp} x PP {self.pp}"
+                + (f" (v {self.virtual})" if self.virtual > 1 else "")
                 + f" x DP {self.dp}, ZeRO {self.stage}, recompute {self.recompute}, b {self.micro_batch}")
 
 
@@ -66,6 +82,7 @@ class LayoutEstimate:
     activation_bytes: float
     model_state_bytes: float
     model_flops_per_gpu: float
+    cp_s: float = 0.0      # exposed context-parallel communication (0 without CP)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -96,11 +113,21 @@ def p2p_bytes_per_step(*, pp: int, virtual: int, micro_batches: int, micro_batch
 def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
                     global_batch: int, cluster: Cluster | None = None,
                     assumptions: ThroughputAssumptions = ThroughputAssumptions(),
-                    optimizer_bytes_per_param: int = 12) -> LayoutEstimate:
+                    optimizer_bytes_per_param: int = 12,
+                    attention_core: str = "megatron") -> LayoutEstimate:
     """Time and memory of one layout. ``optimizer_bytes_per_param``: K of the model states (12, or 8
-    with bf16 Adam moments); the optimizer step's memory traffic is the ``assumptions``'."""
+    with bf16 Adam moments); the optimizer step's memory traffic is the ``assumptions``'.
+    ``attention_core``: the core whose activations count (:mod:`hybrid.perf.activations`; the
+    papers' explicit "megatron" by default, "flash" for SDPA's fused kernels)."""
     cluster = cluster or dgx2_v100_cluster()
     t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.virtual, layout.micro_batch
+    c, full_seq = layout.cp, seq
+    try:
+        seq = local_seq(seq, c)   # the tokens of one CP rank: what the iteration runs
+        if c > 1 and layout.cp_comm_type == "a2a":
+            check_a2a_heads(heads, None, t, c)
+    except ValueError as err:
+        raise ValueError(f"{layout.describe()}: {err}") from None
     if layers % (p * v):
         raise ValueError(f"{layout.describe()}: {layers} layers do not split into {p * v} chunks")
     try:
@@ -116,20 +143,35 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
                             recompute=layout.recompute, cluster=cluster, assumptions=assumptions)
     work = it.compute_s + it.tp_comm_s + it.memory_s + it.overhead_s
     bubble = work * (p - 1) / (v * m)
-    crosses = t * d >= cluster.gpus_per_node
+    cp_s = 0.0
+    if c > 1:   # the queries of this rank against the other ranks' keys, and the CP traffic
+        core = (attention_core_flops_per_iteration(b * m, full_seq, stage_layers, hidden,
+                                                   layout.recompute) / c
+                - attention_core_flops_per_iteration(b * m, seq, stage_layers, hidden,
+                                                     layout.recompute)) / t
+        core_s = core / (cluster.peak_flops * sustained_efficiency(b * seq, hidden / t, assumptions))
+        work += core_s
+        cp_bytes = cp_bytes_per_step(layers=stage_layers, micro_batches=m, recompute=layout.recompute,
+                                     comm_type=layout.cp_comm_type, cp=c, micro_batch=b,
+                                     seq=full_seq, hidden=hidden, heads=heads, tp=t)
+        comm_s = cp_bytes / cluster.ring_bandwidth(t * c > cluster.gpus_per_node)
+        cp_s = max(0.0, comm_s - core_s) if layout.cp_comm_type == "p2p" else comm_s
+    crosses = t * c * d >= cluster.gpus_per_node
     bandwidth = cluster.ring_bandwidth(crosses)
     sent = p2p_bytes_per_step(pp=p, virtual=v, micro_batches=m, micro_batch=b, seq=seq, hidden=hidden,
                               tp=t, sequence_parallel=layout.sequence_parallel)
     p2p = sent / bandwidth + (2 * m * v * cluster.collective_latency if p > 1 else 0.0)
-    mem = device_memory(layers=stage_layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab,
+    mem = device_memory(layers=stage_layers, hidden=hidden, heads=heads, seq=full_seq, vocab=vocab,
                         micro_batch=b, tp=t, dp=d, stage=zero_stage, recompute=layout.recompute,
                         sequence_parallel=layout.sequence_parallel,
-                        optimizer_bytes_per_param=optimizer_bytes_per_param)
+                        optimizer_bytes_per_param=optimizer_bytes_per_param,
+                        attention_core=attention_core, cp=c, cp_comm_type=layout.cp_comm_type)
     flight = micro_batches_in_flight(p, v)
     held = mem.checkpoints * flight + mem.working * (1 if layout.recompute == "full" else flight)
     activations = held + mem.logits
     total = mem.model_states.total + activations + mem.buffers + mem.reserved
-    model_flops = model_flops_per_iteration(run.global_batch, seq, layers, hidden, vocab) / run.world_size
-    return LayoutEstimate(layout, m, work + bubble + p2p + it.dp_comm_s + it.optimizer_s, work + bubble,
-                          bubble, p2p, it.dp_comm_s, it.optimizer_s, total, activations,
-                          mem.model_states.total, model_flops)
+    model_flops = (model_flops_per_iteration(run.global_batch, full_seq, layers, hidden, vocab)
+                   / (run.world_size * c))
+    return LayoutEstimate(layout, m, work + bubble + p2p + cp_s + it.dp_comm_s + it.optimizer_s,
+                          work + bubble, bubble, p2p, it.dp_comm_s, it.optimizer_s, total, activations,
+                          mem.model_states.total, model_flops, cp_s=cp_s)

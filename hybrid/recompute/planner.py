@@ -6,9 +6,14 @@ formulas, 16-bit values and 1-byte dropout masks) converted to the activation el
 bytes scale by ``bytes_per_element / 2``, the masks (two hidden-dropout masks ``sbh``, ``/t`` with SP,
 and the attention-dropout mask ``as²b/t`` unless selective) take ``mask_bytes`` each (1 on CUDA,
 where dropout keeps a bool mask; on CPU torch's dropout keeps a mask in the activation dtype), plus
-the fp32 mean and rstd of the two LayerNorms (``16 sb`` bytes, which the paper neglects). The CPU
-attention core (models/gpt/attention_core.py) keeps a bool attention-dropout mask and recomputes the
-dropped probabilities in backward instead of keeping them (``cpu_core``). Checkpoints are one
+the fp32 mean and rstd of the two LayerNorms (``16 sb`` bytes, which the paper neglects). The
+attention core's own bytes are those of the core that runs
+(:func:`~hybrid.perf.activations.attention_core_bytes`, issue 31): on CUDA SDPA's fused kernels keep
+only an fp32 log-sum-exp per query row (``"flash"``, no [s, s] term); the CPU attention core
+(models/gpt/attention_core.py, ``"cpu"``) keeps the probabilities of its causal blocks and a bool
+attention-dropout mask and recomputes the dropped probabilities in backward instead of keeping them
+(``cpu_core``); ``"megatron"`` is the paper's explicit core. With context parallelism (``cp``) every
+term is that of the rank's ``s / cp`` tokens and the recompute FLOPs are the rank's ``1 / cp``. Checkpoints are one
 ``[s, b, h]`` layer input: :func:`~hybrid.perf.activations.checkpoint_bytes` (``/t`` with Pa, 0 on the
 device with Pa+cpu; under SP already a ``[s/t, b, h]`` shard, never partitioned twice).
 
@@ -61,40 +66,69 @@ class ModelDims:
     cpu_core: bool = False          # the CPU attention core: its dropout mask is bool, its dropout
                                     # output is recomputed, not kept (Megatron's core keeps both)
     arch: Architecture = GPT2       # the model's options (GQA, SwiGLU, RMSNorm, ...)
+    attention_core: str | None = None   # megatron | flash | cpu; None: cpu if cpu_core else megatron
+    attention_dropout: bool = True  # the core keeps a dropout mask (attention dropout > 0)
+    cp: int = 1                     # context-parallel degree: the rank holds seq / cp tokens
+    cp_comm_type: str = "p2p"       # p2p (ring) | a2a | allgather
+    hidden_dropout: bool = True     # the two hidden dropouts keep masks (hidden dropout > 0)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "heads", "seq", "micro_batch", "tp", "bytes_per_element",
-                     "mask_bytes"):
+                     "mask_bytes", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden % self.heads or self.heads % self.tp:
             raise ValueError(f"hidden {self.hidden}, heads {self.heads}, tp {self.tp}: heads must divide "
                              f"hidden and tp must divide heads")
+        if self.core not in act.ATTENTION_CORES:
+            raise ValueError(f"attention_core must be one of {act.ATTENTION_CORES}, got "
+                             f"{self.attention_core!r}")
+
+    @property
+    def core(self) -> str:
+        """The attention core that runs: ``attention_core``, else the CPU one with ``cpu_core``."""
+        if self.attention_core is not None:
+            return self.attention_core
+        return "cpu" if self.cpu_core else "megatron"
 
     @classmethod
     def from_config(cls, config, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
                     bytes_per_element: int = 4, device: str = "cuda",
-                    other_bytes: float | None = None) -> "ModelDims":
+                    other_bytes: float | None = None, cp: int = 1,
+                    cp_comm_type: str = "p2p") -> "ModelDims":
         """From a :class:`models.gpt.config.GPTConfig` for our GPT model on ``device``'s type. On
         CPU, hidden-dropout masks take the activation dtype and the attention core is the CPU one
-        (``cpu_core``); on CUDA masks are bool. ``other_bytes`` defaults to the fp32
+        (``cpu_core``); on CUDA masks are bool and the core is SDPA's fused kernels (``"flash"``:
+        no [s, s] scores kept). ``other_bytes`` defaults to the fp32
         logits shard the vocab-parallel loss keeps (:func:`~hybrid.perf.activations.logits_bytes`)
-        plus four ``sbh`` tensors around the final LayerNorm and the output layer."""
+        plus the ``sbh`` tensors around the final LayerNorm and the output layer: its input and
+        output (two), and with hidden dropout the embedding dropout's mask and output (four; the
+        count measured by tests/recompute), of the rank's ``seq / cp`` tokens."""
         on_cpu = str(device).startswith("cpu")
         mask_bytes = bytes_per_element if on_cpu else 1
         if other_bytes is None:
-            sbh = config.seq_length * micro_batch * config.hidden_size
+            seq = config.seq_length // cp
+            sbh = seq * micro_batch * config.hidden_size
             vocab = config.padded_vocab_size(tp)
-            other_bytes = (act.logits_bytes(config.seq_length, micro_batch, vocab, tp=tp)
-                           + 4 * sbh * bytes_per_element)
+            around = 4 if config.hidden_dropout > 0 else 2
+            other_bytes = (act.logits_bytes(seq, micro_batch, vocab, tp=tp)
+                           + around * sbh * bytes_per_element)
         return cls(config.num_layers, config.hidden_size, config.num_attention_heads, config.seq_length,
                    micro_batch, tp, sequence_parallel and tp > 1, bytes_per_element, mask_bytes,
-                   other_bytes, on_cpu, config.perf_architecture())
+                   other_bytes, on_cpu, config.perf_architecture(),
+                   attention_core="cpu" if on_cpu else "flash",
+                   attention_dropout=config.attention_dropout > 0, cp=cp, cp_comm_type=cp_comm_type,
+                   hidden_dropout=config.hidden_dropout > 0)
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of one CP rank."""
+        return self.seq // self.cp
 
     @property
     def sbh(self) -> int:
-        return self.seq * self.micro_batch * self.hidden
+        return self.local_seq * self.micro_batch * self.hidden
 
 
 @dataclass(frozen=True)
@@ -124,15 +158,22 @@ class ModeCost:
 def layer_activation_bytes(d: ModelDims, recompute: str) -> float:
     """Bytes one layer keeps without checkpointing (``recompute`` none | selective), element-size aware."""
     t, sp = d.tp, d.sequence_parallel
+    # the paper's 16-bit bytes outside the attention core (10 + 24/t, or 34/t with SP)
     b16 = act.activation_bytes_per_layer(d.seq, d.micro_batch, d.hidden, d.heads, tp=t,
-                                         sequence_parallel=sp, recompute=recompute, arch=d.arch)
-    attention = d.heads * d.seq * d.seq * d.micro_batch / t if recompute == "none" else 0.0  # as²b/t
-    masks = 2 * d.sbh / (t if sp else 1) + attention     # mask elements (1 byte each in b16)
+                                         sequence_parallel=sp, recompute="selective", arch=d.arch,
+                                         cp=d.cp)
+    masks = 2 * d.sbh / (t if sp else 1)                 # hidden-dropout mask elements (1 byte in b16)
     stats = 1 if d.arch.rmsnorm else 2                   # fp32 rstd (RMSNorm) or mean and rstd
-    ln_stats = 2 * stats * 4 * d.seq * d.micro_batch / (t if sp else 1)   # of the 2 norms
-    value = (b16 - masks) * d.bytes_per_element / 2 + masks * d.mask_bytes + ln_stats
-    if d.cpu_core:   # a bool attention mask, and no dropout output (as²b/t values) kept
-        value += attention * (1 - d.mask_bytes) - attention * d.bytes_per_element
+    ln_stats = 2 * stats * 4 * d.local_seq * d.micro_batch / (t if sp else 1)   # of the 2 norms
+    value = ((b16 - masks) * d.bytes_per_element / 2 + ln_stats
+             + (masks * d.mask_bytes if d.hidden_dropout else 0.0))   # p = 0: no dropout runs
+    if recompute == "none":   # the core that runs: scores, probabilities, masks or log-sum-exp
+        value += act.attention_core_bytes(d.seq, d.micro_batch, d.hidden, d.heads, tp=t,
+                                          core=d.core, dropout=d.attention_dropout,
+                                          value_bytes=d.bytes_per_element, mask_bytes=d.mask_bytes,
+                                          cp=d.cp, cp_comm_type=d.cp_comm_type,
+                                          kv_hidden=d.arch.kv_hidden(d.hidden, d.heads))
+    if d.core == "cpu" and d.cp == 1:
         # its own copies of q, k, v are the paper's Q, K, V: nothing beside them (core_input_copies)
         # unless selective recompute of a rotary core keeps the core's inputs
         if recompute == "none" or d.arch.learned_positions:
@@ -149,13 +190,13 @@ def mode_costs(d: ModelDims, cost: CostModel = CostModel()) -> dict[str, ModeCos
     flops = dict(heads=d.heads, arch=d.arch)
     layer_flops = (model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, full_recompute=True,
                                              **flops)
-                   - model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, **flops)) / t
-    core_flops = 4 * d.micro_batch * d.seq * d.seq * d.hidden / t
+                   - model_flops_per_iteration(d.micro_batch, d.seq, 1, d.hidden, 1, **flops)) / t / d.cp
+    core_flops = 4 * d.micro_batch * d.seq * d.seq * d.hidden / t / d.cp   # the rank's queries
 
     def ckpt(partitioned: bool, offload: bool) -> float:
         if d.sequence_parallel:   # already a [s/t, b, h] shard
             return 0.0 if offload else d.sbh * e / t
-        return act.checkpoint_bytes(d.seq, d.micro_batch, d.hidden, 1, mp=t, partitioned=partitioned,
+        return act.checkpoint_bytes(d.local_seq, d.micro_batch, d.hidden, 1, mp=t, partitioned=partitioned,
                                     cpu_offload=offload, bytes_per_element=e)
 
     shard = d.sbh * e / t
@@ -249,7 +290,8 @@ def plan_for_budget(d: ModelDims, budget_bytes: float, *, cost: CostModel = Cost
         floor = min(estimate(RecomputePlan.uniform(m, L, **plan_kw), d, cost).peak_bytes for m in modes)
         raise ValueError(f"no recompute plan fits a budget of {budget_bytes:,.0f} B per rank; the "
                          f"smallest needs {floor:,.0f} B. Raise --memory-budget, lower "
-                         f"--micro-batch-size, or raise --tensor-model-parallel-size")
+                         f"--micro-batch-size, or raise --tensor-model-parallel-size or "
+                         f"--context-parallel-size")
     plan = RecomputePlan(best[1], **plan_kw)
     est = estimate(plan, d, cost)
     full = estimate(RecomputePlan.uniform("full", L, **plan_kw), d, cost)
@@ -261,9 +303,9 @@ def plan_for_budget(d: ModelDims, budget_bytes: float, *, cost: CostModel = Cost
 
 def plan_from_cli(flag: str, config, *, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
                   memory_budget: float | None = None, bytes_per_element: int = 4, device: str = "cuda",
-                  **plan_kw) -> RecomputePlan:
+                  cp: int = 1, cp_comm_type: str = "p2p", **plan_kw) -> RecomputePlan:
     """What the trainer's ``--recompute MODE|auto [--memory-budget BYTES]`` asks for, given a
-    :class:`models.gpt.config.GPTConfig` and the layout of one rank."""
+    :class:`models.gpt.config.GPTConfig` and the layout of one rank (``cp``: its CP degree)."""
     if flag != "auto":
         if memory_budget is not None:
             raise ValueError(f"--memory-budget only applies to --recompute auto, not {flag!r}")
@@ -272,5 +314,6 @@ def plan_from_cli(flag: str, config, *, micro_batch: int, tp: int = 1, sequence_
         raise ValueError("--recompute auto needs --memory-budget <bytes per rank> (e.g. 8e9)")
     dims = ModelDims.from_config(config, micro_batch=micro_batch, tp=tp,
                                  sequence_parallel=sequence_parallel,
-                                 bytes_per_element=bytes_per_element, device=device)
+                                 bytes_per_element=bytes_per_element, device=device, cp=cp,
+                                 cp_comm_type=cp_comm_type)
     return plan_for_budget(dims, memory_budget, **plan_kw)

@@ -295,7 +295,10 @@ def make_loader_factory(data: DataBundle, cfg: TrainConfig, state: ParallelState
                                         # pinned in the loader's thread, copied without a wait
                                         device=state.device,
                                         eod_mask_loss=data.eod if cfg.data.eod_mask_loss else None,
-                                        vocab_size=data.vocab_size)   # checked on the host
+                                        vocab_size=data.vocab_size,   # checked on the host
+                                        eod=data.eod,   # documents: --reset-position-ids ...
+                                        reset_position_ids=cfg.data.reset_position_ids,
+                                        reset_attention_mask=cfg.data.reset_attention_mask)
     return make
 
 

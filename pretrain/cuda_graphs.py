@@ -21,7 +21,8 @@ torch), each with its reason and the way out, and at set-up where the device is 
   would bake in one gather's buffers), optimizer offload (host copies), pipeline parallelism (the
   schedule's p2p is host-driven), activation recompute (the checkpoint reruns the forward inside
   the backward under a host RNG state) and dropout (the TP RNG tracker swaps generator states on
-  the host), ``--compile`` (inductor's own ``reduce-overhead`` mode is the graph route there);
+  the host), ``--reset-position-ids`` / ``--reset-attention-mask`` (per-micro-batch positions and
+  document blocks), ``--compile`` (inductor's own ``reduce-overhead`` mode is the graph route there);
 * a CPU device.
 
 The tensor-parallel collectives inside a layer are NCCL calls, which a graph captures; the comm
@@ -69,6 +70,16 @@ def cuda_graph_problems(cfg) -> list[str]:
                    f"with --enable-cuda-graph")
     if t.compile:
         out.append("--compile and --enable-cuda-graph both take over the layers; pick one")
+    if p.context_parallel_size > 1:
+        out.append(f"--context-parallel-size {p.context_parallel_size}: the CP attention's ring "
+                   f"and all-to-all run inside each layer with per-micro-batch token indices, which "
+                   f"a layer's graph would freeze (not verified under capture); use "
+                   f"--context-parallel-size 1 with --enable-cuda-graph")
+    d = cfg.data
+    if d.reset_position_ids or d.reset_attention_mask:
+        out.append("--reset-position-ids / --reset-attention-mask give each micro-batch its own "
+                   "positions and document blocks, which a layer's graph would freeze; drop them "
+                   "or --enable-cuda-graph")
     return out
 
 

@@ -43,7 +43,10 @@ class MaskedLoss:
             return self.chunk(tokens, None, hidden_states=hidden_states, **layout)
         per_token = self.chunk(tokens, target[0], hidden_states=hidden_states, **layout)  # [b, s]
         mask = target[1].to(per_token.dtype)
-        return per_token * mask * (mask.numel() / mask.sum().clamp(min=1.0))
+        # a third row: the kept tokens of the WHOLE samples (context parallelism: this rank holds
+        # a part of each sequence and returns its share of the loss, pretrain.token_split)
+        kept = target[2].reshape(-1)[0].to(per_token.dtype) if target.size(0) > 2 else mask.sum()
+        return per_token * mask * (mask.numel() / kept.clamp(min=1.0))
 
 
 @dataclass
@@ -94,7 +97,8 @@ def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precisi
     last = stage.chunks[-1]
     if last.output_weight is not None and stage.tied is not None:
         last.output_weight = last.output_weight.detach().to(dtype).requires_grad_()
-    seq = seq_length // (state.tp_size if sequence_parallel and state.tp_size > 1 else 1)
+    seq = seq_length // state.cp_size   # each CP rank's part of the sequence (issue 31)
+    seq //= state.tp_size if sequence_parallel and state.tp_size > 1 else 1
     calls = [MaskedLoss(c) if stage.config.is_last(state.pp_rank, i) else c
              for i, c in enumerate(stage.chunks)]
     runner = PipelineRunner(state, stage.config, calls, activation_shape=(seq, micro_batch, hidden),
@@ -102,11 +106,22 @@ def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precisi
     return dataclasses.replace(stage, runner=runner)
 
 
-def micro_batches(loader, m: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The next ``m`` micro-batches of ``loader`` as the runner's (tokens, labels + loss mask)."""
+def micro_batches(loader, m: int, device, state: ParallelState | None = None,
+                  cp_comm_type: str = "p2p") -> list[tuple]:
+    """The next ``m`` micro-batches of ``loader`` as the runner's (tokens, labels + loss mask);
+    with ``state`` under context parallelism (or position / document ids in the batch) this
+    rank's part of each, as (tokens, labels + loss mask + whole-sample kept tokens, TokenLayout)."""
     out = []
     for _ in range(m):
         batch = next(loader)
+        if state is not None and (state.cp_size > 1 or batch.get("position_ids") is not None
+                                  or batch.get("document_ids") is not None):
+            from pretrain.token_split import split_micro_batch
+            mb = split_micro_batch(batch, state, cp_comm_type, device)
+            kept = mb.kept_tokens.to(mb.labels.dtype).expand_as(mb.labels)   # no host read
+            target = torch.stack([mb.labels, mb.loss_mask.to(mb.labels.dtype), kept])
+            out.append((mb.tokens, target, mb.layout))
+            continue
         target = torch.stack([batch["labels"], batch["loss_mask"].to(batch["labels"].dtype)])
         out.append((batch["tokens"].to(device), target.to(device)))
     return out

@@ -68,7 +68,7 @@ def fresh_run_id(state: ParallelState, keep: str | None = None) -> str:
 def _layout(state: ParallelState, zero_stage: int) -> dict:
     return {"world_size": state.world_size, "tensor_model_parallel_size": state.tp_size,
             "pipeline_model_parallel_size": state.pp_size, "data_parallel_size": state.dp_size,
-            "zero_stage": zero_stage}
+            "context_parallel_size": state.cp_size, "zero_stage": zero_stage}
 
 
 def rng_tensors(rng) -> dict[str, torch.Tensor]:
@@ -176,8 +176,9 @@ def load(path: str | Path, model: GPTModel | StageChunks, optimizer: CheckpointS
     else:
         _reseed(config, rng, 0 if c.finetune else train_state.iteration)
     saved = reader.metadata["layout"]
-    log.info("loaded checkpoint %s (iteration %d, written at TP %d x PP %d x DP %d, ZeRO stage %d)",
-             reader.directory, train_state.iteration, saved["tensor_model_parallel_size"],
+    log.info("loaded checkpoint %s (iteration %d, written at TP %d x CP %d x PP %d x DP %d, ZeRO "
+             "stage %d)", reader.directory, train_state.iteration,
+             saved["tensor_model_parallel_size"], saved.get("context_parallel_size", 1),
              saved.get("pipeline_model_parallel_size", 1), saved["data_parallel_size"],
              saved["zero_stage"])
     return train_state
@@ -187,7 +188,8 @@ def _restore_rng(reader: CheckpointReader, state: ParallelState, config, rng, it
     saved = reader.metadata["layout"]
     same = (saved["world_size"] == state.world_size
             and saved["tensor_model_parallel_size"] == state.tp_size
-            and saved.get("pipeline_model_parallel_size", 1) == state.pp_size)
+            and saved.get("pipeline_model_parallel_size", 1) == state.pp_size
+            and saved.get("context_parallel_size", 1) == state.cp_size)
     if same:
         t = reader.extra(state.rank)
         if rng is not None and "tp" in t:

@@ -575,6 +575,11 @@ class DataSection:
                                  default_factory=list)
     split: str = _help("train,valid,test proportions", default="969,30,1")
     eod_mask_loss: bool = _help("no loss where the input token is end-of-document", default=False)
+    reset_position_ids: bool = _help("positions restart at 0 after each end-of-document token "
+                                     "(learned and rotary positions)", default=False)
+    reset_attention_mask: bool = _help("no attention across documents: a token attends only to "
+                                       "earlier tokens of its own document (an EOD ends its "
+                                       "document)", default=False)
     tokenizer_model: str | None = _help("sentencepiece .model or tokenizer.json (default: the embedded corpus's)",
                                         default=None)
     tokenizer_type: str | None = _help("Megatron's tokenizer name: GPT2BPETokenizer (--vocab-file, "

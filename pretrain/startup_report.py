@@ -24,6 +24,8 @@ def link_report(state: ParallelState, pipeline=None) -> str:
     layout of ``pipeline`` (the run's :class:`~hybrid.pipeline.PipelineConfig`, None without PP)."""
     per_node = state.ledger.ranks_per_node
     groups = [state.tp, state.dp]
+    if state.cp_size > 1:   # the CP attention's group, and the DP x CP group gradients reduce over
+        groups += [state.cp, state.dp_cp]
     if state.dp_intra_host_group is not None and state.dp_inter_host_group.size > 1:
         groups += [state.dp_intra_host_group, state.dp_inter_host_group]   # hybrid shard, hpZ
     lines = [describe_group(g.kind, g.ranks, per_node) for g in groups]

@@ -55,6 +55,7 @@ from pretrain.exit import ExitCondition
 from hybrid.checkpoint.async_save import AsyncCheckpointWriter
 from pretrain.metrics import (MetricsWriter, ThroughputModel, console_line, memory_bytes,
                              moe_metrics)
+from pretrain.token_split import model_loss, split_micro_batch
 from hybrid.zero.results import StepResult
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,8 @@ class Trainer:
         (0 off the last stage), a 0-dim device tensor; measures the step's bubble (on the device)."""
         from pretrain.pipeline_stage import micro_batches, pipeline_bubble
         m = self.step_layout.micro_batches
-        output = self.pipeline.runner.step(micro_batches(loader, m, self.state.device))
+        output = self.pipeline.runner.step(micro_batches(loader, m, self.state.device, self.state,
+                                                         self.cfg.parallel.cp_comm_type))
         self._step_bubble = pipeline_bubble(self.pipeline, output, self.state)
         if output.loss_tensor is None:
             return torch.zeros((), dtype=torch.float64, device=self.state.device)
@@ -253,7 +255,8 @@ class Trainer:
 
         """One world all-reduce per step (bookkeeping, kept out of the comm ledger): the DP-mean
         loss (TP ranks hold the same loss, so the world sum over world size is the DP mean; with
-        PP only the last stage's dp x tp ranks add theirs) and whether any rank saw a non-finite
+        PP only the last stage's dp x tp ranks add theirs; with CP each rank holds its tokens'
+        share, so the CP ranks together add one loss) and whether any rank saw a non-finite
         loss, so every rank takes the same branch. Both stay on the device (0-dim float64 and
         bool): built with torch.where, never read here."""
         adds = self.pipeline is None or self.state.is_last_stage
@@ -264,7 +267,7 @@ class Trainer:
         world = self.state.world
         with comm.unrecorded(world):
             comm.all_reduce(t, world)
-        return t[0] / (world.size // self.state.pp_size), t[1] > 0
+        return t[0] / (world.size // (self.state.pp_size * self.state.cp_size)), t[1] > 0
 
     def _settle(self, stats: IntervalStats) -> None:
         """Read the iterations' device values since the last settle (ONE device-to-host copy) and
@@ -306,13 +309,11 @@ class Trainer:
 
     def _micro_batch_loss(self, batch: dict) -> torch.Tensor:
         """Mean per-token loss of a micro-batch over the tokens the loss mask keeps (the loader
-        delivers the batch on the device, pinned and copied without a wait)."""
-        device = self.state.device
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        per_token = self.model(tokens, labels)                                  # [b, s]
-        mask = batch["loss_mask"].to(device=device, dtype=per_token.dtype, non_blocking=True)
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        delivers the batch on the device, pinned and copied without a wait). Under context
+        parallelism this rank's share of it: its tokens' loss over the whole samples' kept tokens
+        (pretrain.token_split), which the CP ranks' shares add up to."""
+        mb = split_micro_batch(batch, self.state, self.cfg.parallel.cp_comm_type)
+        return model_loss(self.model, mb)
 
     def _optimizer_step(self, lr: float):
         """The engine's step at ``lr``, with the step's agreed non-finite flag (bf16/fp32) as an
@@ -351,7 +352,8 @@ class Trainer:
             from pretrain.pipeline_stage import micro_batches
             for _ in range(self.cfg.training.eval_iters):
                 loss = self.pipeline.runner.forward_only(
-                    micro_batches(loader, self.layout.micro_batches, self.state.device))
+                    micro_batches(loader, self.layout.micro_batches, self.state.device, self.state,
+                                  self.cfg.parallel.cp_comm_type))
                 total += (loss or 0.0) / self.cfg.training.eval_iters
         else:
             for _ in range(n):
@@ -494,7 +496,7 @@ class Trainer:
         log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))
 
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
-        """Bytes this rank moved per step in DP and TP collectives (ring volume, from the ledger),
+        """Bytes this rank moved per step in DP and TP (and CP) collectives (ring volume, from the ledger),
         and the part of them that crossed hosts (group average, hybrid.perf.links); with PP also
         the bytes it sent to its neighbouring stages (activations forward, gradients back). DP
         counts the host-split DP groups of hybrid sharding, hpZ and qgZ too. The same two numbers
@@ -502,12 +504,14 @@ class Trainer:
         ``comm/dp_inter_host-all_to_all-cross-host-bytes-per-step``, ...) for the ops that ran; the
         first interval's are logged once, split into the bytes inside hosts and across them."""
         groups = ("dp", "tp", "pp") if self.pipeline is not None else ("dp", "tp")
+        if self.state.cp_size > 1:   # the CP attention's ring / all-to-all (issue 31)
+            groups += ("cp",)
         out = {f"comm/{g}-{part}bytes-per-step": 0.0 for g in groups
                for part in ("", "cross-host-")}
         per_op: dict[tuple[str, str], list[float]] = {}   # (group, op) -> [bytes, cross-host bytes]
         for r in self.state.ledger.since(stats.ledger_mark):
-            if r.group == "pp" and r.op != "send":   # each message once, at its sender
-                continue
+            if (r.group == "pp" and r.op != "send") or (r.group == "cp" and r.op == "recv"):
+                continue   # each point-to-point message once, at its sender
             group = "dp" if r.group.startswith("dp") else r.group   # with dp_intra_host, dp_inter_host
             if group in groups:
                 out[f"comm/{group}-bytes-per-step"] += r.bytes_per_rank / stats.iterations

@@ -5,7 +5,9 @@ A daemon thread walks the sampler, gathers each micro-batch of ``[b, s + 1]`` to
 queues ``tokens = x[:, :-1]`` / ``labels = x[:, 1:]`` as int64 tensors ``[b, s]`` and a float
 ``loss_mask [b, s]`` (ones; zero where the input is the end-of-document token if
 ``eod_mask_loss`` is that token, Megatron's ``--eod-mask-loss``). On CUDA the batch is pinned in
-the thread and copied to the device asynchronously by the consumer. Errors in the thread are
+the thread and copied to the device asynchronously by the consumer. With Megatron's
+``--reset-position-ids`` / ``--reset-attention-mask`` the batch also holds ``position_ids`` and
+``document_ids [b, s]`` (int64; :mod:`hybrid.data.documents`). Errors in the thread are
 re-raised in the consumer; the loader never blocks forever on a dead thread.
 
 With ``vocab_size`` the thread also checks every token id against ``[0, vocab_size)`` on the host,
@@ -22,6 +24,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from hybrid.data.documents import document_tensors
 from hybrid.data.sampler import PretrainingSampler
 
 _END = object()
@@ -36,7 +39,10 @@ def check_token_ids(ids: np.ndarray, vocab_size: int) -> None:
 
 
 def collate(samples: Sequence[np.ndarray], eod: int | None = None,
-            vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+            vocab_size: int | None = None,
+            documents: tuple[int | None, bool, bool] | None = None) -> dict[str, torch.Tensor]:
+    """``[b, s + 1]`` samples -> the micro-batch dict; ``eod``: the token whose input position gets
+    no loss; ``documents``: (EOD id, reset positions, reset attention) for the document tensors."""
     stacked = np.stack(samples).astype(np.int64)                  # [b, s + 1]
     if vocab_size is not None:
         check_token_ids(stacked, vocab_size)
@@ -45,17 +51,23 @@ def collate(samples: Sequence[np.ndarray], eod: int | None = None,
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     if eod is not None:
         loss_mask[tokens == eod] = 0.0
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+    if documents is not None:
+        doc_eod, reset_positions, reset_attention = documents
+        batch.update(document_tensors(tokens, doc_eod, reset_positions=reset_positions,
+                                      reset_attention=reset_attention))
+    return batch
 
 
 def _produce(dataset, sampler: Iterable[list[int]], eod: int | None, pin: bool,
-             out: queue.Queue, stop: threading.Event, vocab_size: int | None = None) -> None:
+             out: queue.Queue, stop: threading.Event, vocab_size: int | None = None,
+             documents: tuple[int | None, bool, bool] | None = None) -> None:
     """The prefetch thread. It holds no reference to the loader, so a loader that is dropped
     without close() is garbage-collected, its __del__ sets ``stop`` and this thread ends."""
     try:
         n = len(dataset)
         for indices in sampler:
-            batch = collate([dataset[i % n] for i in indices], eod, vocab_size)
+            batch = collate([dataset[i % n] for i in indices], eod, vocab_size, documents)
             if pin:
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             if not _put(out, stop, batch):
@@ -76,15 +88,18 @@ def _put(out: queue.Queue, stop: threading.Event, item) -> bool:
 
 
 class PrefetchLoader:
-    """Iterate micro-batches ``{"tokens", "labels", "loss_mask"}`` (each ``[b, s]``) of ``dataset``
-    in the order of ``batch_sampler`` (lists of sample indices), ``prefetch`` micro-batches ahead.
+    """Iterate micro-batches ``{"tokens", "labels", "loss_mask"}`` (each ``[b, s]``; with
+    ``reset_position_ids`` / ``reset_attention_mask`` also ``position_ids`` / ``document_ids``,
+    whose documents end at the token ``eod``) of ``dataset`` in the order of ``batch_sampler``
+    (lists of sample indices), ``prefetch`` micro-batches ahead.
 
     Indices past the end of the dataset wrap around (an unbounded sampler cycles the data).
     """
 
     def __init__(self, dataset, batch_sampler: Iterable[list[int]], *, prefetch: int = 4,
                  device: str | torch.device = "cpu", eod_mask_loss: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, eod: int | None = None,
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if len(dataset) == 0:
@@ -93,10 +108,15 @@ class PrefetchLoader:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._done = False
+        documents = None
+        if reset_position_ids or reset_attention_mask:
+            document_tensors(torch.zeros(1, 1, dtype=torch.int64), eod, reset_positions=True,
+                             reset_attention=True)   # no EOD id: the one clear error, here
+            documents = (eod, reset_position_ids, reset_attention_mask)
         self._thread = threading.Thread(
             target=_produce, name="data-prefetch", daemon=True,
             args=(dataset, batch_sampler, eod_mask_loss, self.device.type == "cuda",
-                  self._queue, self._stop, vocab_size))
+                  self._queue, self._stop, vocab_size, documents))
         self._thread.start()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -142,10 +162,15 @@ def build_pretraining_loader(dataset, *, consumed_samples: int, micro_batch_size
                              data_parallel_rank: int, data_parallel_size: int,
                              total_samples: int | None = None, device: str | torch.device = "cpu",
                              prefetch: int = 4, eod_mask_loss: int | None = None,
-                             vocab_size: int | None = None) -> PrefetchLoader:
+                             vocab_size: int | None = None, eod: int | None = None,
+                             reset_position_ids: bool = False,
+                             reset_attention_mask: bool = False) -> PrefetchLoader:
     """The training loader of one DP rank, resuming at the global ``consumed_samples``; with
-    ``vocab_size`` it refuses out-of-range token ids on the host."""
+    ``vocab_size`` it refuses out-of-range token ids on the host; ``reset_position_ids`` /
+    ``reset_attention_mask`` (documents ending at ``eod``): the batches' document tensors."""
     sampler = PretrainingSampler(total_samples, consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size)
     return PrefetchLoader(dataset, sampler, prefetch=prefetch, device=device,
-                          eod_mask_loss=eod_mask_loss, vocab_size=vocab_size)
+                          eod_mask_loss=eod_mask_loss, vocab_size=vocab_size, eod=eod,
+                          reset_position_ids=reset_position_ids,
+                          reset_attention_mask=reset_attention_mask)

@@ -33,6 +33,7 @@ def test_flags_set_the_parallel_section_and_the_layout():
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "set --attention-dropout 0"),
     (["--context-parallel-size", "2", "--zero-stage", "3", "--zero-hpz"], "--zero-hpz with --context-parallel-size 2"),
     (["--context-parallel-size", "0"], "--context-parallel-size must be a positive integer"),
+    (["--context-parallel-size", "2", "--enable-cuda-graph"], "use --context-parallel-size 1 with --enable-cuda-graph"),
     (["--context-parallel-size", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
       "--seq-length", "72", "--max-position-embeddings", "72"], "each CP rank's 18 tokens"),
 ])
@@ -56,3 +57,19 @@ def test_megatron_catalogue_has_cp_flags_native():
     kinds = {f.name: f.kind for f in CATALOGUE}
     assert kinds["--context-parallel-size"] == "native" and kinds["--cp-comm-type"] == "native"
     assert kinds["--hierarchical-context-parallel-sizes"] == "refused"
+
+
+def test_kv_cache_generation_refuses_a_cp_layout():
+    """Decoding one token at a time has no sequence to split: a CP layout with a KV cache is one
+    clear error (generation runs without a layout, every CP rank on the whole context)."""
+    import torch
+
+    from hybrid.comm import CommLedger, Group
+    from hybrid.parallel_state import ParallelState
+    from models.gpt.config import GPTConfig
+    from models.gpt.model import GPTModel
+    from models.gpt.token_layout import TokenLayout
+    model = GPTModel(GPTConfig(1, 16, 2, vocab_size=32, seq_length=8), ParallelState.single_process())
+    layout = TokenLayout(token_index=torch.arange(4), cp_group=Group("cp", [0, 1], 0, CommLedger()))
+    with pytest.raises(ValueError, match="KV-cache decoding takes no TokenLayout"):
+        model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_kv_cache(), layout=layout)

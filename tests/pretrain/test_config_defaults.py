@@ -32,12 +32,15 @@ from hybrid.zero import build_zero_optimizer
 from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero_policy import (DEFAULT_BUCKET_ELEMENTS, layout_refusal, runnable_stages,
                                 stage_with_pipeline)
+from models.gpt.token_layout import TokenLayout
 from pretrain.config import TrainConfigError
 from models.gpt.config import GPTConfig
-from pretrain.sections import LoggingSection, OptimizerSection, ParallelSection
+from pretrain.token_split import split_micro_batch
+from hybrid.data.loader import PrefetchLoader, build_pretraining_loader
+from pretrain.sections import DataSection, LoggingSection, OptimizerSection, ParallelSection
 
 SECTIONS = {"parallel": ParallelSection, "optimizer": OptimizerSection, "logging": LoggingSection,
-            "model": GPTConfig}
+            "data": DataSection, "model": GPTConfig}
 
 
 def field_default(cls, name: str):
@@ -62,6 +65,15 @@ FEEDS = {
         ("hybrid.perf.memory.device_memory(bucket_elements)",
          parameter_default(device_memory, "bucket_elements")),
         ("hybrid.zero_policy.DEFAULT_BUCKET_ELEMENTS", DEFAULT_BUCKET_ELEMENTS)],
+    "data.reset_position_ids": [
+        ("build_pretraining_loader(reset_position_ids)",
+         parameter_default(build_pretraining_loader, "reset_position_ids")),
+        ("PrefetchLoader(reset_position_ids)", parameter_default(PrefetchLoader, "reset_position_ids"))],
+    "data.reset_attention_mask": [
+        ("build_pretraining_loader(reset_attention_mask)",
+         parameter_default(build_pretraining_loader, "reset_attention_mask")),
+        ("PrefetchLoader(reset_attention_mask)",
+         parameter_default(PrefetchLoader, "reset_attention_mask"))],
     "parallel.zero_hybrid_shard": [("ZeroConfig.hybrid_shard", field_default(ZeroConfig, "hybrid_shard"))],
     "parallel.zero_hpz": [("ZeroConfig.hpz", field_default(ZeroConfig, "hpz"))],
     "parallel.tile_factor": [("ZeroConfig.tile_factor", field_default(ZeroConfig, "tile_factor"))],
@@ -91,6 +103,10 @@ FEEDS = {
         ("ParallelState.from_launch_env(context_parallel_size)",
          parameter_default(ParallelState.from_launch_env, "context_parallel_size")),
         ("RunLayout.context_parallel", field_default(RunLayout, "context_parallel"))],
+    "parallel.cp_comm_type": [
+        ("TokenLayout.cp_comm_type", field_default(TokenLayout, "cp_comm_type")),
+        ("pretrain.token_split.split_micro_batch(cp_comm_type)",
+         parameter_default(split_micro_batch, "cp_comm_type"))],
     "parallel.allow_tp_across_nodes": [
         ("Topology.allow_tp_across_nodes", field_default(Topology, "allow_tp_across_nodes"))],
     "parallel.gpus_per_node": [

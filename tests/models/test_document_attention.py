@@ -46,9 +46,14 @@ CASES = {   # (b, a, g, s, d, document lengths per sample)
 }
 
 
-@pytest.mark.parametrize("backend", ["blocked", "dense"])
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+DEFAULT = [(case, "blocked", torch.float32) for case in CASES] + [
+    ("gqa-cross-blocks", "blocked", torch.bfloat16), ("mha-one-block", "dense", torch.float32)]
+SLOW = [(case, backend, dtype) for case in CASES for backend in ("blocked", "dense")
+        for dtype in (torch.float32, torch.bfloat16) if (case, backend, dtype) not in DEFAULT]
+
+
+@pytest.mark.parametrize("case, backend, dtype", DEFAULT + [pytest.param(*c, marks=pytest.mark.slow)
+                                                           for c in SLOW])
 def test_matches_the_dense_reference(case, backend, dtype):
     b, a, g, s, d, lengths = CASES[case]
     gen = torch.Generator().manual_seed(3)

@@ -113,8 +113,11 @@ _block_mask_cache: dict = {}   # id(document_ids) -> (weakref to it, BlockMask):
 def _flex(q, k, v, document_ids, dtype: torch.dtype) -> torch.Tensor:
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    run = flex_attention   # eager (CPU: forward only, the test of the mask and the heads)
+    if q.device.type == "cuda":   # compiled: the fused kernel that skips empty blocks
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        run = _flex_compiled
     b, s = document_ids.shape
     hit = _block_mask_cache.get(id(document_ids))
     if hit is not None and hit[0]() is document_ids:
@@ -125,7 +128,7 @@ def _flex(q, k, v, document_ids, dtype: torch.dtype) -> torch.Tensor:
         block_mask = create_block_mask(mask_mod, b, None, s, s, device=q.device)
         _block_mask_cache.clear()
         _block_mask_cache[id(document_ids)] = (weakref.ref(document_ids), block_mask)
-    out = _flex_compiled(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=block_mask,
+    out = run(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=block_mask,
                          enable_gqa=q.size(1) != k.size(1))
     return out.to(q.dtype)
 

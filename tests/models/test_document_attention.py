@@ -87,6 +87,20 @@ def test_blocks_skip_the_keys_left_of_their_document():
     assert all(klo == 0 for _, _, klo in plan_blocks(documents.flip(1), torch.float32))
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_backend_forward_matches_the_reference():
+    """The FlexAttention backend's block mask and GQA, forward only (CPU has no flex backward;
+    on CUDA the same mask runs compiled, with its backward)."""
+    b, a, g, s, d, lengths = CASES["gqa-cross-blocks"]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen) for h in (a, g, g))
+    documents = _documents(b, s, lengths)
+    with torch.no_grad():
+        out = document_attention(q, k, v, documents, backend="flex")
+    torch.testing.assert_close(out.double(), _reference(q, k, v, documents), rtol=1e-5, atol=1e-5)
+
+
 def test_flex_attention_has_no_cpu_backward():
     """Why the CPU path is the blocked core: torch 2.13's FlexAttention refuses CPU backward."""
     pytest.importorskip("torch.nn.attention.flex_attention")

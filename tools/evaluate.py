@@ -36,7 +36,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hybrid import comm  # noqa: E402
+from hybrid.data.documents import document_tensors  # noqa: E402
 from hybrid.parallel_state import ParallelState  # noqa: E402
+from models.gpt.token_layout import TokenLayout  # noqa: E402
 from models.gpt.weights import load_model  # noqa: E402
 from tools._cli import ArgumentParser, ToolError, require, run_cli  # noqa: E402
 from tools.generate import (default_corpus, load_tokenizer, parallel_state_from_env,  # noqa: E402
@@ -59,9 +61,12 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate_perplexity(model, dataset, state: ParallelState, *, num_samples: int,
-                        micro_batch_size: int = 4, eod_mask: int | None = None) -> EvalResult:
+                        micro_batch_size: int = 4, eod_mask: int | None = None,
+                        documents: tuple[int, bool, bool] | None = None) -> EvalResult:
     """Perplexity over samples ``0 .. num_samples-1`` of ``dataset`` (``ds[i]`` = ``s + 1`` ids).
-    Every rank must call; ``eod_mask`` (an id) excludes positions whose input is that token."""
+    Every rank must call; ``eod_mask`` (an id) excludes positions whose input is that token;
+    ``documents``: (EOD id, reset positions, reset attention mask), the packed-document layout of
+    ``--reset-position-ids`` / ``--reset-attention-mask`` (issue 31)."""
     if num_samples < 1 or num_samples > len(dataset):
         raise ValueError(f"--eval-samples {num_samples} must be in [1, {len(dataset)}] (the split's "
                          f"samples)")
@@ -75,7 +80,13 @@ def evaluate_perplexity(model, dataset, state: ParallelState, *, num_samples: in
         ids = np.stack([dataset[i] for i in range(start, min(start + micro_batch_size, num_samples))])
         batch = torch.from_numpy(ids.astype(np.int64)).to(device)   # [b, s + 1]
         tokens, labels = batch[:, :-1], batch[:, 1:]
-        loss = model(tokens, labels).double()                       # [b, s]
+        layout = None
+        if documents is not None:   # ids from the host copy, then to the device
+            eod, positions, attention = documents
+            ids = document_tensors(torch.from_numpy(ids[:, :-1].astype(np.int64)), eod,
+                                   reset_positions=positions, reset_attention=attention)
+            layout = TokenLayout(**{k: v.to(device) for k, v in ids.items()})
+        loss = model(tokens, labels, layout=layout).double()        # [b, s]
         mask = torch.ones_like(loss) if eod_mask is None else (tokens != eod_mask).double()
         totals += torch.stack([(loss * mask).sum(), mask.sum()])
     comm.all_reduce(totals, state.dp)
@@ -114,6 +125,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-cache-dir", default=None, help="default: the training run's")
     p.add_argument("--tokenizer-model", default=None, help="for --eod-mask-loss and the default corpus")
     p.add_argument("--eod-mask-loss", action="store_true", help="skip positions whose input is eod")
+    p.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart after each eod (as the run trained; needs the tokenizer)")
+    p.add_argument("--reset-attention-mask", action="store_true",
+                   help="no attention across documents (as the run trained; needs the tokenizer)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=None)
     p.add_argument("--weights", choices=("master", "model"), default="master")
     args = p.parse_args(argv)
@@ -151,16 +166,21 @@ def run(args: argparse.Namespace, state: ParallelState) -> EvalResult:
             f"--seq-length {seq} exceeds the model's {config.max_position_embeddings} positions; "
             f"pass --seq-length {config.max_position_embeddings} or less")
     data_path, split, seed, cache_dir = data_settings(args, state)
-    eod = None
-    if args.eod_mask_loss:
+    eod = documents = None
+    resets = args.reset_position_ids or args.reset_attention_mask
+    if args.eod_mask_loss or resets:
         tok = load_tokenizer(args.load, args.tokenizer_model)
         if tok is None:
-            raise ToolError("--eod-mask-loss needs the tokenizer: pass --tokenizer-model")
-        eod = tok.eod
+            raise ToolError("--eod-mask-loss / --reset-position-ids / --reset-attention-mask need "
+                            "the tokenizer: pass --tokenizer-model")
+        eod = tok.eod if args.eod_mask_loss else None
+        if resets:
+            documents = (tok.eod, args.reset_position_ids, args.reset_attention_mask)
     dataset, num_samples = eval_dataset(args, state, data_path, split, seq, seed, config.vocab_size,
                                         cache_dir)
     return evaluate_perplexity(model, dataset, state, num_samples=num_samples,
-                               micro_batch_size=args.micro_batch_size, eod_mask=eod)
+                               micro_batch_size=args.micro_batch_size, eod_mask=eod,
+                               documents=documents)
 
 
 def eval_dataset(args: argparse.Namespace, state: ParallelState, data_path: list[str], split: str,

@@ -14,7 +14,8 @@ No dense ``[s, s]`` mask at long lengths. Three backends, one result:
   documents of length L the work is about ``s (block + L)`` instead of ``s^2 / 2``. The products,
   softmax, dropout and backward are those of attention_core (saved probabilities, four ``bmm`` in
   backward); grouped-query heads are stacked along the rows, no key/value copies. The block plan
-  reads the document ids on the host (free on CPU; one small read on CUDA).
+  reads the document ids on the host once per forward (shared by the layers; free on CPU, one
+  small device read on CUDA).
 * ``"flex"`` (CUDA at ``s > DENSE_MAX_SEQ`` without dropout): torch's FlexAttention, compiled, over a
   ``BlockMask`` built from the same predicate; its kernels skip the blocks the mask empties.
   FlexAttention has no backward on CPU in torch 2.13 (``NotImplementedError: FlexAttention does not
@@ -112,8 +113,11 @@ _block_mask_cache: dict = {}   # id(document_ids) -> (weakref to it, BlockMask):
 def _flex(q, k, v, document_ids, dtype: torch.dtype) -> torch.Tensor:
     global _flex_compiled
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    run = flex_attention   # eager (CPU: forward only, the test of the mask and the heads)
+    if q.device.type == "cuda":   # compiled: the fused kernel that skips empty blocks
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        run = _flex_compiled
     b, s = document_ids.shape
     hit = _block_mask_cache.get(id(document_ids))
     if hit is not None and hit[0]() is document_ids:
@@ -124,7 +128,7 @@ def _flex(q, k, v, document_ids, dtype: torch.dtype) -> torch.Tensor:
         block_mask = create_block_mask(mask_mod, b, None, s, s, device=q.device)
         _block_mask_cache.clear()
         _block_mask_cache[id(document_ids)] = (weakref.ref(document_ids), block_mask)
-    out = _flex_compiled(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=block_mask,
+    out = run(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=block_mask,
                          enable_gqa=q.size(1) != k.size(1))
     return out.to(q.dtype)
 
@@ -148,6 +152,23 @@ def plan_blocks(document_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[in
     return [(lo, min(lo + size, s), klo) for lo, klo in zip(los, klos)]
 
 
+_plan_cache: dict = {}   # (id(document_ids), dtype) -> (weakref to the ids, plan)
+
+
+def _plan_once(document_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    """:func:`plan_blocks`, once per ids tensor: every layer of a forward (and its recompute) shares
+    the layout's ids, so the host reads them once per forward, not once per layer."""
+    key = (id(document_ids), dtype)
+    hit = _plan_cache.get(key)
+    if hit is not None and hit[0]() is document_ids:
+        return hit[1]
+    plan = plan_blocks(document_ids, dtype)
+    if len(_plan_cache) > 8:
+        _plan_cache.clear()
+    _plan_cache[key] = (weakref.ref(document_ids), plan)
+    return plan
+
+
 def _block_bias(document_ids: torch.Tensor, lo: int, hi: int, klo: int,
                 dtype: torch.dtype) -> torch.Tensor:
     """Additive mask ``[b, 1, hi - lo, 1, hi - klo]`` (broadcast over groups and heads): 0 where the
@@ -168,7 +189,7 @@ class _DocumentCore(torch.autograd.Function):
         s, _, _, r, d = qh.shape
         scale = 1.0 / math.sqrt(d)
         qc, kc, vc = _rows(qh, dtype), _rows(kh, dtype), _rows(vh, dtype)   # [B, s r, d], [B, s, d]
-        blocks = plan_blocks(document_ids, dtype)
+        blocks = _plan_once(document_ids, dtype)
         out = torch.empty(s, b, g, r, d, dtype=q.dtype, device=q.device)
         probs, keeps = [], []
         for lo, hi, klo in blocks:

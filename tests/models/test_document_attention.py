@@ -46,9 +46,14 @@ CASES = {   # (b, a, g, s, d, document lengths per sample)
 }
 
 
-@pytest.mark.parametrize("backend", ["blocked", "dense"])
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+DEFAULT = [(case, "blocked", torch.float32) for case in CASES] + [
+    ("gqa-cross-blocks", "blocked", torch.bfloat16), ("mha-one-block", "dense", torch.float32)]
+SLOW = [(case, backend, dtype) for case in CASES for backend in ("blocked", "dense")
+        for dtype in (torch.float32, torch.bfloat16) if (case, backend, dtype) not in DEFAULT]
+
+
+@pytest.mark.parametrize("case, backend, dtype", DEFAULT + [pytest.param(*c, marks=pytest.mark.slow)
+                                                           for c in SLOW])
 def test_matches_the_dense_reference(case, backend, dtype):
     b, a, g, s, d, lengths = CASES[case]
     gen = torch.Generator().manual_seed(3)
@@ -80,6 +85,20 @@ def test_blocks_skip_the_keys_left_of_their_document():
     assert (keys, causal) == (12 * BLOCK ** 2, 36 * BLOCK ** 2)
     # ids that do not grow along the sequence (not the EOD count): no skipping, still exact
     assert all(klo == 0 for _, _, klo in plan_blocks(documents.flip(1), torch.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_backend_forward_matches_the_reference():
+    """The FlexAttention backend's block mask and GQA, forward only (CPU has no flex backward;
+    on CUDA the same mask runs compiled, with its backward)."""
+    b, a, g, s, d, lengths = CASES["gqa-cross-blocks"]
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(b, h, s, d, generator=gen) for h in (a, g, g))
+    documents = _documents(b, s, lengths)
+    with torch.no_grad():
+        out = document_attention(q, k, v, documents, backend="flex")
+    torch.testing.assert_close(out.double(), _reference(q, k, v, documents), rtol=1e-5, atol=1e-5)
 
 
 def test_flex_attention_has_no_cpu_backward():

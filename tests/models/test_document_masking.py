@@ -3,8 +3,9 @@
 those of its documents run one by one through the single-device oracle (models/gpt/reference.py,
 which knows nothing of packing: each document is its own sample, positions from 0), for GPT
 (learned positions) and Llama options (rotary, RMSNorm, SwiGLU, GQA, untied). Hard cases: documents
-of length 1, a sample with no EOD, a sample that is all EOD, an EOD last; the slow case packs
-documents across the blocked core's query blocks (keys skipped left of each document)."""
+of length 1, a sample with no EOD, a sample that is all EOD, an EOD last. Slow: documents across
+the blocked core's query blocks (keys skipped left of each document), and TP 2 with and without
+sequence parallelism (each rank's slice of the learned positions, rotary on the gathered sequence)."""
 
 from __future__ import annotations
 
@@ -52,14 +53,16 @@ def _documents(row: torch.Tensor) -> list[slice]:
     return out
 
 
-def _packed(config, tokens, labels):
-    model = GPTModel(config, ParallelState.single_process(), device="meta")
+def _packed(config, tokens, labels, state=None, sp=False):
+    state = state or ParallelState.single_process()
+    model = GPTModel(config, state, sequence_parallel=sp, device="meta")
     model.init_weights(SEED)
     layout = TokenLayout(position_ids=reset_position_ids(tokens, EOD),
                          document_ids=document_ids(tokens, EOD))
     loss = model(tokens, labels, layout=layout).sum() / tokens.numel()   # token-weighted mean
     loss.backward()
-    grads = sharding.unshard_state_dict(config, [{n: p.grad for n, p in model.named_parameters()}])
+    grads = sharding.gather_canonical(config, {n: p.grad for n, p in model.named_parameters()},
+                                      state.tp)
     return loss.detach(), grads
 
 
@@ -75,10 +78,11 @@ def _separate(config, tokens, labels):
     return loss.detach(), {n: p.grad for n, p in oracle.named_parameters()}
 
 
-def _check(arch, seq, eods):
+def _check(arch, seq, eods, got_loss=None, got=None):
     config = _config(arch, seq)
     tokens, labels = _samples(seq, eods)
-    got_loss, got = _packed(config, tokens, labels)
+    if got is None:
+        got_loss, got = _packed(config, tokens, labels)
     want_loss, want = _separate(config, tokens, labels)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=0)
     assert got.keys() == want.keys()
@@ -104,3 +108,24 @@ def test_packed_equals_separate_across_query_blocks(arch):
     """s = 160 > 2 blocks of 64: documents of 1, 50, 70, 39 tokens (some cross block borders) and
     one of 160; the blocked core skips the keys before each block's document."""
     _check(arch, 160, [[0, 50, 120], []])
+
+
+def _tp2_packed(rank, world_size):
+    from hybrid.topology import Topology
+    state = ParallelState.initialize(Topology(world_size, 2, gpus_per_node=world_size))
+    out = []
+    for arch in ARCH:
+        for sp in (False, True):
+            tokens, labels = _samples(16, HARD)
+            loss, grads = _packed(_config(arch, 16), tokens, labels, state, sp)
+            out.append((arch, sp, loss.numpy(), {n: g.numpy() for n, g in grads.items()}))
+    return out
+
+
+@pytest.mark.slow
+def test_packed_equals_separate_at_tp2_with_and_without_sp():
+    from hybrid.testing.multirank import run_on_ranks
+    results = run_on_ranks(_tp2_packed, 2, timeout=600)
+    for arch, sp, loss, grads in results[0]:
+        _check(arch, 16, HARD, torch.from_numpy(loss),
+               {n: torch.from_numpy(g) for n, g in grads.items()})

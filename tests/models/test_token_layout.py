@@ -75,9 +75,9 @@ def test_identity_layout_equals_no_layout(arch):
     model = _model(config)
     tokens, labels, _ = _packed_batch()
     plain = _loss_and_grads(model, tokens, labels, None)
-    index = torch.arange(S).expand(B, S)
-    for layout in (TokenLayout(position_ids=index), TokenLayout(document_ids=torch.zeros(B, S, dtype=torch.long)),
-                   TokenLayout(position_ids=index, document_ids=torch.zeros(B, S, dtype=torch.long))):
+    index, one_document = torch.arange(S).expand(B, S), torch.zeros(B, S, dtype=torch.long)
+    for layout in (TokenLayout(position_ids=index), TokenLayout(document_ids=one_document),
+                   TokenLayout(position_ids=index, document_ids=one_document)):
         got = _loss_and_grads(model, tokens, labels, layout)
         torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-5)
         for name in plain[1]:
@@ -91,11 +91,10 @@ def test_positions_and_documents_change_the_function(arch):
     """Each field reaches the model: resetting positions changes the loss, and so do documents."""
     model = _model(_config(arch))
     tokens, labels, packed = _packed_batch()
-    torch.set_grad_enabled(False)   # (restored below)
-    plain = model(tokens, labels).sum()
-    positions = model(tokens, labels, layout=TokenLayout(position_ids=packed.position_ids)).sum()
-    documents = model(tokens, labels, layout=TokenLayout(document_ids=packed.document_ids)).sum()
-    torch.set_grad_enabled(True)
+    with torch.no_grad():
+        plain = model(tokens, labels).sum()
+        positions = model(tokens, labels, layout=TokenLayout(position_ids=packed.position_ids)).sum()
+        documents = model(tokens, labels, layout=TokenLayout(document_ids=packed.document_ids)).sum()
     assert len({float(plain), float(positions), float(documents)}) == 3
 
 

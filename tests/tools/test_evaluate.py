@@ -110,6 +110,19 @@ def test_eod_mask_and_bad_sample_count(tmp_path):
     masked = evaluate.evaluate_perplexity(model, dataset, state, num_samples=SAMPLES, eod_mask=EOD)
     eods = sum(int((dataset[i][:-1] == EOD).sum()) for i in range(SAMPLES))
     assert eods > 0 and masked.tokens == full.tokens - eods
+    # --reset-position-ids --reset-attention-mask: the model's loss under the documents' layout
+    from hybrid.data.documents import document_ids, reset_position_ids
+    from models.gpt.token_layout import TokenLayout
+    packed = evaluate.evaluate_perplexity(model, dataset, state, num_samples=SAMPLES,
+                                          documents=(EOD, True, True))
+    batch = torch.from_numpy(np.stack([dataset[i] for i in range(SAMPLES)]).astype(np.int64))
+    tokens, labels = batch[:, :-1], batch[:, 1:]
+    layout = TokenLayout(position_ids=reset_position_ids(tokens, EOD),
+                         document_ids=document_ids(tokens, EOD))
+    with torch.no_grad():
+        want = math.exp(model(tokens, labels, layout=layout).double().mean().item())
+    assert math.isclose(packed.perplexity, want, rel_tol=1e-6), (packed, want)
+    assert not math.isclose(packed.perplexity, full.perplexity, rel_tol=1e-4)
     with pytest.raises(ValueError, match="--eval-samples"):
         evaluate.evaluate_perplexity(model, dataset, state, num_samples=len(dataset) + 1)
 

@@ -7,6 +7,11 @@ count once - but a non-finite value in them counts on every rank, so that a NaN 
 the norm non-finite everywhere (the ZeRO engines detect overflow with it). With ZeRO stages >= 1 the
 DP ranks hold disjoint gradient partitions and the sum runs over the world group; with stage 0 every
 DP rank holds the whole gradient and only TP is summed.
+
+Expert parallelism (issue 32): expert parameters are partitioned over the expert-DP group, and the
+EP ranks hold different experts, so at stages >= 1 the world sum still counts every element once.
+At stage 0 each class counts on its own group's rank 0 only (dense: DP rank 0; experts: expert-DP
+rank 0 of every EP rank), summed over the world, the other copies adding only non-finite values.
 """
 
 from __future__ import annotations
@@ -45,15 +50,29 @@ def global_grad_norm_tensor(sharded: list[torch.Tensor], replicated: list[torch.
     ones (counted on TP rank 0 only). ``reduce_group`` sums the squares: the world group when DP ranks
     hold disjoint partitions, the TP group when every DP rank holds the full gradient.
     """
+    sq = local_sum_of_squares(sharded, replicated, tp=tp, device=device)
+    comm.all_reduce(sq, reduce_group)
+    return sq.double().sqrt().reshape(())   # float64, as math.sqrt of the sum was
+
+
+def local_sum_of_squares(sharded: list[torch.Tensor], replicated: list[torch.Tensor], *, tp: Group,
+                         device: torch.device | str = "cpu") -> torch.Tensor:
+    """This rank's share of the squared global norm (one-element fp32 tensor): the TP-sharded
+    pieces' squares plus, on TP rank 0 only, the TP-replicated ones' (elsewhere only when they
+    are not finite)."""
     sq = sum_of_squares(sharded, device)
     replicated_sq = sum_of_squares(replicated, device)
     if tp.rank == 0:
         sq += replicated_sq
     else:   # no host sync: add it only when it is not finite
-        sq += torch.where(torch.isfinite(replicated_sq), torch.zeros_like(replicated_sq),
-                          replicated_sq)
-    comm.all_reduce(sq, reduce_group)
-    return sq.double().sqrt().reshape(())   # float64, as math.sqrt of the sum was
+        sq += only_if_not_finite(replicated_sq)
+    return sq
+
+
+def only_if_not_finite(sq: torch.Tensor) -> torch.Tensor:
+    """``sq`` where it is NaN or Inf, else 0: a copy that must not count still spreads an overflow
+    (no host sync)."""
+    return torch.where(torch.isfinite(sq), torch.zeros_like(sq), sq)
 
 
 def clip_coefficient(total_norm, max_norm: float):

@@ -41,10 +41,12 @@ import math
 import torch
 
 from hybrid.adamw_config import AdamWConfig
+from hybrid import comm
 from hybrid.comm import Group
 from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
 from hybrid.parallel_state import ParallelState
-from hybrid.zero.clip import clip_coefficient, global_grad_norm_tensor
+from hybrid.zero.clip import (clip_coefficient, global_grad_norm_tensor, local_sum_of_squares,
+                              only_if_not_finite)
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.host_groups import partition_groups
 from hybrid.zero.loss_scaler import build_loss_scaler
@@ -86,9 +88,17 @@ class ZeroEngine:
         self.norm_replicas = self.replicas.size if self.replicas is not None else 1
 
     def _init_step(self, optimizer_state: OptimizerStateBackend, pieces: list[OwnedPiece],
-                   norm_group: Group) -> None:
+                   norm_group: Group, counted: list[bool] | None = None) -> None:
+        """``counted``: per parameter class (:mod:`hybrid.zero.param_classes`), whether this rank's
+        copy of its gradients counts in the norm (False: another rank of the class's group holds
+        the same all-reduced gradient, stage 0); None: one class, counted."""
         self.optimizer_state, self.pieces, self.norm_group = optimizer_state, pieces, norm_group
         self._tp_spans = merged_spans(pieces, lambda p: p.tp_sharded)
+        self._class_spans = None          # several classes: per class, its spans and whether counted
+        if counted is not None and len(counted) > 1:
+            self._class_spans = [(merged_spans([p for p in pieces if p.param_class == k],
+                                               lambda p: p.tp_sharded), counts)
+                                 for k, counts in enumerate(counted)]
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
 
@@ -206,12 +216,27 @@ class ZeroEngine:
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the whole model's gradient as one device would see it (see hybrid.zero.clip),
         a 0-dim float64 tensor on the device."""
+        if self._class_spans is not None:
+            return self._classes_norm(grads)
         spans = views(grads, self._tp_spans)
         sharded = [v for v, span in zip(spans, self._tp_spans) if span[3]]
         replicated = [v for v, span in zip(spans, self._tp_spans) if not span[3]]
         norm = global_grad_norm_tensor(sharded, replicated, tp=self.state.tp,
                                        reduce_group=self.norm_group, device=self.state.device)
         return norm / math.sqrt(self.norm_replicas) if self.norm_replicas > 1 else norm
+
+    def _classes_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm with several parameter classes: each class's squares (counted, or only where
+        not finite), one all-reduce over ``norm_group`` (the world)."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.state.device)
+        for spans, counts in self._class_spans:
+            mine = views(grads, spans)
+            part = local_sum_of_squares([v for v, s in zip(mine, spans) if s[3]],
+                                        [v for v, s in zip(mine, spans) if not s[3]],
+                                        tp=self.state.tp, device=self.state.device)
+            sq += part if counts else only_if_not_finite(part)
+        comm.all_reduce(sq, self.norm_group)
+        return sq.double().sqrt().reshape(())
 
     # ---- checkpoint interface --------------------------------------------------------------
     @property

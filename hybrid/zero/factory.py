@@ -38,13 +38,16 @@ log = logging.getLogger(__name__)
 
 
 def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
-                         adamw_config: AdamWConfig, offload=None, **stage3_options) -> ZeroEngine:
+                         adamw_config: AdamWConfig, offload=None, expert_dp=None,
+                         **stage3_options) -> ZeroEngine:
     """The engine for ``zero_config.stage`` under ``state``'s layout, as
     :func:`hybrid.zero_policy.check_layout` decides it (stage 2 under pipeline parallelism runs as
     stage 1; stage 3 under it is refused, ValueError). ``stage3_options`` (``init_fn``/``seed``
     for a meta-built model) apply to stage 3 only; ``offload``: a
     :class:`hybrid.offload.OffloadConfig` (optimizer state on host or NVMe; None or mode "none":
-    on the device, see :func:`hybrid.zero.optimizer_state.build_optimizer_state`)."""
+    on the device, see :func:`hybrid.zero.optimizer_state.build_optimizer_state`); ``expert_dp``:
+    the expert-data-parallel group of the ``expert_parallel`` parameters (default
+    ``state.expert_dp``; :mod:`hybrid.zero.param_classes`)."""
     stage = check_layout(zero_config.stage, state.pp_size)
     if stage != zero_config.stage:
         if state.rank == 0:
@@ -52,7 +55,8 @@ def build_zero_optimizer(model: nn.Module, state: ParallelState, zero_config: Ze
         zero_config = dataclasses.replace(zero_config, stage=stage)
     engine = ENGINES[stage]
     if engine is ParameterPartitioning:
-        return engine(model, state, zero_config, adamw_config, offload=offload, **stage3_options)
+        return engine(model, state, zero_config, adamw_config, offload=offload, expert_dp=expert_dp,
+                      **stage3_options)
     if stage3_options:
         raise TypeError(f"options {sorted(stage3_options)} apply to ZeRO stage 3 only")
-    return engine(model, state, zero_config, adamw_config, offload)
+    return engine(model, state, zero_config, adamw_config, offload, expert_dp=expert_dp)

@@ -46,17 +46,17 @@ import torch
 from torch import nn
 
 from hybrid import comm
-from hybrid.adamw_config import AdamWConfig, uses_weight_decay
+from hybrid.adamw_config import AdamWConfig
 from hybrid.parallel_state import ParallelState
 from hybrid.tensor_parallel import grad_fusion
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
+from hybrid.zero.flat_class import ChunkOffset, FlatClass
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.partition import FlatLayout
-from hybrid.zero.pieces import OwnedPiece
+from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.reducer import FullGradients, GradientReduction, PartitionedGradients
-from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
+from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 
 log = logging.getLogger(__name__)
@@ -75,78 +75,81 @@ class FlatEngine(ZeroEngine):
     partitions_gradients: bool         # Pos+g: and only its chunk of the reduced gradients
 
     def __init__(self, model: nn.Module, state: ParallelState, config: ZeroConfig,
-                 adamw: AdamWConfig, offload=None):
+                 adamw: AdamWConfig, offload=None, expert_dp: comm.Group | None = None):
         super().__init__(state, config, adamw)
         self.names, self.params = _trainable(model)
-        group = self.shard_group
-        self.partitions, self.part_rank = ((group.size, group.rank)
-                                           if self.partitions_optimizer_state else (1, 0))
-        self.layout = FlatLayout([p.numel() for p in self.params], config.bucket_size,
-                                 self.partitions, config.alignment_elements)
-        self.flat_param = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
-        for p, slot in zip(self.params, self.layout.slots):
-            if p.is_meta:
-                raise ValueError("ZeRO stages 0-2 need materialised parameters; call "
-                                 "model.init_weights(seed) before building the optimizer")
-            self.flat_param[slot.start:slot.start + slot.numel].copy_(p.detach().reshape(-1))
-        if self.partitions > 1:   # reduce-scatters write a whole bucket
-            comm.reserve_transport(group, max(b.numel for b in self.layout.buckets) *
-                                   self.flat_param.element_size())
-        owned = list(self.layout.owned_pieces(self.part_rank))
-        pieces = [OwnedPiece(self.names[p.index], b, p.chunk_offset, p.param_offset, p.numel,
-                             uses_weight_decay(self.params[p.index]),
-                             bool(getattr(self.params[p.index], "tensor_model_parallel", False)))
-                  for b, p in owned]
-        sizes = self.layout.chunk_sizes()
-        grads = sum(sizes) if self.partitions_gradients else self.layout.numel
+        # one flat buffer per parameter class (dense over DP, experts over expert-DP; issue 32)
+        classes = split_classes(self.params, self.shard_group, expert_dp_group(state, expert_dp),
+                                state.dp_size)
+        check_expert_options(config, classes)
+        self.classes: list[FlatClass] = []
+        for k, pclass in enumerate(classes):
+            base = sum(len(c.layout.buckets) for c in self.classes)
+            self.classes.append(FlatClass(k, pclass, self.names, self.params,
+                                          bucket_size=config.bucket_size,
+                                          alignment=config.alignment_elements,
+                                          partitioned=self.partitions_optimizer_state,
+                                          dtype=self.dtype, device=self.device, chunk_base=base))
+        first = self.classes[0]   # the dense class (the only one without experts)
+        self.layout, self.flat_param = first.layout, first.flat_param
+        self.partitions, self.part_rank = first.partitions, first.part_rank
+        pieces = [piece for c in self.classes for piece in c.pieces()]
+        sizes = [size for c in self.classes for size in c.layout.chunk_sizes()]
+        numel = sum(c.layout.numel for c in self.classes)
+        grads = sum(sizes) if self.partitions_gradients else numel
         item = self.flat_param.element_size()   # device model states an offload budget counts
-        resident = item * (self.layout.numel + grads + 3 * max(sizes) * self.partitions)
+        staging = max(max(c.layout.chunk_sizes()) * c.partitions for c in self.classes)
+        resident = item * (numel + grads + 3 * staging)
         optimizer_state = build_optimizer_state(
             offload, self._own_chunks(), pieces, adamw, mixed_precision=config.mixed_precision,
             device=self.device, rank=state.rank, resident_bytes=resident,
             muon=self._muon_setup([(n, tuple(p.shape), getattr(p, "partition_dim", -1))
                                    for n, p in zip(self.names, self.params)],
                                   partitioned=self.partitions > 1))
-        # the master starts from the ORIGINAL values (exact when the model was fp32)
-        for b, piece in owned:
-            src = self.params[piece.index].detach().reshape(-1)
-            optimizer_state.write_master(b, piece.chunk_offset,
-                                         src[piece.param_offset:piece.param_offset + piece.numel])
-        for p, slot in zip(self.params, self.layout.slots):   # frees the original values
-            p.data = self.flat_param[slot.start:slot.start + slot.numel].view(p.shape)
+        for c in self.classes:
+            c.write_masters(optimizer_state.write_master)
+        for c in self.classes:   # frees the original values
+            c.bind_params()
         # allocated once the original values are gone (the peak is one copy of the parameters);
         # each bucket's final reduced chunk goes to the optimizer state as it lands (an offloaded
         # one moves it to the host during backward)
-        self.gradients = self._build_gradients(on_final=optimizer_state.accept_grad)
-        self.gradients.zero()   # param.grad: views of the full buffer, or None (Pos+g)
-        # weight-gradient products go straight into param.grad's buffer (stages 0, 1) or the
-        # staging bucket (stage 2)
-        grad_fusion.allow(self.params, self.gradients.fusion_targets(),
-                          enabled=config.grad_accumulation_fusion)
+        for c in self.classes:
+            c.gradients = self._build_gradients(
+                c, on_final=(optimizer_state.accept_grad if c.chunk_base == 0
+                             else ChunkOffset(optimizer_state.accept_grad, c.chunk_base)))
+            c.gradients.zero()   # param.grad: views of the full buffer, or None (Pos+g)
+            # weight-gradient products go straight into param.grad's buffer (stages 0, 1) or the
+            # staging bucket (stage 2)
+            grad_fusion.allow(c.params, c.gradients.fusion_targets(),
+                              enabled=config.grad_accumulation_fusion)
+        self.gradients = first.gradients
         # DP ranks of stage 0 hold the same all-reduced gradients: count them once, summing over
-        # TP and the pipeline stages of one replica (mp; the TP group itself without PP)
-        norm_group = state.world if self.partitions_optimizer_state else state.mp
+        # TP and the pipeline stages of one replica (mp; the TP group itself without PP); with
+        # several classes, over the world, each class counted on its group's rank 0
+        norm_group = (state.world if self.partitions_optimizer_state or len(self.classes) > 1
+                      else state.mp)
         self.optimizer_state_replicated = self.partitions == 1 and self.replicas is None
         self.parameters_replicated = True
-        self._init_step(optimizer_state, pieces, norm_group)
+        self._init_step(optimizer_state, pieces, norm_group,
+                        counted=[c.partitions > 1 or c.group.rank == 0 for c in self.classes])
         if state.rank == 0:
             log.info("%s", self.memory_report())
 
-    def _build_gradients(self, on_final) -> GradientReduction:
-        """The gradient part this stage declares."""
+    def _build_gradients(self, pclass: FlatClass, on_final) -> GradientReduction:
+        """The gradient part this stage declares, for one parameter class."""
         options = dict(dtype=self.dtype, device=self.device,
                        overlap=self.config.overlap_communication, replicas=self.replicas,
                        on_final=on_final,
                        reduce_scatter=(gradient_reduce_scatter(self.state, quantized=True)
                                        if self.config.quantized_gradients else None))   # qgZ
         if self.partitions_gradients:
-            return PartitionedGradients(self.params, self.layout, self.shard_group, **options)
-        return FullGradients(self.params, self.layout, self.shard_group,
+            return PartitionedGradients(pclass.params, pclass.layout, pclass.group, **options)
+        return FullGradients(pclass.params, pclass.layout, pclass.group,
                              partitioned=self.partitions_optimizer_state, **options)
 
     def _own_chunks(self) -> list[torch.Tensor]:
-        """This rank's chunk of every bucket of the flat parameter buffer."""
-        return [b.chunk_of(self.flat_param, self.part_rank) for b in self.layout.buckets]
+        """This rank's chunk of every bucket of every class's flat parameter buffer."""
+        return [chunk for c in self.classes for chunk in c.own_chunks()]
 
     # ---- training-loop API -----------------------------------------------------------------
     def backward(self, loss, grad_tensors=None) -> None:
@@ -157,7 +160,8 @@ class FlatEngine(ZeroEngine):
         multiplied by the loss scale downstream."""
         first = self._micro_batches == 0
         last = (self._micro_batches + 1) % self.config.gradient_accumulation_steps == 0
-        self.gradients.begin_backward(first=first, last=last)
+        for c in self.classes:
+            c.gradients.begin_backward(first=first, last=last)
         self._micro_batches += 1
         if grad_tensors is not None:
             torch.autograd.backward(loss, grad_tensors)
@@ -168,34 +172,31 @@ class FlatEngine(ZeroEngine):
     def drop_gradients(self) -> None:
         """Discard this step's gradients without an update (a skipped step): land the collectives
         still in flight, so none writes into the buffers after they are zeroed, then zero them."""
-        self.gradients.finish()
+        for c in self.classes:
+            c.gradients.finish()
         self.zero_grad()
 
     # ---- storage methods of the shared step (ZeroEngine.step) -------------------------------
     def _land_gradients(self) -> None:
-        self.gradients.land()
+        for c in self.classes:
+            c.gradients.land()
 
     def _owned_grads(self) -> list[torch.Tensor]:
         """This rank's reduced gradient chunks (summed over DP, still loss-scaled)."""
-        return [self.gradients.reduced(b) for b in range(len(self.layout.buckets))]
+        return [c.gradients.reduced(b) for c in self.classes
+                for b in range(len(c.layout.buckets))]
 
     def _param_chunks(self):
         return contextlib.nullcontext(self._own_chunks())
 
     def _gather_params(self) -> None:
-        """All-gather every bucket from its owners (all launched, then waited: consecutive
-        buckets overlap); nothing to gather when every rank updated everything."""
-        if self.partitions == 1:
-            return
-        inflight = []
-        for bucket, own in zip(self.layout.buckets, self._own_chunks()):
-            full = self.flat_param[bucket.start:bucket.start + bucket.numel]   # own is its slot
-            inflight.append(comm.all_gather_into(full, own, self.shard_group, async_op=True))
-        for handle in inflight:
-            handle.wait()
+        """All-gather every class's buckets from their owners over its group."""
+        for c in self.classes:
+            c.gather()
 
     def _zero_grads(self) -> None:
-        self.gradients.zero()
+        for c in self.classes:
+            c.gradients.zero()
 
     def _parameter_fragments(self) -> list[Fragment]:
         return [Fragment(name, "model", 0, p.data.view(-1)) for name, p in zip(self.names, self.params)]
@@ -203,24 +204,27 @@ class FlatEngine(ZeroEngine):
     # ---- reports ---------------------------------------------------------------------------
     @property
     def num_local_params(self) -> int:
-        """Ψ of this TP rank: parameters it trains, without padding."""
-        return self.layout.num_params
+        """Ψ of this TP rank: parameters it trains, without padding (every class)."""
+        return sum(c.layout.num_params for c in self.classes)
 
     def memory_report(self) -> MemoryReport:
         resident = self.optimizer_state.resident()   # the device's, or what offload keeps
-        categories = {"param16": [self.flat_param] + [p.data for p in self.params],
-                      "grad16": [self.gradients.storage],
+        categories = {"param16": [c.flat_param for c in self.classes] + [p.data for p in self.params],
+                      "grad16": [c.gradients.storage for c in self.classes],
                       "master32": resident["master32"],
                       "adam_moments": resident["adam_moments"],
-                      "buffers": (self.gradients.buffers() + comm.transport_buffers(self.shard_group)
+                      "buffers": ([t for c in self.classes for t in c.gradients.buffers()]
+                                  + [t for c in self.classes for t in comm.transport_buffers(c.group)]
                                   + resident["buffers"])}
         itemsize = self.flat_param.element_size()
-        formula = formula_bytes(self.num_local_params, self.stage, self.shard_group.size,
-                                param_bytes=itemsize, mixed_precision=self.config.mixed_precision,
-                                moment_bytes=self.adamw.moment_bytes_per_param)
+        shares = {c.name: (c.layout.num_params, c.group.size) for c in self.classes}
+        formula = class_formula_bytes(shares.values(), self.stage, param_bytes=itemsize,
+                                      mixed_precision=self.config.mixed_precision,
+                                      moment_bytes=self.adamw.moment_bytes_per_param)
         return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
                             self.config.precision, self.num_local_params,
-                            measure_storages(categories), formula)
+                            measure_storages(categories), formula,
+                            classes=shares if len(shares) > 1 else None)
 
 
 class DataParallel(FlatEngine):

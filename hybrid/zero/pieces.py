@@ -21,6 +21,7 @@ class OwnedPiece:
     numel: int
     decay: bool          # AdamW weight decay applies (matrices, embeddings)
     tp_sharded: bool     # False: replicated over TP, counted once in the global norm
+    param_class: int = 0  # which parameter class (hybrid.zero.param_classes): 0 dense, 1 expert
 
     def of(self, chunks: list[torch.Tensor]) -> torch.Tensor:
         return chunks[self.chunk].narrow(0, self.offset, self.numel)

@@ -62,6 +62,21 @@ def formula_bytes(psi: int, stage: int, dp: int, *, param_bytes: int, mixed_prec
             "adam_moments": m.adam_moments, "param16_secondary": 0.0}   # hpZ's engine sets it
 
 
+def class_formula_bytes(shares: Iterable[tuple[int, int]], stage: int, *, param_bytes: int,
+                        mixed_precision: bool, moment_bytes: int = 8) -> dict[str, float]:
+    """:func:`formula_bytes` summed over parameter classes, each ``(Ψ, the DP size it is
+    partitioned over)``: with experts (issue 32) Ψ_dense over DP plus Ψ_expert (this EP rank's
+    experts) over expert-DP. One class: exactly :func:`formula_bytes`."""
+    shares = list(shares)
+    out = formula_bytes(shares[0][0], stage, shares[0][1], param_bytes=param_bytes,
+                        mixed_precision=mixed_precision, moment_bytes=moment_bytes)
+    for psi, dp in shares[1:]:
+        more = formula_bytes(psi, stage, dp, param_bytes=param_bytes,
+                             mixed_precision=mixed_precision, moment_bytes=moment_bytes)
+        out = {k: out[k] + more[k] for k in out}
+    return out
+
+
 @dataclass
 class MemoryReport:
     stage: int
@@ -75,6 +90,8 @@ class MemoryReport:
     # and "untiled" (hybrid.zero.tiling.working_memory); None for stages 0-2
     working_memory: dict[str, int] | None = None
     tile_factor: int = 1
+    # with expert parallelism: class name -> (Ψ of the class on this rank, its DP group's size)
+    classes: dict[str, tuple[int, int]] | None = None
 
     @property
     def measured_model_states(self) -> int:
@@ -93,6 +110,8 @@ class MemoryReport:
             rows.append(f"  {c:<14}{self.measured[c] / 2**20:14.3f}{paper}")
         rows.append(f"  {'model states':<14}{self.measured_model_states / 2**20:14.3f}"
                     f"{self.formula_model_states / 2**20:14.3f}")
+        for name, (psi, dp) in (self.classes or {}).items():
+            rows.append(f"  of which {name}: psi = {psi:,} params partitioned over {dp} ranks")
         if self.working_memory is not None:
             tiled, untiled = self.working_memory["tiled"], self.working_memory["untiled"]
             rows.append(f"  gathered working memory {tiled / 2**20:.3f} MiB with --tile-factor "

@@ -59,9 +59,11 @@ from hybrid.zero.host_groups import secondary_group
 from hybrid.zero.optimizer_state import build_optimizer_state
 from hybrid.zero.pieces import OwnedPiece
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
-from hybrid.zero.report import MemoryReport, formula_bytes, measure_storages
+from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 from hybrid.zero.shard_store import open_shard_store, resident_param_bytes
+from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
+from hybrid.zero.stage3_classes import merge_units, split_pairs
 from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
 from hybrid.zero.weak_hooks import add_post_accumulate_hooks
@@ -81,7 +83,7 @@ class ParameterPartitioning(ZeroEngine):
 
     def __init__(self, model: nn.Module, state: ParallelState, zero_config: ZeroConfig,
                  adamw_config: AdamWConfig, *, init_fn: build.InitFn | None = None, seed: int = 0,
-                 offload=None):
+                 offload=None, expert_dp=None):
         super().__init__(state, zero_config, adamw_config)
         if not hasattr(model, "sharding_units"):
             raise TypeError(f"{type(model).__name__} has no sharding_units(): ZeRO stage 3 needs the "
@@ -92,22 +94,38 @@ class ParameterPartitioning(ZeroEngine):
         self.tile_factor = zero_config.tile_factor
         tiling.check_working_memory(model, modules, threshold, self.tile_factor,
                                     zero_config.max_working_memory, self.dtype.itemsize)
+        # parameter classes (issue 32): expert-parallel ones get units over expert-DP of their own
+        params = list({id(p): p for p in model.parameters()}.values())
+        classes = split_classes(params, self.shard_group, expert_dp_group(state, expert_dp),
+                                state.dp_size)
+        check_expert_options(zero_config, classes)
+        expert_class = next((c for c in classes if c.name == "expert"), None)
+        expert_ids = {id(params[i]) for i in expert_class.members} if expert_class else set()
+        self.expert_group = expert_class.group if expert_class else None
         plans = tiling.plan_tiles(model, modules, self.tile_factor, threshold)
         groups, small = build.assign_units(model, modules, threshold,
-                                           tiled={id(t.param) for mine in plans for t in mine})
+                                           tiled={id(t.param) for mine in plans for t in mine},
+                                           never_whole=expert_ids)
+        groups, expert_groups = split_pairs(groups, expert_ids)
         self.psi = sum(p.numel() for p in model.parameters())
+        self.expert_psi = sum(p.numel() for p in params if id(p) in expert_ids)
         self.persistent_numel = sum(p.numel() for _, p in small)
         init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
         self.secondary_group = secondary_group(state, zero_config)
         layout = dict(dtype=self.dtype, device=self.device, alignment=zero_config.alignment_elements,
                       replicas=self.replicas, secondary_group=self.secondary_group)
-        self.units, self.persistent = build.make_units(model, groups, small, self.shard_group,
-                                                       **layout)
+        dense_units, self.persistent = build.make_units(model, groups, small, self.shard_group,
+                                                        **layout)
+        expert_units = (build.make_units(model, expert_groups, [], self.expert_group, **layout,
+                                         name="expert_unit")[0]
+                        if self.expert_group is not None else [None] * len(modules))
+        # what the scheduler gathers per module (both classes' units as one UnitSet)
+        self.units, members = merge_units(dense_units, expert_units)
         self.tiles = build.make_tile_units(model, plans, self.shard_group, **layout,
                                            prefetch=zero_config.stage3_prefetch)
         self.all_units: list[ShardedUnit] = []   # each unit, then its tiles (ZeRO-Infinity tiling)
-        for unit, mine in zip(self.units, self.tiles):
-            self.all_units += ([unit] if unit is not None else []) + [u for t in mine for u in t.units]
+        for mine, tiles in zip(members, self.tiles):
+            self.all_units += mine + [u for t in tiles for u in t.units]
         if self.persistent is not None:
             self.all_units.append(self.persistent)
         reduce_scatter = gradient_reduce_scatter(state, zero_config.quantized_gradients)
@@ -118,7 +136,8 @@ class ParameterPartitioning(ZeroEngine):
                                  zero_config.quantized_weights_format)
         pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
                              uses_weight_decay(seg.slot.param),
-                             bool(getattr(seg.slot.param, "tensor_model_parallel", False)))
+                             bool(getattr(seg.slot.param, "tensor_model_parallel", False)),
+                             int(unit.group is self.expert_group))
                   for k, unit in enumerate(self.all_units) for seg in unit.segments]
         optimizer_state = build_optimizer_state(
             offload, [u.shard for u in self.all_units], pieces, adamw_config,
@@ -145,12 +164,16 @@ class ParameterPartitioning(ZeroEngine):
         self._in_flight: list[int] = []    # units whose reduce-scatter is running, oldest first
         largest = max(u.padded for u in self.all_units)
         comm.reserve_transport(self.shard_group, largest * self.dtype.itemsize)   # a whole unit
+        if self.expert_group is not None:
+            comm.reserve_transport(self.expert_group, largest * self.dtype.itemsize)
         if self.secondary_group is not None:                                   # per collective
             comm.reserve_transport(self.secondary_group, largest * self.dtype.itemsize)
         self._reduce_buffers = _ReduceBuffers(largest, self.dtype, self.device,
                                               comm.needs_reduce_scratch(self.shard_group))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
-                           for i, v in enumerate(self.units) if v is u}
+                           for i, mine in enumerate(members) if any(v is u for v in mine)}
+        self._members = {i: [k for k, j in self._module_of.items() if j == i]
+                         for i in set(self._module_of.values())}
         add_post_accumulate_hooks(self, "_on_unit_grad", ((slot.param, (k,))
                                                           for k, unit in enumerate(self.all_units)
                                                           for slot in unit.slots))
@@ -181,7 +204,8 @@ class ParameterPartitioning(ZeroEngine):
         """Release unit k (its backward is over) and start its gradient reduce-scatter. At most
         MAX_REDUCES_IN_FLIGHT full-size gradient buffers exist: older reduces are finished first."""
         unit = self.all_units[k]
-        if k in self._module_of:
+        if k in self._module_of and all(self._remaining[j] == 0   # every class's unit is done
+                                        for j in self._members[self._module_of[k]]):
             self.scheduler.release(self._module_of[k])
         while len(self._in_flight) >= MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce(self._in_flight.pop(0))
@@ -277,19 +301,25 @@ class ParameterPartitioning(ZeroEngine):
             "adam_moments": resident["adam_moments"],
             "buffers": list(self.model.buffers()) + self._reduce_buffers.tensors() +
                        comm.transport_buffers(self.shard_group) +
+                       (comm.transport_buffers(self.expert_group)
+                        if self.expert_group is not None else []) +
                        (comm.transport_buffers(self.secondary_group)
                         if self.secondary_group is not None else []) +
                        resident["buffers"]})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
-        formula = formula_bytes(self.psi, self.stage, self.shard_group.size, param_bytes=param_bytes,
-                                mixed_precision=self.config.mixed_precision,
-                                moment_bytes=self.adamw.moment_bytes_per_param)
+        shares = {"dense": (self.psi - self.expert_psi, self.shard_group.size)}
+        if self.expert_group is not None:
+            shares["expert"] = (self.expert_psi, self.expert_group.size)
+        formula = class_formula_bytes(shares.values(), self.stage, param_bytes=param_bytes,
+                                      mixed_precision=self.config.mixed_precision,
+                                      moment_bytes=self.adamw.moment_bytes_per_param)
         if self.secondary_group is not None:   # hpZ: 2(Ψ - persistent)/h in bf16
             formula["param16_secondary"] = (param_bytes * (self.psi - self.persistent_numel)
                                             / self.secondary_group.size)
         return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
                             self.config.precision, self.psi, measured, formula,
-                            working_memory=self.working_memory(), tile_factor=self.tile_factor)
+                            working_memory=self.working_memory(), tile_factor=self.tile_factor,
+                            classes=shares if len(shares) > 1 else None)
 
     def working_memory(self) -> dict[str, int]:
         """Parameter bytes gathered while one sharding unit computes (no look-ahead): "tiled"
@@ -309,7 +339,11 @@ class ParameterPartitioning(ZeroEngine):
         of the secondary partitions too."""
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         per_elem = 2 * param_bytes + (4 if self.config.mixed_precision else 0) + 8
-        padding = sum(u.padded - u.numel for u in self.all_units) / self.shard_group.size
+        padding = sum(u.padded - u.numel for u in self.all_units
+                      if u.group is self.shard_group) / self.shard_group.size
+        if self.expert_group is not None:   # expert units: their padding over expert-DP
+            padding += sum(u.padded - u.numel for u in self.all_units
+                           if u.group is self.expert_group) / self.expert_group.size
         persistent = self.persistent.padded * param_bytes if self.persistent is not None else 0
         out = {"padding": padding * per_elem, "persistent_params": float(persistent)}
         if self.secondary_group is not None:

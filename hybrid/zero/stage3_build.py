@@ -28,12 +28,13 @@ InitFn = Callable[[str], torch.Tensor]   # canonical name -> full TP-local value
 
 
 def assign_units(model: nn.Module, modules: list[nn.Module], threshold: int,
-                 tiled: set[int] = frozenset()
+                 tiled: set[int] = frozenset(), never_whole: set[int] = frozenset()
                  ) -> tuple[list[list[tuple[str, nn.Parameter]]], list[tuple[str, nn.Parameter]]]:
     """Per unit, its (canonical name, parameter) pairs to partition; plus the persistent ones
     (fewer than ``threshold`` elements, kept whole on every rank). A tied parameter belongs to the
     first unit that holds it; every parameter must belong to some unit. Parameters in ``tiled``
-    (ids) are left out: their tiles get units of their own (:func:`make_tile_units`)."""
+    (ids) are left out: their tiles get units of their own (:func:`make_tile_units`); those in
+    ``never_whole`` (ids: expert-parallel ones) are partitioned whatever their size."""
     names = {id(p): n for n, p in model.named_parameters()}   # first (canonical) name of each
     seen: set[int] = set(tiled)
     per_unit, persistent = [], []
@@ -47,7 +48,8 @@ def assign_units(model: nn.Module, modules: list[nn.Module], threshold: int,
                 continue
             seen.add(id(param))
             pair = (names[id(param)], param)
-            (persistent if param.numel() < threshold else mine).append(pair)
+            small = param.numel() < threshold and id(param) not in never_whole
+            (persistent if small else mine).append(pair)
         per_unit.append(mine)
     outside = [n for n, p in model.named_parameters() if id(p) not in seen]
     if outside:
@@ -76,7 +78,7 @@ def initial_values(model: nn.Module, init_fn: InitFn | None, seed: int
 def make_units(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
                persistent: list[tuple[str, nn.Parameter]], group: Group, *, dtype: torch.dtype,
                device: torch.device, alignment: int, replicas: Group | None = None,
-               secondary_group: Group | None = None
+               secondary_group: Group | None = None, name: str = "unit"
                ) -> tuple[list[ShardedUnit | None], ShardedUnit | None]:
     """One :class:`ShardedUnit` per unit with partitioned parameters (None otherwise) and one for the
     persistent parameters; every model parameter is replaced by a view of its unit's buffer. The
@@ -87,7 +89,7 @@ def make_units(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
     options = dict(dtype=dtype, device=device, alignment=alignment, replicas=replicas)
     units: list[ShardedUnit | None] = []
     for index, pairs in enumerate(groups):
-        units.append(_build_unit(f"unit{index}", pairs, group, owners, **options,
+        units.append(_build_unit(f"{name}{index}", pairs, group, owners, **options,
                                  secondary_group=secondary_group) if pairs else None)
     kept = _build_unit("persistent", persistent, group, owners, **options,
                        persistent=True) if persistent else None

@@ -1,0 +1,227 @@
+"""ZeRO with expert-parallel parameters (issue 32 item 3): a toy MoE block at DP 4 = EP 2 x
+expert-DP 2, stages 0-3, against a single-process reference that computes the same thing
+(fp32, 5 steps, rtol 1e-5: losses, clipped global norms, final parameters).
+
+The toy: a dense input layer, a "router" scale (dense, in the same sharding unit as the experts),
+E = 4 experts y = tanh(z W_e + b_e) of which EP rank e holds experts 2e, 2e+1 (marked
+``expert_parallel``), a dense output layer, MSE. Token t of a rank goes to expert t mod E; the
+tokens cross the EP group with an all-to-all (autograd: the backward is the inverse all-to-all),
+as a real dispatcher does.
+
+Expected gradient averaging, explicitly: the global loss is the mean of the 4 DP ranks' losses.
+A dense gradient is the sum over the 4 DP ranks divided by DP = 4. An expert's gradient on one
+rank already sums the losses of both EP ranks of its EP group (the all-to-all carried their tokens
+in and their gradients back); the engine sums it over the expert-DP group (2 ranks) and divides by
+DP = 4, not expert-DP: expert-DP x EP = DP ranks' losses, each counted once. The reference below
+takes the gradient of the global mean loss, which is exactly that.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from hybrid import comm
+from hybrid.adamw_config import AdamWConfig
+from hybrid.offload import OffloadConfig
+from hybrid.parallel_state import ParallelState, _make_groups
+from hybrid.testing.multirank import run_on_ranks
+from hybrid.topology import Topology
+from hybrid.zero.config import ZeroConfig
+from hybrid.zero.factory import build_zero_optimizer
+from hybrid.zero.report import formula_bytes
+
+H, E, EP, TOKENS, STEPS = 8, 4, 2, 8, 5      # TOKENS per rank, a multiple of E
+ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all with equal parts; its gradient is the same exchange back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        comm.all_to_all(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad)
+        comm.all_to_all(out, grad.contiguous(), ctx.group)
+        return out, None
+
+
+class Experts(nn.Module):
+    """``local`` experts (W [local, h, h], b [local, h]) and a dense router scale [h]; ``ep_group``
+    None: all E experts, no exchange (the reference)."""
+
+    def __init__(self, local, ep_group):
+        super().__init__()
+        self.ep_group = ep_group
+        self.scale = nn.Parameter(torch.ones(H))
+        self.w = nn.Parameter(torch.zeros(local, H, H))
+        self.b = nn.Parameter(torch.zeros(local, H))
+        if ep_group is not None:
+            for p in (self.w, self.b):
+                p.expert_parallel = True
+
+    def forward(self, z):
+        """z [n, h] -> z * scale + expert(z * scale) [n, h]."""
+        z = z * self.scale
+        expert = torch.arange(z.shape[0]) % E                  # token t -> expert t mod E
+        if self.ep_group is None:
+            y = torch.tanh(torch.einsum("th,thk->tk", z, self.w[expert]) + self.b[expert])
+            return z + y
+        local, me = E // self.ep_group.size, self.ep_group.rank
+        order = torch.argsort(expert // local, stable=True)   # grouped by destination EP rank
+        received = _AllToAll.apply(z[order], self.ep_group)   # [n, h], block j from EP peer j
+        mine = expert[order][(expert[order] // local) == me] - me * local
+        ids = mine.repeat(self.ep_group.size)                  # every peer routes alike
+        y_here = torch.tanh(torch.einsum("th,thk->tk", received, self.w[ids]) + self.b[ids])
+        back = _AllToAll.apply(y_here, self.ep_group)
+        return z + torch.empty_like(back).index_copy(0, order, back)
+
+
+class ToyMoE(nn.Module):
+    """``ep_group`` None: the single-process reference holding all E experts."""
+
+    def __init__(self, ep_group=None):
+        super().__init__()
+        ep = ep_group.size if ep_group is not None else 1
+        self.inp = nn.Linear(H, H)
+        self.experts = Experts(E // ep, ep_group)
+        self.out = nn.Linear(H, H)
+
+    def sharding_units(self):
+        return [self.inp, self.experts, self.out]
+
+    def forward(self, x, target):
+        """x, target [n, h]: the tokens of one rank (reference: one rank's slice at a time)."""
+        h = self.experts(torch.tanh(self.inp(x)))
+        return ((self.out(h) - target) ** 2).mean()
+
+
+def full_values(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    ref = ToyMoE()
+    return {n: torch.randn(p.shape, generator=g) * 0.4 for n, p in ref.named_parameters()}
+
+
+def shard(name, full, ep_rank):
+    if name in ("experts.w", "experts.b"):
+        local = E // EP
+        return full[ep_rank * local:(ep_rank + 1) * local].clone()
+    return full.clone()
+
+
+def data(dp, steps=STEPS, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(dp * TOKENS, H, generator=g), torch.randn(dp * TOKENS, H, generator=g))
+            for _ in range(steps)]
+
+
+def reference_run(batches, dp, clip):
+    """Global mean loss = mean of the DP ranks' losses; torch AdamW (no decay on ndim < 2)."""
+    model = ToyMoE()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(full_values()[n])
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps,
+                            weight_decay=ADAMW.weight_decay)
+    losses, norms = [], []
+    for x, t in batches:
+        opt.zero_grad()
+        loss = sum(model(x[r * TOKENS:(r + 1) * TOKENS], t[r * TOKENS:(r + 1) * TOKENS])
+                   for r in range(dp)) / dp
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def expert_groups(state):
+    """EP groups of consecutive DP ranks, expert-DP groups strided (TP 1: DP is the world)."""
+    n = state.dp_size
+    ep = _make_groups("ep", [list(range(i, i + EP)) for i in range(0, n, EP)], state.rank,
+                      state.ledger, "gloo", None)
+    edp = _make_groups("expert_dp", [list(range(i, n, EP)) for i in range(EP)], state.rank,
+                       state.ledger, "gloo", None)
+    return ep, edp
+
+
+def _parity(rank, world_size, stages, clip, offload=None, accum=1):
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    ep, edp = expert_groups(state)
+    batches = data(world_size)
+    ref_losses, ref_norms, ref_params = reference_run(batches, world_size, clip)
+    out = {}
+    for stage in stages:
+        model = ToyMoE(ep)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(shard(n, full_values()[n], ep.rank))
+        cfg = ZeroConfig(stage=stage, bucket_size=100, clip_grad=clip,
+                         gradient_accumulation_steps=accum,
+                         stage3_param_persistence_threshold=20 if stage == 3 else 0)
+        opt = build_zero_optimizer(model, state, cfg, ADAMW, offload=offload, expert_dp=edp)
+        losses, norms = [], []
+        for x, t in batches:
+            opt.zero_grad()
+            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            total = torch.zeros(1)
+            for m in range(accum):
+                part = slice(mine.start + m * TOKENS // accum, mine.start + (m + 1) * TOKENS // accum)
+                # every micro-batch routes its own tokens; scale to the rank's mean
+                loss = model(x[part], t[part]) / accum
+                opt.backward(loss)
+                total += loss.detach()
+            norms.append(float(opt.step().grad_norm))
+            comm.all_reduce(total, state.dp)
+            losses.append(total.item() / world_size)
+        what = f"stage {stage}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{what} losses: {m}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{what} norms: {m}")
+        mine = (opt.gathered_state_dict() if stage == 3 else
+                {n: p.detach() for n, p in model.named_parameters()})
+        for n, value in mine.items():
+            torch.testing.assert_close(value, shard(n, ref_params[n], ep.rank), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m: f"{what} param {n}: {m}")
+        report = opt.memory_report()
+        out[stage] = (report.classes, report.formula, report.psi)
+    return out
+
+
+def _expected_formula(stage, dense, expert):
+    """Closed form per rank: dense Ψ over DP 4, this EP rank's expert Ψ over expert-DP 2."""
+    a = formula_bytes(dense, stage, 4, param_bytes=4, mixed_precision=False)
+    b = formula_bytes(expert, stage, 2, param_bytes=4, mixed_precision=False)
+    return {k: a[k] + b[k] for k in a}
+
+
+@pytest.mark.parametrize("stages", [(1, 3)])
+def test_expert_parallel_zero_matches_reference(stages):
+    results = run_on_ranks(_parity, 4, args=(list(stages), 0.05))
+    dense = 2 * (H * H + H) + H
+    expert = (E // EP) * (H * H + H)
+    for stage in stages:
+        classes, formula, psi = results[0][stage]
+        assert classes == {"dense": (dense, 4), "expert": (expert, 2)}
+        assert psi == dense + expert
+        assert formula == pytest.approx(_expected_formula(stage, dense, expert))
+
+
+@pytest.mark.slow
+def test_expert_parallel_zero_all_stages_and_accumulation():
+    run_on_ranks(_parity, 4, args=([0, 1, 2, 3], 0.05), kwargs={"accum": 2})
+    run_on_ranks(_parity, 4, args=([0, 2], 0.0))
+
+
+@pytest.mark.slow
+def test_expert_parallel_zero_with_cpu_offload():
+    run_on_ranks(_parity, 4, args=([1, 3], 0.05), kwargs={"offload": OffloadConfig(mode="cpu")})

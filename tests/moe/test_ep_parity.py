@@ -150,7 +150,7 @@ def test_ep4_and_ep2_tp2_match_the_oracle():
            + [(v, 2, 2, d, None) for v in ("top2-sigmoid-bias-seqaux", "top2-presoftmax-every2nd")
               for d in ("alltoall", "allgather")]
            + [("top2-aux-z", 1, 4, "alltoall", 1), ("top2-shared-gate-drop", 2, 2, "alltoall", 1),
-              ("top1-shared-drop", 2, 2, "allgather", 3)])
+              ("top2-aux-z", 2, 2, "allgather", 3)])
 
 
 @pytest.mark.slow

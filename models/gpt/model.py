@@ -312,6 +312,16 @@ class GPTModel(nn.Module):
         for moe in self.moe_layers():
             moe.router.update_expert_bias(dp_group)
 
+    def expert_biases(self) -> dict[int, torch.Tensor]:
+        """The routers' expert-bias buffers by global layer index (empty without expert bias):
+        training state outside the parameters, saved with checkpoints (pretrain/resume.py)."""
+        out = {}
+        for index, layer in zip(range(self.layers.start, self.layers.start + len(self.layers)),
+                                self.layers):
+            if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None:
+                out[index] = layer.mlp.router.expert_bias
+        return out
+
     def pop_moe_metrics(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per MoE layer (global index): the metrics summed since the last call
         (:meth:`models.gpt.moe.MoELayer.pop_metrics`)."""

@@ -98,7 +98,8 @@ def _add_field_flag(group, section: str, f: dataclasses.Field, section_cls: type
                                default=argparse.SUPPRESS, help=f"same as --no-{flag[2:]}")
     elif hint == list[str]:
         group.add_argument(flag, nargs="+", metavar="ITEM", **kw)
-    elif list[int] in (hint, *get_args(hint)):
+    elif list[int] in (hint, *get_args(hint)) or tuple[int, ...] in get_args(hint):
+        # int | tuple[int, ...] (--moe-layer-freq): one value, or several (a 0/1 pattern)
         group.add_argument(flag, nargs="+", type=int, metavar="INT", **kw)
     else:
         base = next(t for t in (*get_args(hint), hint) if t in (int, float, str))  # X | None -> X

@@ -37,6 +37,11 @@ def coerce_value(where: str, hint, value):
         if not isinstance(items, list):
             raise _wrong(where, value, "a list of integers", "[16, 16, 5859375]")
         return [_as_int(where, v) for v in items]
+    if tuple[int, ...] in get_args(base):   # int | tuple[int, ...]: N, [1, 0, 1] or '1 0 1'
+        items = value.split() if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            return tuple(_as_int(where, v) for v in items)
+        return _as_int(where, items)
     convert = {bool: _as_bool, int: _as_int, float: _as_float, str: _as_str}[base]
     return convert(where, value)
 

@@ -36,7 +36,8 @@ from hybrid.perf.hardware import DGX2_PARAM_GATHER_BANDWIDTH
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.links import cross_host_fraction, describe_collectives, nodes_of
 from hybrid.perf.memory import device_memory
-from hybrid.perf.model_states import model_state_bytes, optimizer_bytes_per_param
+from hybrid.perf.model_states import (model_state_bytes, moe_model_state_bytes,
+                                      optimizer_bytes_per_param)
 from hybrid.perf.throughput import tp_ring_bytes_per_microbatch
 from hybrid.topology import Topology
 from hybrid.zero_policy import stage_with_pipeline
@@ -84,9 +85,18 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
     k_terms = ([4] if mixed else [0]) + [_BYTES[o.exp_avg_dtype], _BYTES[o.exp_avg_sq_dtype]]
     k = optimizer_bytes_per_param(master="fp32" if mixed else None, exp_avg=o.exp_avg_dtype,
                                   exp_avg_sq=o.exp_avg_sq_dtype)
-    states = model_state_bytes(float(psi_rank), zero_stage, shard.size, param_bytes=param_bytes,
-                               grad_bytes=param_bytes, optimizer_bytes_per_param=k,
-                               master_bytes_per_param=4 if mixed else 0).as_dict()
+    state_bytes = dict(param_bytes=param_bytes, grad_bytes=param_bytes, optimizer_bytes_per_param=k,
+                       master_bytes_per_param=4 if mixed else 0)
+    states = model_state_bytes(float(psi_rank), zero_stage, shard.size, **state_bytes).as_dict()
+    # issue 32: expert parameters (this EP rank's) are partitioned over expert-DP = DP / EP
+    expert_rank = sum(t.numel() for chunk in chunks for t in chunk.parameters()
+                      if getattr(t, "expert_parallel", False))
+    ep = getattr(state, "ep_size", 1)
+    split = None
+    if expert_rank and ep > 1:
+        split = moe_model_state_bytes(float(psi_rank - expert_rank), float(expert_rank * ep),
+                                      zero_stage, shard.size, ep, **state_bytes)
+        states = split.total.as_dict()
     if p.zero_hpz:
         states["params_16bit_secondary"] = param_bytes * psi_rank / intra.size
         states["total"] += states["params_16bit_secondary"]
@@ -131,6 +141,9 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "tp_crosses_nodes": topology.tp_crosses_nodes,
             "params_total": gcfg.num_parameters(state.tp_size), "params_per_rank": psi_rank,
             "model_states_per_rank": states, "dp_bytes_per_step": comm_bytes,
+            "model_states_split": (None if split is None else
+                                   {"dense": (psi_rank - expert_rank, split.dense.total, shard.size),
+                                    "expert": (expert_rank, split.expert.total, shard.size // ep)}),
             "optimizer_bytes_per_param": k, "optimizer_bytes_terms": k_terms,
             "moment_dtypes": (o.exp_avg_dtype, o.exp_avg_sq_dtype),
             "dp_cross_host_bytes_per_step": dp_cross, "dp_collectives": dp_ops,
@@ -311,6 +324,8 @@ def format_report(r: dict) -> str:
                 if "params_16bit_secondary" in s else "") + f", total {s['total']} (optimizer "
              f"state K = {' + '.join(map(str, r['optimizer_bytes_terms']))} = "
              f"{r['optimizer_bytes_per_param']} bytes a parameter)",
+             *(f"  of which {name}: {n:,} params over {group} ranks, {_bytes(b)}"
+               for name, (n, b, group) in (r.get("model_states_split") or {}).items()),
              f"activations per rank (recompute {r['recompute']}, hybrid.perf estimate): "
              f"{_bytes(r['activations_per_rank'])}; buffers {_bytes(r['buffers_per_rank'])}; reserved "
              f"{_bytes(r['reserved_per_rank'])}; total {_bytes(total_bytes(r))}",

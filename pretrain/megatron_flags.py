@@ -231,21 +231,50 @@ CATALOGUE: tuple[MegatronFlag, ...] = (
     _noop("--no-gradient-accumulation-fusion", "no fused weight-gradient accumulation", _FUSION),
     _noop("--cross-entropy-loss-fusion", "fused cross-entropy", "the vocab-parallel cross entropy "
           "is computed blockwise in one pass already"),
-    # ---- MoE / FP8 / context parallelism: not here ----
-    _native("--num-experts", "model.num_experts", "mixture-of-experts layers", int),
+    # ---- mixture of experts (issue 32; docs/moe.md) ----
+    _native("--num-experts", "model.num_experts", "experts per MoE layer", int),
     _native("--moe-router-topk", "model.moe_router_topk", "experts per token", int),
-    _noop("--moe-grouped-gemm", "grouped GEMM for experts", "always on: the experts run as "
-          "grouped GEMMs (torch._grouped_mm where the device has it, else one padded batched "
-          "product)"),
-    _native("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "MoE load-balancing loss", float),
+    _native("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size", "width of each routed expert",
+            int),
+    _native("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_intermediate_size",
+            "width of the shared expert", int),
+    _native("--moe-shared-expert-gate", "model.moe_shared_expert_gate",
+            "sigmoid gate on the shared expert (Qwen2-MoE)"),
+    _native("--moe-layer-freq", "model.moe_layer_freq",
+            "MoE every N-th layer, or a 0/1 pattern per layer (here: N, or the pattern as "
+            "space-separated 0/1 values instead of Megatron's Python list expression)", int),
+    _native("--moe-router-score-function", "model.moe_router_score_function",
+            "softmax | sigmoid router scores", str),
+    _native("--moe-router-pre-softmax", "model.moe_router_pre_softmax",
+            "softmax over all experts before top-k"),
+    _native("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor",
+            "scale of the chosen experts' probabilities", float),
     _native("--moe-router-load-balancing-type", "model.moe_router_load_balancing_type",
-            "MoE load balancing", str),
+            "aux_loss | seq_aux_loss | none (sinkhorn is refused by the config check)", str),
+    _native("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "MoE load-balancing loss weight",
+            float),
+    _native("--moe-z-loss-coeff", "model.moe_z_loss_coeff", "router z-loss weight", float),
+    _native("--moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias",
+            "aux-loss-free balancing by a per-expert bias (DeepSeek-V3)"),
+    _native("--moe-router-bias-update-rate", "model.moe_router_bias_update_rate",
+            "expert-bias step per optimizer step", float),
+    _native("--moe-expert-capacity-factor", "model.moe_expert_capacity_factor",
+            "expert capacity factor (token dropping); dropless when unset", float),
     _native("--moe-token-dispatcher-type", "model.moe_token_dispatcher_type",
-            "MoE token dispatch over the EP group (alltoall | allgather)", str),
+            "alltoall | allgather token dispatch", str),
+    _noop("--moe-grouped-gemm", "grouped GEMM for experts",
+          "the experts always run as grouped GEMMs here (a padded batched product where the "
+          "device has no grouped GEMM)"),
+    _noop("--moe-token-drop-policy", "which tokens an over-capacity expert drops: probs | position",
+          "probs (the lowest routing probabilities are dropped) is the rule here; position is "
+          "refused", str, when=_equals("probs")),
+    _refused("--moe-pad-expert-input-to-capacity", "pad every expert's input to its capacity",
+             "drop it: experts run on their actual token counts (grouped GEMM)"),
     _native("--expert-model-parallel-size", "parallel.expert_model_parallel_size",
             "expert parallelism: experts split over EP ranks carved out of DP", int),
     _native("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel_size",
             "TP degree of the experts (here only the dense TP degree)", int),
+    # ---- FP8 / context parallelism ----
     _native("--fp8-format", "optimizer.fp8_format", "FP8 training (e4m3 | hybrid)", str),
     _native("--fp8-recipe", "optimizer.fp8_recipe", "FP8 scaling recipe (tensorwise | delayed; "
             "here also torchao's rowwise; mxfp8 and blockwise are not here)", str),

@@ -11,9 +11,9 @@ hosts (``comm/dp-cross-host-bytes-per-step``, ..., and per group and op,
 ``comm/dp-reduce_scatter-cross-host-bytes-per-step``, ...), with pipeline parallelism the measured bubble
 (``pipeline/bubble-fraction``) and the bytes sent to the neighbouring stages
 (``comm/pp-bytes-per-step``), the step as a fraction of its GEMM-bound time
-(``perf/gemm-bound-fraction``, hybrid.perf.roofline: the roofline beside MFU), and the seconds spent
-outside
-training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
+(``perf/gemm-bound-fraction``, hybrid.perf.roofline: the roofline beside MFU), with MoE layers the
+expert load, aux / z losses and dropped routes (``moe/...``, :func:`moe_metrics`), and the seconds
+spent outside training steps (``eval-time``, ``checkpoint-save-time``). docs/tensorboard.md gives every unit.
 
 Throughput uses Megatron's model-FLOPs formula (docs/design.md §Paper, via :mod:`hybrid.perf.flops`);
 MFU is TFLOP/s per rank over a configurable peak. Only the writer rank opens the backends;
@@ -224,6 +224,46 @@ def cuda_memory_bytes(stats: dict) -> dict[str, float]:
     return {name: float(stats.get(key, 0)) for name, key in keys.items()}
 
 
+def moe_metrics(per_layer: dict, dp_group) -> dict[str, float]:
+    """The MoE scalars of an interval (issue 32; docs/moe.md) from
+    ``GPTModel.pop_moe_metrics()`` (per layer, summed over the interval's micro-batches), summed
+    over ``dp_group`` first (one all-reduce): per layer ``moe/layer{i}/load-max-over-mean`` (the
+    busiest expert's routes over the mean, 1 = balanced), ``moe/layer{i}/tokens-per-expert/{e}``
+    (routes per micro-batch, before drops), ``moe/layer{i}/aux-loss`` and ``.../z-loss`` (per
+    micro-batch, times their coefficients) and ``moe/layer{i}/dropped-fraction``; over all layers
+    ``moe/load-max-over-mean`` (the worst layer), ``moe/aux-loss`` and ``moe/z-loss`` (summed over
+    layers: what the training loss adds) and ``moe/dropped-fraction``."""
+    import torch
+
+    from hybrid import comm
+    if not per_layer:
+        return {}
+    layers = sorted(per_layer)
+    keys = ("dropped", "routes", "aux_loss", "z_loss", "micro_batches")
+    rows = torch.stack([torch.cat([per_layer[i]["load"].float(),
+                                   torch.stack([per_layer[i][k].float() for k in keys])])
+                        for i in layers])                                    # [L, E + 5]
+    if dp_group is not None and dp_group.size > 1:
+        with comm.unrecorded(dp_group):
+            comm.all_reduce(rows, dp_group)
+    rows = rows.cpu().double()
+    out, worst, dropped, routes, aux, z = {}, 0.0, 0.0, 0.0, 0.0, 0.0
+    for i, row in zip(layers, rows):
+        load, (drop, routed, aux_sum, z_sum, micro) = row[:-5], row[-5:].tolist()
+        ratio = float(load.max() / load.mean()) if load.sum() > 0 else float("nan")
+        out[f"moe/layer{i}/load-max-over-mean"] = ratio
+        for e, count in enumerate((load / micro).tolist()):
+            out[f"moe/layer{i}/tokens-per-expert/{e}"] = count
+        out[f"moe/layer{i}/aux-loss"] = aux_sum / micro
+        out[f"moe/layer{i}/z-loss"] = z_sum / micro
+        out[f"moe/layer{i}/dropped-fraction"] = drop / routed if routed else 0.0
+        worst = max(worst, ratio) if ratio == ratio else worst
+        dropped, routes, aux, z = dropped + drop, routes + routed, aux + aux_sum / micro, z + z_sum / micro
+    out.update({"moe/load-max-over-mean": worst, "moe/aux-loss": aux, "moe/z-loss": z,
+                "moe/dropped-fraction": dropped / routes if routes else 0.0})
+    return out
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)
@@ -249,6 +289,10 @@ def console_line(m: dict[str, float], iteration: int, train_iters: int, eta_seco
              f"skipped {int(m['skipped-iterations'])}",
              f"mem {mem / 2**20:.0f} MiB",
              f"ETA {format_duration(eta_seconds)}"]
+    if "moe/load-max-over-mean" in m:   # mixture of experts: before the ETA
+        parts[-1:-1] = [f"moe load max/mean {m['moe/load-max-over-mean']:.2f}",
+                        f"aux {m['moe/aux-loss']:.4f}", f"z {m['moe/z-loss']:.4f}",
+                        f"dropped {100 * m['moe/dropped-fraction']:.2f}%"]
     if "pipeline/bubble-fraction" in m:   # pipeline parallelism: before the ETA
         parts[-1:-1] = [f"bubble {m['pipeline/bubble-fraction']:.3f}",
                         f"pp {m['comm/pp-bytes-per-step'] / 2**20:.2f} MiB/step"]

@@ -89,21 +89,59 @@ def save(path: str | Path, train_state: TrainState, model: GPTModel | StageChunk
     metadata = {"train_state": dataclasses.asdict(train_state), "config": config.to_dict(),
                 "model_config": model.config.to_dict(),
                 "layout": _layout(state, config.parallel.zero_stage)}
+    biases = _expert_biases(model, state)
+    if biases:
+        metadata["moe_expert_bias"] = biases
     return save_state(path, train_state.iteration, optimizer, model.checkpoint_layout(), state,
                       extra=rng_tensors(rng), metadata=metadata, keep_last=keep_last,
                       run_id=train_state.run_id, replace_other_runs=config.checkpoint.overwrite,
                       background=background)
 
 
+def _bias_holders(model) -> dict[int, torch.Tensor]:
+    out = {}
+    for module in model.modules():
+        if hasattr(module, "expert_biases"):
+            out.update(module.expert_biases())
+    return out
+
+
+def _expert_biases(model, state: ParallelState) -> dict[str, list[float]]:
+    """DeepSeek-V3's expert biases (MoE routers' buffers, the same on every rank holding the layer)
+    of all layers, for the checkpoint's metadata: one world all-reduce of [layers, E] plus a holder
+    count, so a pipeline stage's layers reach the writer rank. Collective (save is)."""
+    config = model.config
+    if config.num_experts is None or not config.moe_router_enable_expert_bias:
+        return {}
+    rows = torch.zeros(config.num_layers, config.num_experts + 1, device=state.device)
+    for index, bias in _bias_holders(model).items():
+        rows[index, :-1] = bias
+        rows[index, -1] = 1.0
+    with comm.unrecorded(state.world):
+        comm.all_reduce(rows, state.world)
+    rows = rows.cpu().double()
+    return {str(i): (row[:-1] / row[-1]).tolist() for i, row in enumerate(rows) if row[-1] > 0}
+
+
+def _restore_expert_biases(model, saved: dict) -> None:
+    for index, bias in _bias_holders(model).items():
+        if str(index) in saved:
+            bias.copy_(torch.tensor(saved[str(index)], dtype=bias.dtype))
+
+
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
          "max_position_embeddings", "vocab_size", "position_embedding_type", "normalization",
-         "swiglu", "num_query_groups", "add_bias_linear", "untie_embeddings_and_output_weights")
+         "swiglu", "num_query_groups", "add_bias_linear", "untie_embeddings_and_output_weights",
+         "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+         "moe_shared_expert_gate", "moe_layer_freq")
 
 
 def check_model_compatible(saved: dict, mine: dict) -> None:
     """The model dims (resolved GPTConfig dicts) must match; parallel layout, batch sizes, precision,
     dropout and recompute may change."""
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}   # older checkpoints
+    saved, mine = ({k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}   # JSON lists
+                   for d in (saved, mine))
     diffs = [f"{k.replace('_', '-')}: checkpoint {saved.get(k, defaults[k])!r} vs this run "
              f"{mine.get(k, defaults[k])!r}"
              for k in _DIMS if saved.get(k, defaults[k]) != mine.get(k, defaults[k])]
@@ -129,6 +167,7 @@ def load(path: str | Path, model: GPTModel | StageChunks, optimizer: CheckpointS
     holder = WeightsOnly(optimizer) if weights_only else optimizer
     reader = load_state(path, holder, model.checkpoint_layout(), state, check_metadata=same_model)
     train_state = TrainState(**{**reader.metadata["train_state"], "run_id": reader.run_id})
+    _restore_expert_biases(model, reader.metadata.get("moe_expert_bias", {}))
     if weights_only:
         log.info("loaded the weights only (%s): fresh optimizer state",
                  "--finetune" if c.finetune else "--no-load-optim")

@@ -53,7 +53,8 @@ from pretrain import resume
 from pretrain.resume import TrainState
 from pretrain.exit import ExitCondition
 from hybrid.checkpoint.async_save import AsyncCheckpointWriter
-from pretrain.metrics import MetricsWriter, ThroughputModel, console_line, memory_bytes
+from pretrain.metrics import (MetricsWriter, ThroughputModel, console_line, memory_bytes,
+                             moe_metrics)
 from hybrid.zero.results import StepResult
 
 log = logging.getLogger(__name__)
@@ -319,12 +320,21 @@ class Trainer:
         self.optimizer.lr = lr
         skip = self._step_skip
         result = self.optimizer.step(skip) if skip is not None else self.optimizer.step()
+        for module in self._moe_modules():   # DeepSeek-V3's expert bias: once per optimizer step
+            module.update_expert_biases(self.state.dp)
         if self.pipeline is not None and self.pipeline.tied is not None:
             # the first stage's updated E to the last stage, overlapping the next step's start:
             # the runner lands it before the last stage's first forward (and _land_tied_weight
             # before a save or the end of training)
             self.pipeline.tied.sync_weight(wait=False)
         return result
+
+    def _moe_modules(self) -> list:
+        """The GPT models (or pipeline chunks) of this rank that hold MoE layers."""
+        if not hasattr(self, "_moe_cache"):
+            found = [m for m in self.model.modules() if hasattr(m, "moe_layers") and m.moe_layers()]
+            self._moe_cache = found
+        return self._moe_cache
 
     def _land_tied_weight(self) -> None:
         """Complete the asynchronous tied-embedding sync of the last step (pipeline only)."""
@@ -475,6 +485,8 @@ class Trainer:
              **self._comm_per_step(stats)}
         if self.pipeline is not None:
             m["pipeline/bubble-fraction"] = stats.bubble_sum / stats.iterations
+        for module in self._moe_modules():   # expert load, aux / z losses, drops (docs/moe.md)
+            m.update(moe_metrics(module.pop_moe_metrics(), self.state.dp))
         if self.stragglers is not None:   # one all-gather of 3 numbers per rank
             m.update(self.stragglers.interval(self.ts.iteration))
         self.metrics.log(m, self.ts.iteration)

@@ -15,6 +15,11 @@ Every tensor is a :class:`Piece`: a contiguous range ``[offset, offset + numel)`
 (``full_shape``, ``partition_dim``, ``tp_rank`` of ``tp_size``). ZeRO partitions a flattened TP shard
 into DP ranges (ZeRO §5), so a piece is exactly what one rank owns. A loader at any other TP/DP
 degree and ZeRO stage reassembles the canonical tensor and cuts its own pieces out of it.
+
+Expert tensors (issue 32) are split twice: dim 0 (the experts) over the EP group first (EP rank e
+holds experts [e E/EP, (e+1) E/EP)), then ``partition_dim`` over TP; their pieces carry
+``ep_rank`` of ``ep_size`` (1 for everything else, and then absent from the header and the key, so
+checkpoints without experts are written byte for byte as before).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class Piece:
     offset: int                 # element offset inside the flattened TP-local tensor
     tensor: torch.Tensor | None = None  # 1-D, numel elements
     valid_rows: int | None = None  # rows of dim 0 that are real; the rest is padding (vocab)
+    ep_rank: int = 0            # experts: dim 0 split over EP first (ep_size 1: not split)
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,11 +70,13 @@ class Piece:
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{self.name}:tp{self.tp_rank}:{self.offset}"
+        ep = f":ep{self.ep_rank}" if self.ep_size > 1 else ""
+        return f"{self.kind}:{self.name}:tp{self.tp_rank}{ep}:{self.offset}"
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.full_shape, self.partition_dim, self.tp_size)
+        return local_shape(expert_shape(self.full_shape, self.ep_size), self.partition_dim,
+                           self.tp_size)
 
     def describe(self) -> dict:
         """JSON-able description without the tensor (stored in the safetensors header)."""
@@ -75,7 +84,19 @@ class Piece:
                 "partition_dim": self.partition_dim, "tp_rank": self.tp_rank,
                 "tp_size": self.tp_size, "offset": self.offset, "numel": self.tensor.numel(),
                 "dtype": str(self.tensor.dtype).removeprefix("torch."),
-                "valid_rows": self.valid_rows}
+                "valid_rows": self.valid_rows,
+                **({"ep_rank": self.ep_rank, "ep_size": self.ep_size} if self.ep_size > 1 else {})}
+
+
+def expert_shape(full_shape: tuple[int, ...], ep_size: int) -> tuple[int, ...]:
+    """The shape one EP rank holds of an expert tensor (dim 0 split into ``ep_size`` parts)."""
+    if ep_size == 1:
+        return tuple(full_shape)
+    if full_shape[0] % ep_size:
+        raise CheckpointError(f"{full_shape[0]} experts do not split over {ep_size} "
+                              f"expert-parallel ranks; pick --expert-model-parallel-size dividing "
+                              f"--num-experts")
+    return (full_shape[0] // ep_size, *full_shape[1:])
 
 
 def local_shape(full_shape: tuple[int, ...], partition_dim: int, tp_size: int) -> tuple[int, ...]:

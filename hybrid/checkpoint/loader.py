@@ -7,6 +7,10 @@ headers only), and fills *target* pieces - the ranges the loading rank owns in i
         --concat along partition_dim-->  canonical full tensor  --pad/trim vocab padding-->
         --slice for the target tp_rank, flatten-->  copy [offset, offset + numel) into the target
 
+Expert tensors (issue 32) are assembled per saved EP rank the same way, then concatenated along
+dim 0 (the experts), and sliced for the target's EP rank before its TP shard: a checkpoint saved at
+EP 2 loads at EP 1 or 4.
+
 When the loading layout has the saved TP degree (a resume, or a change of DP degree or ZeRO stage
 only) a rank reads just the byte ranges that overlap what it owns, with ``safe_open(...).get_slice``.
 Otherwise one parameter is assembled at a time, so peak extra memory is one full parameter.
@@ -28,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid.checkpoint.format import (FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, METADATA_FILE,
-                                      CheckpointError, Piece, local_shape)
+                                      CheckpointError, Piece, expert_shape, local_shape)
 from hybrid.checkpoint.manifest import read_manifest, read_verified_header, verify_files
 
 log = logging.getLogger(__name__)
@@ -150,24 +154,29 @@ class CheckpointReader:
         entries = self._entries(kind, name)
         first = entries[0]
         full_shape, pdim, tp = tuple(first["full_shape"]), first["partition_dim"], first["tp_size"]
-        shape = local_shape(full_shape, pdim, tp)
+        ep = first.get("ep_size", 1)   # experts: dim 0 split over EP first (issue 32)
+        shape = local_shape(expert_shape(full_shape, ep), pdim, tp)
         numel = torch.Size(shape).numel()
-        ranks = range(tp) if pdim >= 0 else range(1)
-        buffers = {t: torch.empty(numel, dtype=getattr(torch, first["dtype"])) for t in ranks}
-        covered = {t: torch.zeros(numel, dtype=torch.bool) for t in ranks}
+        ranks = [(x, t) for x in range(ep) for t in (range(tp) if pdim >= 0 else range(1))]
+        buffers = {r: torch.empty(numel, dtype=getattr(torch, first["dtype"])) for r in ranks}
+        covered = {r: torch.zeros(numel, dtype=torch.bool) for r in ranks}
         for e in entries:
-            t = e["tp_rank"] if pdim >= 0 else 0
+            r = (e.get("ep_rank", 0), e["tp_rank"] if pdim >= 0 else 0)
             lo, hi = e["offset"], e["offset"] + e["numel"]
-            buffers[t][lo:hi] = self._read(e["file"], _key(e))
-            covered[t][lo:hi] = True
-        for t, mask in covered.items():
+            buffers[r][lo:hi] = self._read(e["file"], _key(e))
+            covered[r][lo:hi] = True
+        for (x, t), mask in covered.items():
             if not bool(mask.all()):
                 missing = int((~mask).sum())
-                raise CheckpointError(f"missing shard: {kind} of {name!r} (TP rank {t} of {tp}) lacks "
+                where = f"TP rank {t} of {tp}" + (f", EP rank {x} of {ep}" if ep > 1 else "")
+                raise CheckpointError(f"missing shard: {kind} of {name!r} ({where}) lacks "
                                       f"{missing} of {numel} elements in {self.directory}; a rank file "
                                       f"is missing from the checkpoint")
-        parts = [buffers[t].view(shape) for t in ranks]
-        full = torch.cat(parts, dim=pdim) if pdim >= 0 else parts[0]
+        per_ep = []
+        for x in range(ep):
+            parts = [buffers[r].view(shape) for r in ranks if r[0] == x]
+            per_ep.append(torch.cat(parts, dim=pdim) if pdim >= 0 else parts[0])
+        full = torch.cat(per_ep, dim=0) if ep > 1 else per_ep[0]
         self._cache = ((kind, name), full)
         return full
 
@@ -183,13 +192,16 @@ class CheckpointReader:
         """Copy the saved values of ``target``'s range (in the target layout) into ``target.tensor``."""
         first = self._entries(target.kind, target.name)[0]
         if (first["tp_size"] == target.tp_size and first["partition_dim"] == target.partition_dim
-                and tuple(first["full_shape"]) == target.full_shape):
+                and tuple(first["full_shape"]) == target.full_shape
+                and first.get("ep_size", 1) == target.ep_size):
             self._fill_same_tp(target)
             return
         saved_rows = self._index[(target.kind, target.name)][0].get("valid_rows") \
             if (target.kind, target.name) in self._index else None
         full = _fit_shape(self.full_tensor(target.kind, target.name), target, saved_rows,
                           self.directory)
+        if target.ep_size > 1:   # this EP rank's experts, then its TP shard of them
+            full = full.narrow(0, *_ep_range(full.shape[0], target))
         if target.partition_dim >= 0:
             local = full.chunk(target.tp_size, dim=target.partition_dim)[target.tp_rank]
         else:
@@ -211,7 +223,7 @@ class CheckpointReader:
         covered = torch.zeros(n, dtype=torch.bool)
         for e in self._entries(target.kind, target.name):
             lo, hi = max(lo_t, e["offset"]), min(lo_t + n, e["offset"] + e["numel"])
-            if e["tp_rank"] != t or lo >= hi:
+            if e["tp_rank"] != t or e.get("ep_rank", 0) != target.ep_rank or lo >= hi:
                 continue
             with torch.no_grad():
                 out[lo - lo_t:hi - lo_t].copy_(self._read(e["file"], _key(e), lo - e["offset"],
@@ -225,7 +237,14 @@ class CheckpointReader:
 
 
 def _key(entry: dict) -> str:
-    return f"{entry['kind']}:{entry['name']}:tp{entry['tp_rank']}:{entry['offset']}"
+    ep = f":ep{entry['ep_rank']}" if entry.get("ep_size", 1) > 1 else ""
+    return f"{entry['kind']}:{entry['name']}:tp{entry['tp_rank']}{ep}:{entry['offset']}"
+
+
+def _ep_range(experts: int, target: Piece) -> tuple[int, int]:
+    """(first expert, count) that EP rank ``target.ep_rank`` of ``target.ep_size`` holds."""
+    count = expert_shape((experts,), target.ep_size)[0]
+    return target.ep_rank * count, count
 
 
 def _fit_shape(full: torch.Tensor, target: Piece, saved_rows: int | None,

@@ -39,6 +39,9 @@ class ParamLayout:
     full_shape: tuple[int, ...]   # shape of the whole (TP-unsharded) parameter
     partition_dim: int            # dim split across TP, -1 if every TP rank holds all of it
     valid_rows: int | None = None  # rows of dim 0 that are real; the rest is padding (vocab)
+    # an expert tensor (issue 32): ``full_shape`` holds every expert, dim 0 is split over the EP
+    # group before TP splits ``partition_dim``, and its copies are replicated over expert-DP
+    expert: bool = False
 
 
 class CheckpointState(Protocol):
@@ -78,14 +81,24 @@ def state_pieces(holder: CheckpointState, layout: Mapping[str, ParamLayout], sta
 
 
 def _piece(fragment: Fragment, spec: ParamLayout, state: ParallelState) -> Piece:
+    ep = _ep_group(state) if spec.expert else None
     return Piece(fragment.param_name, fragment.kind, spec.full_shape, spec.partition_dim,
-                 state.tp_rank, state.tp_size, fragment.offset, fragment.tensor, spec.valid_rows)
+                 state.tp_rank, state.tp_size, fragment.offset, fragment.tensor, spec.valid_rows,
+                 *((ep.rank, ep.size) if ep is not None else ()))
+
+
+def _ep_group(state: ParallelState):
+    """The EP group (``state.ep``, issue 32), None when experts are not split."""
+    ep = getattr(state, "ep", None)
+    return ep if ep is not None and ep.size > 1 else None
 
 
 def _writes(holder: CheckpointState, kind: str, layout: ParamLayout, state: ParallelState) -> bool:
     if layout.partition_dim < 0 and state.tp_rank != 0:
         return False
     replicated = holder.parameters_replicated if kind == "model" else holder.optimizer_state_replicated
+    if replicated and layout.expert and _ep_group(state) is not None:
+        return state.expert_dp.rank == 0   # each EP rank's experts: one copy per expert-DP group
     return state.dp_rank == 0 if replicated else holder.state_replica == 0
 
 

@@ -26,8 +26,10 @@ the data-parallel ranks by the caller: :meth:`Router.update_expert_bias`).
 
 Capacity (token dropping, GShard §2.2): with ``capacity_factor`` each expert takes at most
 ``C = ceil(capacity_factor * T * k / E)`` of the routes of this rank's micro-batch. An expert
-offered more keeps the C routes with the largest routing probability (ties: the earlier token,
-then the earlier of its k choices) and drops the rest; a dropped route gets expert index -1 and
+offered more keeps the C routes with the largest routing probability and drops the rest. Ties
+(top-1 Mixtral routing gives every route probability 1) go to the earlier position in the
+sequence, then the lower sequence index in the micro-batch (the ``[s, b]`` token order), then the
+earlier of the token's k choices; a dropped route gets expert index -1 and
 probability 0, and the token's other routes are unchanged (no renormalisation). The balancing
 losses and the load metrics count the routes before dropping.
 """

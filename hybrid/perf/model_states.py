@@ -14,7 +14,14 @@ K = master + exp_avg + exp_avg_sq bytes, :func:`optimizer_bytes_per_param`. The 
 4 + 4 + 4; with both moments in bf16 K = 4 + 2 + 2 = 8, with one of them K = 4 + 2 + 4 = 10; in plain
 fp32 training the master is the parameter itself, K = 0 + 4 + 4 (or 0 + 2 + 2).
 
-With model (tensor) parallelism of degree Nm, Ψ is the per-MP-rank share Ψ / Nm. Pure functions of
+With model (tensor) parallelism of degree Nm, Ψ is the per-MP-rank share Ψ / Nm.
+
+Mixture of experts with expert parallelism EP (issue 32): the experts are split over EP ranks carved
+out of DP and each expert is replicated over the expert-DP group of Nd / EP ranks only, so per rank
+
+    dense Ψ_d / Nm x (bytes at the stage, over Nd)  +  Ψ_e / (EP Nm) x (bytes at the stage, over Nd / EP)
+
+(:func:`moe_model_state_bytes`; Ψ_e counts all experts of the model). Pure functions of
 numbers (docs/design.md §7): the runtime's start-up memory report, tools/paper_tables.py and the
 tests call these same functions.
 """
@@ -59,6 +66,12 @@ class ModelStateBytes:
     def total(self) -> float:
         return self.params_16bit + self.grads_16bit + self.master_fp32 + self.adam_moments
 
+    def plus(self, other: "ModelStateBytes") -> "ModelStateBytes":
+        return ModelStateBytes(self.params_16bit + other.params_16bit,
+                               self.grads_16bit + other.grads_16bit,
+                               self.master_fp32 + other.master_fp32,
+                               self.adam_moments + other.adam_moments)
+
     def as_dict(self) -> dict[str, float]:
         return {"params_16bit": self.params_16bit, "grads_16bit": self.grads_16bit,
                 "master_fp32": self.master_fp32, "adam_moments": self.adam_moments,
@@ -86,6 +99,36 @@ def model_state_bytes(num_params: float, stage: int, dp: int, *, mp: int = 1, pa
                            grads_16bit=grad_bytes * grad_share,
                            master_fp32=master_bytes_per_param * opt_share,
                            adam_moments=(optimizer_bytes_per_param - master_bytes_per_param) * opt_share)
+
+
+@dataclass(frozen=True)
+class MoEModelStateBytes:
+    """Model-state bytes of ONE device split into the dense parameters and the experts."""
+
+    dense: ModelStateBytes
+    expert: ModelStateBytes
+
+    @property
+    def total(self) -> ModelStateBytes:
+        return self.dense.plus(self.expert)
+
+
+def moe_model_state_bytes(dense_params: float, expert_params: float, stage: int, dp: int, ep: int,
+                          *, mp: int = 1, **bytes_options) -> MoEModelStateBytes:
+    """Model states per device of a model with ``dense_params`` dense parameters (partitioned over
+    DP = ``dp``) and ``expert_params`` expert parameters in all (each EP rank holds 1/``ep`` of
+    them, partitioned over expert-DP = ``dp`` / ``ep``); both divided by ``mp`` (TP) first.
+    ``bytes_options``: those of :func:`model_state_bytes`. ``expert_params`` 0: the dense model."""
+    _check(1.0, stage, dp, mp)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp % ep:
+        raise ValueError(f"the expert-parallel size must be a positive divisor of the data-parallel "
+                         f"degree {dp}, got {ep!r}")
+    if expert_params < 0:
+        raise ValueError(f"expert parameter count must be >= 0, got {expert_params!r}")
+    dense = model_state_bytes(dense_params, stage, dp, mp=mp, **bytes_options)
+    expert = (model_state_bytes(expert_params / ep, stage, dp // ep, mp=mp, **bytes_options)
+              if expert_params else ModelStateBytes(0.0, 0.0, 0.0, 0.0))
+    return MoEModelStateBytes(dense, expert)
 
 
 def bytes_per_param(stage: int, dp: int, *, param_bytes: int = 2, grad_bytes: int = 2,

@@ -231,7 +231,9 @@ class GPTModel(nn.Module):
 
     def checkpoint_layout(self) -> dict[str, ParamLayout]:
         """Where each TP-local parameter sits in its full tensor (what a checkpoint piece records)."""
-        return checkpoint_layout(self.config, dict(self.named_parameters()), self.state.tp_size)
+        ep = getattr(self.state, "ep", None)   # experts split over EP (issue 32)
+        return checkpoint_layout(self.config, dict(self.named_parameters()), self.state.tp_size,
+                                 ep.size if ep is not None else 1)
 
     def checkpoint_pieces(self) -> list[Fragment]:
         """This rank's whole TP-local parameters as ``model`` pieces (views: filled in place)."""
@@ -309,6 +311,16 @@ class GPTModel(nn.Module):
         data-parallel ranks). A no-op without ``moe_router_enable_expert_bias``."""
         for moe in self.moe_layers():
             moe.router.update_expert_bias(dp_group)
+
+    def expert_biases(self) -> dict[int, torch.Tensor]:
+        """The routers' expert-bias buffers by global layer index (empty without expert bias):
+        training state outside the parameters, saved with checkpoints (pretrain/resume.py)."""
+        out = {}
+        for index, layer in zip(range(self.layers.start, self.layers.start + len(self.layers)),
+                                self.layers):
+            if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None:
+                out[index] = layer.mlp.router.expert_bias
+        return out
 
     def pop_moe_metrics(self) -> dict[int, dict[str, torch.Tensor]]:
         """Per MoE layer (global index): the metrics summed since the last call

@@ -132,10 +132,10 @@ class MixtureOfExperts(nn.Module):
     (Mixtral), or with pre_softmax softmax over E then top-k. Sigmoid: top-k of sigmoid(logits) +
     bias, the chosen sigmoid scores divided by their sum (k > 1). Times the scaling factor.
     Capacity C = ceil(factor T k / E): an expert offered more routes keeps the C of largest
-    probability, ties to the earlier token then the earlier choice. Losses over the T tokens of this
-    call: aux = E sum_e (routes to e / (T k)) (mean_t p_te), per sequence for seq_aux_loss (rows of
-    the batch), z = mean_t logsumexp^2, each times its coefficient. Expert e: SwiGLU with
-    fc1 rows [gate; up]."""
+    probability, ties to the earlier position, then the lower sequence, then the earlier choice.
+    Losses over the T tokens of this call: aux = E sum_e (routes to e / (T k)) (mean_t p_te), per
+    sequence for seq_aux_loss (rows of the batch), z = mean_t logsumexp^2, each times its
+    coefficient. Expert e: SwiGLU with fc1 rows [gate; up]."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -186,8 +186,10 @@ class MixtureOfExperts(nn.Module):
             weights = weights * c.moe_router_topk_scaling_factor
         return chosen, weights, p, logits
 
-    def keep_mask(self, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """[T, k] bool: the routes the capacity keeps (all of them when dropless)."""
+    def keep_mask(self, chosen: torch.Tensor, weights: torch.Tensor, s: int) -> torch.Tensor:
+        """[T, k] bool: the routes the capacity keeps (all of them when dropless). Token t of the
+        [b, s] rows is position t % s of sequence t // s; ties in probability go to the earlier
+        position, then the lower sequence, then the earlier choice."""
         c = self.config
         keep = torch.ones(chosen.shape, dtype=torch.bool)
         if c.moe_expert_capacity_factor is None:
@@ -198,7 +200,7 @@ class MixtureOfExperts(nn.Module):
         ids = chosen.tolist()
         for e in range(c.num_experts):
             routes = [(ti, j) for ti in range(t) for j in range(k) if ids[ti][j] == e]
-            routes.sort(key=lambda r: (-w[r[0]][r[1]], r[0], r[1]))
+            routes.sort(key=lambda r: (-w[r[0]][r[1]], r[0] % s, r[0] // s, r[1]))
             for ti, j in routes[cap:]:
                 keep[ti, j] = False
         return keep
@@ -226,7 +228,7 @@ class MixtureOfExperts(nn.Module):
             self.load_since_update += torch.bincount(chosen.reshape(-1),
                                                      minlength=self.config.num_experts).float()
         gates = torch.zeros(b * s, self.config.num_experts).scatter_add(
-            1, chosen, weights * self.keep_mask(chosen, weights))           # [T, E]
+            1, chosen, weights * self.keep_mask(chosen, weights, s))           # [T, E]
         outs = torch.stack([self.swiglu(flat, self.experts.fc1.weight[e], self.experts.fc2.weight[e])
                             for e in range(self.config.num_experts)], dim=1)   # [T, E, h]
         y = (gates.unsqueeze(2) * outs.float()).sum(1).to(x.dtype)

@@ -119,15 +119,20 @@ def partition_dim(name: str) -> int:
 
 
 def checkpoint_layout(config: GPTConfig, local: dict[str, torch.Tensor],
-                      tp: int) -> dict[str, ParamLayout]:
+                      tp: int, ep: int = 1) -> dict[str, ParamLayout]:
     """TP-local parameters (this rank's shapes) -> their full shapes in the TP model's layout
-    (vocab padded), split dims and real vocab rows: what a checkpoint piece records."""
+    (vocab padded), split dims and real vocab rows: what a checkpoint piece records. Expert
+    tensors hold this EP rank's experts (of ``ep``): their full shape has all of them."""
     out = {}
     for name, t in local.items():
         dim, shape = partition_dim(name), list(t.shape)
         if dim >= 0:
             shape[dim] *= tp
-        out[name] = ParamLayout(tuple(shape), dim, config.vocab_size if name in VOCAB_TABLES else None)
+        expert = name.endswith((EXPERT_FC1, EXPERT_FC2))
+        if expert:
+            shape[0] *= ep
+        out[name] = ParamLayout(tuple(shape), dim, config.vocab_size if name in VOCAB_TABLES else None,
+                                expert=expert)
     return out
 
 

@@ -8,7 +8,8 @@ that receive zero tokens.
 The oracle trains each data-parallel rank's share of the global batch as one call (routing,
 capacity and balancing losses are per micro-batch, as in the model) and averages the objectives
 ``mean token loss + aux losses``; the expert bias moves once per step from the loads of the whole
-global batch. A few cases run by default, the matrix is marked slow.
+global batch. One case (TP 2 with SP, ZeRO 3, most options at once) runs by default, the matrix
+of the rest is marked slow.
 """
 
 import pytest
@@ -47,9 +48,17 @@ VARIANTS = {
                                      moe_aux_loss_coeff=0.1, moe_router_topk_scaling_factor=2.0),
     "top2-presoftmax-every2nd": dict(moe_router_topk=2, moe_router_pre_softmax=True,
                                      moe_layer_freq=2),
+    # the default case: most options at once (sigmoid + bias, drops, gated shared expert, z-loss)
+    "top2-sigmoid-bias-drop-shared-z": dict(moe_router_topk=2, moe_router_score_function="sigmoid",
+                                            moe_router_enable_expert_bias=True,
+                                            moe_router_bias_update_rate=0.05,
+                                            moe_expert_capacity_factor=0.75,
+                                            moe_shared_expert_intermediate_size=8,
+                                            moe_shared_expert_gate=True, moe_aux_loss_coeff=0.05,
+                                            moe_z_loss_coeff=1e-2),
 }
 ALL = [(v, tp, stage) for v in VARIANTS for tp in (1, 2) for stage in (1, 3)]
-DEFAULT = [("top2-shared-gate-drop", 1, 1), ("top2-sigmoid-bias-seqaux", 2, 3)]
+DEFAULT = [("top2-sigmoid-bias-drop-shared-z", 2, 3)]
 
 
 def config_of(variant: str) -> GPTConfig:

@@ -19,6 +19,7 @@ import pytest
 from torch import nn
 
 from hybrid.adamw_config import AdamWConfig
+from hybrid.moe.router import Router
 from hybrid.offload.budget import OffloadConfig
 from hybrid.parallel_state import DEFAULT_TIMEOUT, ParallelState
 from hybrid.perf.hardware import Cluster
@@ -31,9 +32,11 @@ from hybrid.zero.config import LossScaleConfig, ZeroConfig
 from hybrid.zero_policy import (DEFAULT_BUCKET_ELEMENTS, layout_refusal, runnable_stages,
                                 stage_with_pipeline)
 from pretrain.config import TrainConfigError
+from models.gpt.config import GPTConfig
 from pretrain.sections import LoggingSection, OptimizerSection, ParallelSection
 
-SECTIONS = {"parallel": ParallelSection, "optimizer": OptimizerSection, "logging": LoggingSection}
+SECTIONS = {"parallel": ParallelSection, "optimizer": OptimizerSection, "logging": LoggingSection,
+            "model": GPTConfig}
 
 
 def field_default(cls, name: str):
@@ -107,6 +110,17 @@ FEEDS = {
     "optimizer.exp_avg_sq_dtype": [("AdamWConfig.exp_avg_sq_dtype",
                                     field_default(AdamWConfig, "exp_avg_sq_dtype"))],
     "optimizer.weight_decay": [("AdamWConfig.weight_decay", field_default(AdamWConfig, "weight_decay"))],
+    # the MoE model fields and the router they configure (hybrid.moe.router.Router)
+    **{f"model.{field}": [(f"hybrid.moe.router.Router({arg})", parameter_default(Router, arg))]
+       for field, arg in (("moe_router_score_function", "score_function"),
+                          ("moe_router_pre_softmax", "pre_softmax"),
+                          ("moe_router_topk_scaling_factor", "topk_scaling_factor"),
+                          ("moe_router_load_balancing_type", "load_balancing_type"),
+                          ("moe_aux_loss_coeff", "aux_loss_coeff"),
+                          ("moe_z_loss_coeff", "z_loss_coeff"),
+                          ("moe_router_enable_expert_bias", "enable_expert_bias"),
+                          ("moe_router_bias_update_rate", "bias_update_rate"),
+                          ("moe_expert_capacity_factor", "capacity_factor"))},
 }
 
 # section field -> (library config field, why the two defaults differ)

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLE = {int: "1", float: "1.0", str: "auto"}
 NOOP_VALUES = {"--rotary-percent": ("1.0", "0.5"), "--expert-model-parallel-size": ("1", "2"),
                "--context-parallel-size": ("1", "2"), "--optimizer": ("adam", "sgd"),
-               "--lr-warmup-init": ("0.0", "1e-5"), "--dataloader-type": ("single", "cyclic")}
+               "--lr-warmup-init": ("0.0", "1e-5"), "--dataloader-type": ("single", "cyclic"),
+               "--moe-token-drop-policy": ("probs", "position")}
 NOOP_CONTEXT = {"--grad-reduce-in-bf16": (["--bf16"], []),
                 "--calculate-per-token-loss": ([], ["--eod-mask-loss"])}
 MAPPED = {

@@ -32,7 +32,7 @@ DOCS = REPO / "docs"
 ORDER = ["README.md", "data.md", "quickstart.md", "launching.md", "choosing-parallelism.md",
          "tensorboard.md", "compile.md", "tiling.md", "fp8.md", "checkpoints.md", "paper.md", "gpu.md",
          "troubleshooting.md", "design.md", "megatron-flags.md", "optimizer-precision.md",
-         "optimizers.md", "muon_convergence.md", "moe.md"]
+         "optimizers.md", "muon_convergence.md", "moe.md", "zero-experts.md"]
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
 SLOW = re.compile(r"<!--\s*slow:\s*(.+?)\s*-->")
 FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
@@ -54,6 +54,10 @@ OPERATIONS_ONLY_SCALARS = {"checkpoint-async-wait-time", "checkpoint-async-host-
 # Only --log-straggler runs log these (tests/pretrain/test_stragglers.py reads them from a real run).
 STRAGGLER_ONLY_SCALARS = {f"straggler/{c}-seconds-{s}" for c in ("compute", "comm-wait", "data-wait")
                           for s in ("min", "median", "max")}
+# Only mixture-of-experts runs log these (tests/moe/test_moe_metrics.py reads them from a real run).
+MOE_ONLY_SCALARS = {"moe/load-max-over-mean", "moe/aux-loss", "moe/z-loss", "moe/dropped-fraction",
+                    *(f"moe/layer<i>/{n}" for n in ("load-max-over-mean", "aux-loss", "z-loss",
+                                                    "dropped-fraction", "tokens-per-expert/<e>"))}
 
 
 
@@ -208,7 +212,7 @@ def test_guides_run(tmp_path):
     doc -= per_op
     assert logged <= doc, f"logged but not in docs/tensorboard.md: {sorted(logged - doc)}"
     unlogged = (doc - logged - GPU_ONLY_SCALARS - PIPELINE_ONLY_SCALARS - COMPILE_ONLY_SCALARS
-                - OPERATIONS_ONLY_SCALARS - STRAGGLER_ONLY_SCALARS)
+                - OPERATIONS_ONLY_SCALARS - STRAGGLER_ONLY_SCALARS - MOE_ONLY_SCALARS)
     assert not unlogged, f"documented but not logged: {sorted(unlogged)}"
     assert (work / "ckpt" / "latest").read_text().strip() == "iter_0000005"   # the resharded resume saved
     assert (work / "hf" / "model.safetensors").exists() and (work / "paper" / "tables.md").exists()

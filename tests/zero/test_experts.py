@@ -22,6 +22,7 @@ from torch import nn
 
 from hybrid import comm
 from hybrid.adamw_config import AdamWConfig
+from hybrid.checkpoint.state import ParamLayout, load_state, save_state
 from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState, _make_groups
 from hybrid.testing.multirank import run_on_ranks
@@ -107,9 +108,9 @@ def full_values(seed=3):
     return {n: torch.randn(p.shape, generator=g) * 0.4 for n, p in ref.named_parameters()}
 
 
-def shard(name, full, ep_rank):
+def shard(name, full, ep_rank, ep=EP):
     if name in ("experts.w", "experts.b"):
-        local = E // EP
+        local = E // ep
         return full[ep_rank * local:(ep_rank + 1) * local].clone()
     return full.clone()
 
@@ -122,6 +123,10 @@ def data(dp, steps=STEPS, seed=5):
 
 def reference_run(batches, dp, clip):
     """Global mean loss = mean of the DP ranks' losses; torch AdamW (no decay on ndim < 2)."""
+    return reference_opt(batches, dp, clip)[:3]
+
+
+def reference_opt(batches, dp, clip):
     model = ToyMoE()
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -140,7 +145,7 @@ def reference_run(batches, dp, clip):
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))))
         opt.step()
         losses.append(loss.item())
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, model, opt
 
 
 def expert_groups(state):
@@ -206,7 +211,7 @@ def _expected_formula(stage, dense, expert):
 
 @pytest.mark.parametrize("stages", [(1, 3)])
 def test_expert_parallel_zero_matches_reference(stages):
-    results = run_on_ranks(_parity, 4, args=(list(stages), 0.05))
+    results = run_on_ranks(_parity, 4, args=(list(stages), 0.05), timeout=600)
     dense = 2 * (H * H + H) + H
     expert = (E // EP) * (H * H + H)
     for stage in stages:
@@ -218,10 +223,133 @@ def test_expert_parallel_zero_matches_reference(stages):
 
 @pytest.mark.slow
 def test_expert_parallel_zero_all_stages_and_accumulation():
-    run_on_ranks(_parity, 4, args=([0, 1, 2, 3], 0.05), kwargs={"accum": 2})
-    run_on_ranks(_parity, 4, args=([0, 2], 0.0))
+    run_on_ranks(_parity, 4, args=([0, 1, 2, 3], 0.05), kwargs={"accum": 2}, timeout=900)
+    run_on_ranks(_parity, 4, args=([0, 2], 0.0), timeout=900)
 
 
 @pytest.mark.slow
 def test_expert_parallel_zero_with_cpu_offload():
-    run_on_ranks(_parity, 4, args=([1, 3], 0.05), kwargs={"offload": OffloadConfig(mode="cpu")})
+    run_on_ranks(_parity, 4, args=([1, 3], 0.05), kwargs={"offload": OffloadConfig(mode="cpu")},
+                 timeout=900)
+
+
+# ---- checkpoints reshard across EP (issue 32 item 4) -------------------------------------------
+LAYOUT = {"inp.weight": ParamLayout((H, H), -1), "inp.bias": ParamLayout((H,), -1),
+          "experts.scale": ParamLayout((H,), -1), "out.weight": ParamLayout((H, H), -1),
+          "out.bias": ParamLayout((H,), -1),
+          "experts.w": ParamLayout((E, H, H), -1, expert=True),   # all E experts; dim 0 over EP
+          "experts.b": ParamLayout((E, H), -1, expert=True)}
+
+
+def _ep_layout(state, ep_size):
+    """EP groups of ``ep_size`` consecutive DP ranks (state.ep, state.expert_dp as ParallelState
+    names them); EP 1: this rank alone, expert-DP = DP."""
+    n = state.dp_size
+    if ep_size == 1:
+        state.ep, state.expert_dp = comm.Group("ep", [state.rank], 0, state.ledger), state.dp
+        return
+    state.ep = _make_groups("ep", [list(range(i, i + ep_size)) for i in range(0, n, ep_size)],
+                            state.rank, state.ledger, "gloo", None)
+    state.expert_dp = (_make_groups("expert_dp", [list(range(i, n, ep_size)) for i in range(ep_size)],
+                                    state.rank, state.ledger, "gloo", None)
+                       if ep_size < n else comm.Group("expert_dp", [state.rank], 0, state.ledger))
+
+
+def _engine(state, stage, ep_size):
+    model = ToyMoE(state.ep)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(shard(n, full_values()[n], state.ep.rank, ep_size))
+    cfg = ZeroConfig(stage=stage, bucket_size=100, clip_grad=0.05)
+    return model, build_zero_optimizer(model, state, cfg, ADAMW)
+
+
+def _steps(state, model, opt, batches):
+    losses = []
+    for x, t in batches:
+        opt.zero_grad()
+        mine = slice(state.rank * TOKENS, (state.rank + 1) * TOKENS)
+        loss = model(x[mine], t[mine])
+        opt.backward(loss)
+        opt.step()
+        total = loss.detach().reshape(1).clone()
+        comm.all_reduce(total, state.dp)
+        losses.append(total.item() / state.dp_size)
+    return losses
+
+
+def _reshard(rank, world_size, directory, save, loads):
+    """Train 2 steps at (save stage, save EP), save; for each (stage, EP) of ``loads``: load, train
+    the 3 remaining steps, compare losses and final parameters with the 5-step reference, and
+    the loaded Adam moments with the reference's after step 2."""
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    batches = data(world_size)
+    ref_losses, _, ref_params, _, _ = reference_opt(batches, world_size, 0.05)
+    _, _, _, ref_model, ref_opt = reference_opt(batches[:2], world_size, 0.05)
+    moments = {(n, kind): ref_opt.state[p][kind] for n, p in ref_model.named_parameters()
+               for kind in ("exp_avg", "exp_avg_sq")}
+    _ep_layout(state, save[1])
+    model, opt = _engine(state, *save)
+    _steps(state, model, opt, batches[:2])
+    save_state(directory, 2, opt, LAYOUT, state, extra={}, metadata={}, keep_last=1)
+    for stage, ep_size in loads:
+        _ep_layout(state, ep_size)
+        model, opt = _engine(state, stage, ep_size)
+        load_state(directory, opt, LAYOUT, state)
+        what = f"saved at stage {save[0]} EP {save[1]}, loaded at stage {stage} EP {ep_size}"
+        for f in opt.owned_fragments():
+            if f.kind == "master":
+                continue
+            full = shard(f.param_name, moments[(f.param_name, f.kind)], state.ep.rank, ep_size)
+            torch.testing.assert_close(f.tensor, full.reshape(-1)[f.offset:f.offset + f.tensor.numel()],
+                                       rtol=1e-5, atol=1e-7, msg=lambda m: f"{what} {f.kind}: {m}")
+        losses = _steps(state, model, opt, batches[2:])
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[2:]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{what} losses: {m}")
+        mine = (opt.gathered_state_dict() if stage == 3 else
+                {n: p.detach() for n, p in model.named_parameters()})
+        for n, value in mine.items():
+            torch.testing.assert_close(value, shard(n, ref_params[n], state.ep.rank, ep_size),
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {n}: {m}")
+    return True
+
+
+def test_checkpoint_saved_at_ep2_loads_at_ep1_and_ep4(tmp_path):
+    assert run_on_ranks(_reshard, 4, args=(str(tmp_path), (1, 2), [(1, 1), (2, 4)]), timeout=600)
+
+
+@pytest.mark.slow
+def test_checkpoint_reshards_across_ep_and_stages(tmp_path):
+    run_on_ranks(_reshard, 4, args=(str(tmp_path), (0, 2), [(3, 1), (0, 4), (3, 2)]), timeout=900)
+    run_on_ranks(_reshard, 4, args=(str(tmp_path / "s3"), (3, 2), [(1, 1), (3, 4), (0, 2)]),
+                 timeout=900)
+
+
+# ---- overflow: a non-finite expert gradient on one rank skips the step everywhere -------------
+def _overflow(rank, world_size, stages):
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    ep, edp = expert_groups(state)
+    (x, t), = data(world_size, steps=1)
+    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    for stage in stages:
+        model = ToyMoE(ep)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(shard(n, full_values()[n], ep.rank))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = build_zero_optimizer(model, state, ZeroConfig(stage=stage, bucket_size=100), ADAMW,
+                                   expert_dp=edp)
+        opt.zero_grad()
+        loss = model(x[mine], t[mine])
+        if rank == 3:   # an Inf reaching only the experts of EP rank 1 (expert-DP rank 1)
+            loss = loss + model.experts.w.sum() * float("inf")
+        opt.backward(loss)
+        result = opt.step()
+        assert result.skipped, f"stage {stage}: rank {rank} did not see the overflow"
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[n]), f"stage {stage}: {n} changed"
+    return True
+
+
+def test_nonfinite_expert_gradient_on_one_rank_skips_everywhere():
+    assert all(run_on_ranks(_overflow, 4, args=([0, 2],), timeout=600))

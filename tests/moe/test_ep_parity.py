@@ -27,6 +27,7 @@ from hybrid.perf.moe_comm import alltoall_exact
 from models.gpt.sharding import expert_slice, gather_canonical, gather_experts, shard_tensor
 from tests.moe.test_moe_parity import ADAMW, BASE, BATCH, SEED, VARIANTS, data, reference_run
 from tests.moe.test_moe_parity import _train as zero_train
+from tests.moe.test_ep_dispatch import check_on_state
 
 
 def _config(variant: str, dispatcher: str) -> GPTConfig:
@@ -105,12 +106,14 @@ def _expected(config, state, name, full):
                         state.tp_rank, state.tp_size)
 
 
-def _cases(rank, world_size, cases):
+def _cases(rank, world_size, cases, dispatchers=False):
     checked, batches = [], data()
     for tp, ep in sorted({c[1:3] for c in cases}):
         state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size,
                                                   expert_model_parallel_size=ep),
                                          dp_transport="gloo")
+        if dispatchers:   # tests/moe/test_ep_dispatch.py's EP checks, in these ranks
+            check_on_state(state)
         for variant, _, _, dispatcher, zero in [c for c in cases if c[1:3] == (tp, ep)]:
             config = _config(variant, dispatcher)
             ref_losses, ref_norms, ref_params = reference_run(config, batches, state.dp_size)
@@ -132,14 +135,15 @@ def _cases(rank, world_size, cases):
     return checked
 
 
-def _check(world, cases):
-    checked = run_on_ranks(_cases, world, args=(cases,), timeout=900)
+def _check(world, cases, dispatchers=False):
+    checked = run_on_ranks(_cases, world, args=(cases, dispatchers), timeout=900)
     assert [w for w, _ in checked[0]] == [w for w, _ in checked[-1]] and len(checked[0]) == len(cases)
     assert sum(idle for _, idle in checked[0]) > 0   # some expert saw no token in some micro-batch
 
 
-def test_ep2_matches_the_oracle():
-    _check(2, [("top2-aux-z", 1, 2, "alltoall", None)])
+def test_ep2_dispatchers_and_training_match():
+    """The dispatchers against the local computation, then 5 steps against the oracle, EP 2."""
+    _check(2, [("top2-aux-z", 1, 2, "alltoall", None)], dispatchers=True)
 
 
 @pytest.mark.slow

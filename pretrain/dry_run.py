@@ -189,7 +189,31 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
             "offload_needs": _offload_needs(cfg, mode, dp if zero_stage else 1, shard.size),
             "offload_target": p.offload_target_efficiency,
             "flops_per_iteration": flops, "flops_per_rank": flops / world,
-            "peak_tflops": cfg.logging.peak_tflops}
+            "peak_tflops": cfg.logging.peak_tflops,
+            "moe": _moe_report(cfg, gcfg, state, chunks, layout, param_bytes, mode)}
+
+
+def _moe_report(cfg, gcfg, state, chunks, layout, param_bytes: int, mode: str) -> dict | None:
+    """Expert parallelism on this rank (issue 32): its EP and expert-DP groups, its experts'
+    parameters and bytes, and the token dispatch's bytes per step (hybrid.perf.moe_comm's
+    even-routing estimate, x the stage's MoE layers x micro-batches; a full recompute repeats the
+    forward's). None for a dense model."""
+    if gcfg.num_experts is None:
+        return None
+    from hybrid.perf.moe_comm import dispatch_bytes
+    experts = sum(t.numel() for chunk in chunks for t in chunk.parameters()
+                  if getattr(t, "expert_parallel", False))
+    layers = sum(len(chunk.moe_layers()) for chunk in chunks)
+    per_layer = dispatch_bytes(gcfg.moe_token_dispatcher_type,
+                               cfg.data.micro_batch_size * gcfg.seq_length, gcfg.moe_router_topk,
+                               gcfg.hidden_size, state.ep_size, gcfg.num_experts, param_bytes)
+    forwards = 2 if mode.startswith("full") else 1
+    step = layers * layout.micro_batches * (per_layer.total
+                                            + (forwards - 1) * (per_layer.forward + per_layer.metadata))
+    return {"ep": state.ep_size, "ep_group": state.ep.ranks, "expert_dp_group": state.expert_dp.ranks,
+            "local_experts": gcfg.num_experts // state.ep_size, "moe_layers": layers,
+            "expert_params_per_rank": experts, "expert_param_bytes_per_rank": experts * param_bytes,
+            "dispatcher": gcfg.moe_token_dispatcher_type, "a2a_bytes_per_step": step}
 
 
 def _batch_ramp(cfg) -> str:
@@ -349,6 +373,7 @@ def format_report(r: dict) -> str:
              *(f"  {line}" for line in describe_collectives(r["dp_collectives"])),
              *(_cp_lines(r) if r["cp_size"] > 1 else []),
              *(_pipeline_lines(r) if r["pipeline"] is not None else []),
+             *(_moe_lines(r["moe"]) if r.get("moe") else []),
              f"global batch {r['global_batch']} = micro x DP x {r['accumulation_steps']} accumulation"
              + (f"; ramp: {r['batch_ramp']}" if r["batch_ramp"] else ""),
              f"model FLOPs per iteration {r['flops_per_iteration']:.3e} ({r['flops_per_rank']:.3e} per "
@@ -356,6 +381,15 @@ def format_report(r: dict) -> str:
                           f"{r['flops_per_rank'] / r['peak_tflops'] / 1e12:.2f} s per iteration)"
                           if r["peak_tflops"] else "pass --peak-tflops for a time bound)")]
     return "\n".join(lines)
+
+
+def _moe_lines(moe: dict) -> list[str]:
+    return [f"experts: EP {moe['ep']} (EP group {_span(moe['ep_group'])}, expert-DP group "
+            f"{_span(moe['expert_dp_group'])}), {moe['local_experts']} experts of each of "
+            f"{moe['moe_layers']} MoE layers here: {moe['expert_params_per_rank']:,} expert "
+            f"parameters, {_bytes(moe['expert_param_bytes_per_rank'])}; {moe['dispatcher']} token "
+            f"dispatch {_bytes(moe['a2a_bytes_per_step'])} per rank per step (even routing, "
+            f"docs/moe.md)"]
 
 
 def _pipeline_lines(r: dict) -> list[str]:

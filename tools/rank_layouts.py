@@ -17,6 +17,16 @@ enumerated with TP x C inside one node's GPUs or across nodes, as long as every 
 runs: ``--attention-core flash`` (SDPA's fused kernels, the default for a custom model) keeps no
 [s, s] scores; the papers' presets use the explicit core of their time ("megatron").
 
+With ``--num-experts E --expert-model-parallel-size EP`` (issue 32) every top layout whose DP
+divides by EP also gets its expert bytes per GPU (every layer a MoE layer of E SwiGLU experts of
+width ``--moe-ffn-hidden-size``, split over EP then TP; 16-bit parameters and gradients, the
+optimizer's K bytes over the expert-DP group DP / EP at ZeRO 1-3) and its all-to-all token
+dispatch bytes per step (hybrid/perf/moe_comm.py, even routing, top ``--moe-router-topk``). The
+ranking itself still models the dense GPT of ``--hidden``.
+
+    python tools/rank_layouts.py --layers 32 --hidden 4096 --heads 32 --gpus 64 --global-batch 512 \
+        --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 14336 --expert-model-parallel-size 8
+
 With 16-bit Adam moments (docs/optimizer-precision.md) the model states take K = 4 + 2 + 2 bytes a
 parameter instead of 12, and the optimizer step reads and writes 12 + 2 (2 + 2) = 20 bytes a
 parameter instead of 28 (16-bit gradient in, fp32 master and both moments in and out, 16-bit
@@ -257,8 +267,46 @@ def offload_lines(preset: Preset, found: list[LayoutEstimate], top: int, where: 
     return lines
 
 
+@dataclass(frozen=True)
+class ExpertOptions:
+    """The MoE options of the expert lines (module docstring)."""
+
+    num_experts: int
+    topk: int
+    ffn: int
+    ep: int
+
+
+def expert_lines(preset: Preset, found: list[LayoutEstimate], top: int,
+                 moe: ExpertOptions) -> list[str]:
+    """Per top layout: expert parameters and bytes per GPU, and the all-to-all bytes per step."""
+    from hybrid.perf.moe_comm import dispatch_bytes
+    k_bytes = preset.model()["optimizer_bytes_per_param"]
+    lines = [f"experts: {moe.num_experts} per layer (SwiGLU width {moe.ffn}, top-{moe.topk}) at "
+             f"EP {moe.ep}, every layer a MoE layer; per GPU, with the all-to-all bytes per step "
+             f"(even routing, 16-bit activations)"]
+    for i, e in enumerate(found[:top], 1):
+        lay = e.layout
+        if lay.dp % moe.ep or moe.num_experts % moe.ep:
+            lines.append(f"{i:>3} {lay.describe():<62} EP {moe.ep} does not divide DP {lay.dp} "
+                         f"or the {moe.num_experts} experts")
+            continue
+        layers = preset.layers // lay.pp
+        params = layers * (moe.num_experts // moe.ep) * 3 * preset.hidden * moe.ffn / lay.tp
+        expert_dp = lay.dp // moe.ep
+        state = params * (2 + 2 + k_bytes / (expert_dp if lay.stage else 1))
+        micro_batches = preset.global_batch // (lay.micro_batch * lay.dp)
+        per_layer = dispatch_bytes("alltoall", lay.micro_batch * preset.seq, moe.topk,
+                                   preset.hidden, moe.ep, moe.num_experts, 2)
+        a2a = per_layer.total * layers * micro_batches
+        lines.append(f"{i:>3} {lay.describe():<62} {params / 1e9:6.2f} B expert params, "
+                     f"{state / 1e9:7.1f} GB expert states (expert-DP {expert_dp}), "
+                     f"all-to-all {a2a / 1e9:7.2f} GB/step")
+    return lines
+
+
 def report(preset: Preset, top: int, offload: str = "none",
-           target: float = 0.9) -> list[str] | None:
+           target: float = 0.9, moe: ExpertOptions | None = None) -> list[str] | None:
     """The ranking of one model and cluster, with the published layout's verdict; None if nothing
     fits."""
     found = rank(preset)
@@ -271,6 +319,8 @@ def report(preset: Preset, top: int, offload: str = "none",
     lines.append(working_memory_line(preset, found[0].layout, "#1"))
     if offload != "none":
         lines += offload_lines(preset, found, top, offload, target)
+    if moe is not None:
+        lines += expert_lines(preset, found, top, moe)
     if preset.published is not None:
         lines += published_verdict(preset, found)
         lines.append(working_memory_line(preset, preset.published, "the published layout"))
@@ -314,6 +364,10 @@ def main(argv=None) -> int:
                         help="for a custom model: the attention core whose activations count: "
                              "flash (SDPA's fused kernels, no [s, s] scores; default) or megatron "
                              "(the explicit core, 5 a s^2 b / t bytes a layer)")
+    parser.add_argument("--num-experts", type=int, help="MoE: experts per layer (expert lines)")
+    parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--moe-ffn-hidden-size", type=int, help="MoE: expert width (default 4h)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
@@ -350,7 +404,16 @@ def main(argv=None) -> int:
         preset = Preset(args.layers, args.hidden, args.heads, args.seq_length, args.vocab_size,
                         args.gpus, args.global_batch, dgx2_v100_cluster(), None, "", moments,
                         args.attention_core)
-    lines = report(preset, args.top, args.offload, args.target_efficiency)
+    moe = None
+    if args.num_experts is not None:
+        if args.num_experts < 1 or args.expert_model_parallel_size < 1 or args.moe_router_topk < 1:
+            print("error: --num-experts, --moe-router-topk and --expert-model-parallel-size must be "
+                  "positive", file=sys.stderr)
+            return 2
+        moe = ExpertOptions(args.num_experts, args.moe_router_topk,
+                            args.moe_ffn_hidden_size or 4 * preset.hidden,
+                            args.expert_model_parallel_size)
+    lines = report(preset, args.top, args.offload, args.target_efficiency, moe)
     if lines is None:
         print(f"error: no layout of this model fits {preset.cluster.memory_bytes / 1e9:.0f} GB per GPU "
               f"on {preset.gpus} GPUs; add GPUs or lower the global batch", file=sys.stderr)

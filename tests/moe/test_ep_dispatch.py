@@ -1,5 +1,5 @@
-"""Expert-parallel token dispatchers (issue 32 item 2) against the local computation, on 4 gloo ranks:
-EP 4 and EP 2 (two EP groups), ``alltoall`` and ``allgather``; outputs and the gradients of the
+"""Expert-parallel token dispatchers (issue 32 item 2) against the local computation on gloo ranks:
+EP 2 (by default inside tests/moe/test_ep_parity.py's ranks), EP 4 and EP 2 in two groups (slow), ``alltoall`` and ``allgather``; outputs and the gradients of the
 hidden states, the probs and the expert weights equal a single-process computation of the same
 routing. The routing has an expert that receives no token from rank 0, an expert no rank chooses,
 dropped routes (index -1), and a rank that sends nothing (all its routes dropped). The ledger's
@@ -92,6 +92,14 @@ def _check(rank, world_size, eps):
     return True
 
 
+def check_on_state(state) -> None:
+    """Both dispatchers on an existing state's EP group (the default EP 2 run shares its ranks
+    with tests/moe/test_ep_parity.py's, one spawn for both)."""
+    for kind in ("alltoall", "allgather"):
+        _one_layout(state, kind)
+
+
+@pytest.mark.slow   # by default the same check runs inside test_ep_parity's EP 2 ranks
 def test_dispatchers_match_local_computation_at_ep2():
     assert run_on_ranks(_check, 2, args=((2,),)) == [True] * 2
 

@@ -5,12 +5,13 @@ dispatchers, dropless and with a capacity factor that drops, and experts that re
 from some rank in some micro-batch. Every dropless all-to-all step also checks the ledger: the bytes
 on the EP group equal docs/moe.md's formula computed from the routing (hybrid.perf.moe_comm).
 
-The step here is plain data parallelism written out: every gradient summed over its replicas
+The default step is plain data parallelism written out: every gradient summed over its replicas
 (dense ones over DP, expert ones over the expert-DP group, DP / EP ranks holding the same experts:
 an expert's gradient on its EP rank already sums every EP rank's tokens), divided by DP, then
-torch.optim.AdamW on the local tensors (elementwise, so the shards step like the whole). The
-ZeRO engines' expert-DP reduction is tested with them (tests/zero).
-EP 2 x TP 1 runs by default; EP 4 and EP 2 x TP 2 are marked slow.
+torch.optim.AdamW on the local tensors (elementwise, so the shards step like the whole). The slow
+cases add the ZeRO engines (stage 1, one stage 3), which reduce and partition the expert
+parameters over the expert-DP group, with sequence parallelism at TP 2.
+EP 2 x TP 1 runs by default; EP 4 x TP 1/2 and EP 2 x TP 2 are marked slow.
 """
 
 import pytest
@@ -23,8 +24,10 @@ from hybrid.topology import Topology
 from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from hybrid.perf.moe_comm import alltoall_exact
-from models.gpt.sharding import gather_canonical, gather_experts
+from models.gpt.sharding import expert_slice, gather_canonical, gather_experts, shard_tensor
 from tests.moe.test_moe_parity import ADAMW, BASE, BATCH, SEED, VARIANTS, data, reference_run
+from tests.moe.test_moe_parity import _train as zero_train
+from tests.moe.test_ep_dispatch import check_on_state
 
 
 def _config(variant: str, dispatcher: str) -> GPTConfig:
@@ -92,42 +95,68 @@ def _check_ledger(state, config, metrics, records):
     assert moved == expected, (moved, expected)
 
 
-def _cases(rank, world_size, cases):
+def _train_zero(state, config, batches, stage):
+    """The ZeRO engine's step (expert parameters over the expert-DP group), sequence parallel at
+    TP > 1: (losses, grad norms, this rank's TP shards of its experts' parameters, idle experts)."""
+    return zero_train(state, config, stage, batches)
+
+
+def _expected(config, state, name, full):
+    return shard_tensor(config, name, expert_slice(name, full, state.ep_rank, state.ep_size),
+                        state.tp_rank, state.tp_size)
+
+
+def _cases(rank, world_size, cases, dispatchers=False):
     checked, batches = [], data()
     for tp, ep in sorted({c[1:3] for c in cases}):
         state = ParallelState.initialize(Topology(world_size, tp, gpus_per_node=world_size,
                                                   expert_model_parallel_size=ep),
                                          dp_transport="gloo")
-        for variant, _, _, dispatcher in [c for c in cases if c[1:3] == (tp, ep)]:
+        if dispatchers:   # tests/moe/test_ep_dispatch.py's EP checks, in these ranks
+            check_on_state(state)
+        for variant, _, _, dispatcher, zero in [c for c in cases if c[1:3] == (tp, ep)]:
             config = _config(variant, dispatcher)
             ref_losses, ref_norms, ref_params = reference_run(config, batches, state.dp_size)
-            losses, norms, params, idle = _train(state, config, batches)
-            what = f"{variant} {dispatcher} tp {tp} ep {ep} dp {state.dp_size}"
+            if zero is None:
+                losses, norms, params, idle = _train(state, config, batches)
+            else:   # this rank's TP shards of its experts: compare with the oracle's slices
+                losses, norms, params, idle = _train_zero(state, config, batches, zero)
+                ref_params = {n: _expected(config, state, n, t) for n, t in ref_params.items()}
+            what = f"{variant} {dispatcher} tp {tp} ep {ep} dp {state.dp_size} zero {zero}"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
                                        atol=1e-6, msg=lambda m: f"{what} losses: {m}")
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5,
                                        atol=0, msg=lambda m: f"{what} grad norms: {m}")
             assert params.keys() == ref_params.keys(), what
             for name, value in params.items():
-                torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6,
+                torch.testing.assert_close(value.float(), ref_params[name], rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{what} param {name}: {m}")
             checked.append((what, idle))
     return checked
 
 
-def _check(world, cases):
-    checked = run_on_ranks(_cases, world, args=(cases,), timeout=900)
+def _check(world, cases, dispatchers=False):
+    checked = run_on_ranks(_cases, world, args=(cases, dispatchers), timeout=900)
     assert [w for w, _ in checked[0]] == [w for w, _ in checked[-1]] and len(checked[0]) == len(cases)
     assert sum(idle for _, idle in checked[0]) > 0   # some expert saw no token in some micro-batch
 
 
-def test_ep2_matches_the_oracle():
-    _check(2, [("top2-aux-z", 1, 2, "alltoall")])
+def test_ep2_dispatchers_and_training_match():
+    """The dispatchers against the local computation, then 5 steps against the oracle, EP 2."""
+    _check(2, [("top2-aux-z", 1, 2, "alltoall", None)], dispatchers=True)
 
 
 @pytest.mark.slow
 def test_ep4_and_ep2_tp2_match_the_oracle():
-    _check(4, [(v, 1, 4, d) for v in ("top2-aux-z", "top1-shared-drop") for d in ("alltoall", "allgather")]
-           + [("top2-shared-gate-drop", 1, 2, "alltoall"), ("top1", 1, 2, "allgather")]
-           + [(v, 2, 2, d) for v in ("top2-sigmoid-bias-seqaux", "top2-presoftmax-every2nd")
-              for d in ("alltoall", "allgather")])
+    _check(4, [(v, 1, 4, d, None) for v in ("top2-aux-z", "top1-shared-drop")
+               for d in ("alltoall", "allgather")]
+           + [("top2-shared-gate-drop", 1, 2, "alltoall", None), ("top1", 1, 2, "allgather", None)]
+           + [(v, 2, 2, d, None) for v in ("top2-sigmoid-bias-seqaux", "top2-presoftmax-every2nd")
+              for d in ("alltoall", "allgather")]
+           + [("top2-aux-z", 1, 4, "alltoall", 1), ("top2-shared-gate-drop", 2, 2, "alltoall", 1),
+              ("top2-aux-z", 2, 2, "allgather", 3)])
+
+
+@pytest.mark.slow
+def test_ep4_tp2_zero1_matches_the_oracle():
+    _check(8, [("top2-aux-z", 2, 4, "alltoall", 1), ("top2-shared-gate-drop", 2, 4, "allgather", 1)])

@@ -32,7 +32,7 @@ DOCS = REPO / "docs"
 ORDER = ["README.md", "data.md", "quickstart.md", "launching.md", "choosing-parallelism.md",
          "tensorboard.md", "compile.md", "tiling.md", "fp8.md", "checkpoints.md", "paper.md", "gpu.md",
          "troubleshooting.md", "design.md", "megatron-flags.md", "optimizer-precision.md",
-         "optimizers.md", "muon_convergence.md", "moe.md",
+         "optimizers.md", "muon_convergence.md", "moe.md", "zero-experts.md",
          "context-parallel.md"]
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
 SLOW = re.compile(r"<!--\s*slow:\s*(.+?)\s*-->")

@@ -10,6 +10,10 @@ to it): :class:`DataParallel`, :class:`OptimizerStatePartitioning`, :class:`Grad
 optimizer-state backend (:mod:`.optimizer_state`: on the device, or offloaded by
 :mod:`hybrid.offload`).
 
+Parameter classes (issue 32, :mod:`.param_classes`): expert-parallel parameters are reduced and
+partitioned over the expert-DP group, with flat buffers (:mod:`.flat_class`) or stage-3 units
+(:mod:`.stage3_classes`) of their own.
+
 Shared core: :mod:`.config`, :mod:`.engine` (the step), :mod:`.pieces`, :mod:`.optimizer_state`,
 :mod:`.loss_scaler`, :mod:`.adamw`, :mod:`.clip`, :mod:`.report`. Stages 0-2: :mod:`.partition`
 (flat buffers, buckets), :mod:`.reducer` (gradient storage and its bucketed reduction overlapped

@@ -40,8 +40,8 @@ import math
 
 import torch
 
-from hybrid.adamw_config import AdamWConfig
 from hybrid import comm
+from hybrid.adamw_config import AdamWConfig
 from hybrid.comm import Group
 from hybrid.offload.backend import STATE_KINDS, OptimizerStateBackend
 from hybrid.parallel_state import ParallelState

@@ -30,6 +30,11 @@ stage                                    optimizer state     gradients (:mod:`.r
 With ``ZeroConfig.quantized_gradients`` (ZeRO++ qgZ) stages 1 and 2 reduce-scatter each bucket in
 int8, inside each host first and then across hosts (:mod:`.quantized_collectives`).
 
+With expert-parallel parameters (issue 32) the engine keeps one flat buffer, layout and gradient
+reduction per parameter class (:class:`~hybrid.zero.flat_class.FlatClass`: dense over DP, experts
+over the expert-DP group); the optimizer state sees their chunks back to back. Without experts
+there is one class and everything above holds unchanged.
+
 Stage 3 (Pos+g+p, §5.3) is :class:`hybrid.zero.stage3.ParameterPartitioning`. The step itself
 (norm, overflow, clipping, AdamW, skip) is :class:`hybrid.zero.engine.ZeroEngine`'s, written once;
 the optimizer state (master and moments, on the device, host or NVMe) is an

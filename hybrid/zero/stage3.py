@@ -57,12 +57,12 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.host_groups import secondary_group
 from hybrid.zero.optimizer_state import build_optimizer_state
+from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
 from hybrid.zero.pieces import OwnedPiece
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
 from hybrid.zero.results import Fragment
 from hybrid.zero.shard_store import open_shard_store, resident_param_bytes
-from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
 from hybrid.zero.stage3_classes import merge_units, split_pairs
 from hybrid.zero.stage3_hooks import Stage3Scheduler
 from hybrid.zero.stage3_unit import ShardedUnit
@@ -204,8 +204,9 @@ class ParameterPartitioning(ZeroEngine):
         """Release unit k (its backward is over) and start its gradient reduce-scatter. At most
         MAX_REDUCES_IN_FLIGHT full-size gradient buffers exist: older reduces are finished first."""
         unit = self.all_units[k]
-        if k in self._module_of and all(self._remaining[j] == 0   # every class's unit is done
-                                        for j in self._members[self._module_of[k]]):
+        mine = self._members.get(self._module_of.get(k), [k])
+        if k in self._module_of and (len(mine) == 1 or all(self._remaining[j] == 0 for j in mine)):
+            # (a module with a dense and an expert unit: released once both are done)
             self.scheduler.release(self._module_of[k])
         while len(self._in_flight) >= MAX_REDUCES_IN_FLIGHT:
             self._finish_reduce(self._in_flight.pop(0))

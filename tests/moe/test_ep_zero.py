@@ -110,10 +110,12 @@ def _resume(rank, world_size, directory, save_stage, loads):
     return True
 
 
+@pytest.mark.slow
 def test_moe_gpt_zero1_at_ep2_matches_oracle():
     assert all(run_on_ranks(_parity, 4, args=([1],), timeout=600))
 
 
+@pytest.mark.slow
 def test_moe_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(tmp_path):
     assert all(run_on_ranks(_resume, 4, args=(str(tmp_path), 1, [(1, 1), (1, 4)]), timeout=600))
 

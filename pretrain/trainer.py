@@ -322,7 +322,7 @@ class Trainer:
         skip = self._step_skip
         result = self.optimizer.step(skip) if skip is not None else self.optimizer.step()
         for module in self._moe_modules():   # DeepSeek-V3's expert bias: once per optimizer step
-            module.update_expert_biases(self.state.dp)
+            module.update_expert_biases(self.state.dp_cp)   # every token: DP x CP
         if self.pipeline is not None and self.pipeline.tied is not None:
             # the first stage's updated E to the last stage, overlapping the next step's start:
             # the runner lands it before the last stage's first forward (and _land_tied_weight
@@ -488,7 +488,7 @@ class Trainer:
         if self.pipeline is not None:
             m["pipeline/bubble-fraction"] = stats.bubble_sum / stats.iterations
         for module in self._moe_modules():   # expert load, aux / z losses, drops (docs/moe.md)
-            m.update(moe_metrics(module.pop_moe_metrics(), self.state.dp))
+            m.update(moe_metrics(module.pop_moe_metrics(), self.state.dp_cp))
         if self.stragglers is not None:   # one all-gather of 3 numbers per rank
             m.update(self.stragglers.interval(self.ts.iteration))
         self.metrics.log(m, self.ts.iteration)

@@ -85,7 +85,7 @@ class FlatEngine(ZeroEngine):
         self.names, self.params = _trainable(model)
         # one flat buffer per parameter class (dense over DP, experts over expert-DP; issue 32)
         classes = split_classes(self.params, self.shard_group, expert_dp_group(state, expert_dp),
-                                state.dp_size)
+                                state.dp_cp.size)   # dense replicas: DP x CP
         check_expert_options(config, classes)
         self.classes: list[FlatClass] = []
         for k, pclass in enumerate(classes):

@@ -8,11 +8,11 @@ DP / EP ranks: its gradients are summed and its states partitioned over that sma
 class gets flat buffers / buckets / sharding units of its own, so a collective never mixes groups.
 
     class    members                               group          partitions per rank
-    dense    every parameter not claimed below     state.dp       Ψ_dense / DP
+    dense    every parameter not claimed below     state.dp_cp    Ψ_dense / DP (x CP)
     expert   ``param.expert_parallel`` is True     expert-DP      (Ψ_expert / EP) / (DP / EP)
 
-The expert-DP group is ``state.expert_dp`` (a :class:`hybrid.comm.Group`; it equals ``state.dp``
-while EP = 1) or the one passed to the engine. When it has the DP group's size (EP = 1) the expert
+The expert-DP group is ``state.expert_dp`` (a :class:`hybrid.comm.Group`; it equals
+``state.dp_cp``, the DP group at CP 1, while EP = 1) or the one passed to the engine. When it has the DP group's size (EP = 1) the expert
 parameters are dense ones: one class, the dense-only engine unchanged.
 
 Gradient scale: every class is divided by the DP size. An expert's gradient on one rank already

@@ -97,7 +97,7 @@ class ParameterPartitioning(ZeroEngine):
         # parameter classes (issue 32): expert-parallel ones get units over expert-DP of their own
         params = list({id(p): p for p in model.parameters()}.values())
         classes = split_classes(params, self.shard_group, expert_dp_group(state, expert_dp),
-                                state.dp_size)
+                                state.dp_cp.size)   # dense replicas: DP x CP
         check_expert_options(zero_config, classes)
         expert_class = next((c for c in classes if c.name == "expert"), None)
         expert_ids = {id(params[i]) for i in expert_class.members} if expert_class else set()

@@ -73,3 +73,10 @@ def test_kv_cache_generation_refuses_a_cp_layout():
     layout = TokenLayout(token_index=torch.arange(4), cp_group=Group("cp", [0, 1], 0, CommLedger()))
     with pytest.raises(ValueError, match="KV-cache decoding takes no TokenLayout"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_kv_cache(), layout=layout)
+
+
+
+def test_experts_across_context_parallel_ranks_are_refused():
+    with pytest.raises(TrainConfigError, match="expert parallelism across context-parallel ranks"):
+        parse_args(BASE + ["--swiglu", "--num-experts", "4", "--expert-model-parallel-size", "2",
+                           "--context-parallel-size", "2"])

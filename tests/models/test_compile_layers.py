@@ -133,6 +133,7 @@ def _run(tp, cases, cache_dir, world_size=2, sequence_parallel=False):
     assert done == [len(cases)] * world_size
 
 
+@pytest.mark.slow   # 45 s of compiling; the TP 2 ZeRO 3 case below checks the same in the default set
 def test_tp1_zero0_fp32_matches_eager(cache_dir):
     _run(1, [(0, "fp32", "none")], cache_dir, world_size=1)
 

@@ -13,7 +13,7 @@ the parameters of both models at the released sizes, built on meta. Checked here
 - the presets "mixtral-8x7b" and "qwen1.5-moe-a2.7b" count exactly transformers' parameters
   (total; active = total less the E - k experts a token skips).
 
-Slow: the same import at EP 2 x TP 2 over four gloo ranks; and a 4-rank trainer run at EP 2 x TP 2
+All slow (CI budget); also: the same import at EP 2 x TP 2 over four gloo ranks; and a 4-rank trainer run at EP 2 x TP 2
 (ZeRO 1) whose checkpoint tools/export_hf.py turns into a directory transformers loads with our
 logits.
 """
@@ -35,6 +35,9 @@ from models.gpt.weights import build_model
 from tests.models.test_hf_transformers import hf_python  # noqa: F401 (fixture)
 
 KINDS = ("mixtral", "qwen2_moe")
+# the whole file is slow: its transformers start-up costs 30-50 s of CI; the conversion itself is
+# checked without transformers in the default set (tests/models/test_hf_moe.py)
+pytestmark = pytest.mark.slow
 TOKENS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
 PROMPT, NEW_TOKENS = TOKENS[:, :5], 7
 

@@ -1,11 +1,11 @@
 """A real 4-rank training run of a MoE GPT under expert parallelism (issue 32, "a real trainer run
 (EP 2 x TP 2, ZeRO 1) ... resumes at EP 1"): the README's tiny-cpu model with every layer a MoE
-layer (4 SwiGLU experts, top-2 sigmoid routing with DeepSeek-V3's expert bias and an aux loss), fp32, on
-the embedded default corpus, TP 2 x DP 2 with EP 2 (each expert on one of the two DP ranks) and
-ZeRO 1, launched by torchrun through the trainer's entry point. The loss falls, and the run's
-checkpoint (expert shards, their ZeRO moments and the expert biases) resumes at EP 1 (same TP and
-DP: every rank holds all 4 experts): its next losses continue the uninterrupted EP 2 run's (rtol
-1e-4: the same arithmetic, the experts' tokens reduced in another order)."""
+layer (4 SwiGLU experts, top-2 sigmoid routing with DeepSeek-V3's expert bias and an aux loss),
+fp32, on the embedded default corpus, TP 2 x DP 2 with EP 2 (each expert on one of the two DP
+ranks) and ZeRO 1, launched by torchrun through the trainer's entry point. The loss falls, and the
+run's checkpoint (expert shards, their ZeRO moments and the expert biases) resumes at EP 1 (same TP
+and DP: every rank holds all 4 experts): its next losses continue the uninterrupted EP 2 run's
+(rtol 1e-4: the same arithmetic, the experts' tokens reduced in another order)."""
 
 import json
 
@@ -28,7 +28,8 @@ def _args(tmp_path, ep: int, extra: list[str]) -> list[str]:
 
 
 def _losses(path) -> dict[int, float]:
-    return {r["iteration"]: float(r["loss"]) for r in map(json.loads, path.read_text().splitlines())}
+    rows = map(json.loads, path.read_text().splitlines())
+    return {r["iteration"]: float(r["loss"]) for r in rows}
 
 
 @pytest.mark.slow

@@ -1,0 +1,128 @@
+"""MoE GPT under pipeline parallelism trains exactly like the single-device oracle (issue 32,
+"PP 2 for one case"): 4 layers, every one a MoE layer, split over 2 stages (so both stages route),
+top-2 sigmoid routing with a gated shared expert, without aux / z losses (pretrain/config.py refuses
+those under PP). fp32, rtol 1e-5 on the losses, the gradient norms (spanning both stages) and every
+final parameter (the experts' EP slices): 1F1B (m 4) and interleaved (v 2, m 2) at PP 2, and
+PP 2 x EP 2 (DP 2, m 2) on 4 ranks, ZeRO 1.
+
+Two variants: dropless (5 steps), and DeepSeek-V3's expert bias with a capacity factor that drops
+(3 steps). The second runs fewer steps because it amplifies rounding: the oracle itself, run with
+its micro-batch backwards in another order, drifts by ~2e-6 in the step-4 grad norm, and the
+pipeline by ~2e-5 by step 5 (not a bias bug: that would be an lr-sized parameter error at step 2).
+
+Routing and capacity are per micro-batch, so the oracle (tests/moe/test_moe_parity.py
+``reference_run``) runs the global batch as the same dp x m micro-batches (rows in order); the
+expert bias moves once per step from the loads of every micro-batch of every DP rank.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybrid import comm
+from hybrid.parallel_state import ParallelState
+from hybrid.pipeline import PipelineConfig, PipelineRunner, StageChunks
+from hybrid.testing.multirank import run_on_ranks
+from hybrid.topology import Topology
+from hybrid.zero import ZeroConfig, build_zero_optimizer
+from models.gpt import sharding
+from models.gpt.model import GPTModel
+from models.gpt.sharding import expert_slice
+from tests.moe.test_moe_parity import ADAMW, BATCH, SEED, config_of, data, reference_run
+from tests.pipeline.test_pipeline import _tied
+
+NO_AUX = dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+VARIANTS = {   # on top of test_moe_parity's "top2-sigmoid-bias-drop-shared-z" without aux / z
+    "dropless": dict(moe_expert_capacity_factor=None, moe_router_enable_expert_bias=False),
+    "bias-drop": {},
+}
+
+
+def _config(variant):
+    return dataclasses.replace(config_of("top2-sigmoid-bias-drop-shared-z"), num_layers=4,
+                               **NO_AUX, **VARIANTS[variant])
+
+
+def _run(rank, world_size, ep, cases):
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size,
+                                              pipeline_parallel_size=2,
+                                              expert_model_parallel_size=ep), dp_transport="gloo")
+    dp, b_local = state.dp_size, BATCH // state.dp_size
+    checked = []
+    for variant, schedule, v, m, steps in cases:
+        config, batches = _config(variant), data()[:steps]
+        ref_losses, ref_norms, ref_params = reference_run(config, batches, dp * m)
+        pipe = PipelineConfig(2, m, config.num_layers, schedule, v)
+        chunks = []
+        for c in range(v):
+            start, stop = pipe.layer_range(state.pp_rank, c)
+            chunk = GPTModel(config, state, device="meta", layers=(start, stop),
+                             pre_process=pipe.is_first(state.pp_rank, c),
+                             post_process=pipe.is_last(state.pp_rank, c))
+            chunk.init_weights(SEED)
+            chunks.append(chunk)
+        assert all(chunk.moe_layers() for chunk in chunks)   # every stage routes
+        engine = build_zero_optimizer(StageChunks(chunks), state,
+                                      ZeroConfig(stage=1, bucket_size=300,
+                                                 gradient_accumulation_steps=m * v), ADAMW)
+        tied = _tied(state, chunks)
+        runner = PipelineRunner(state, pipe, chunks, engine=engine, tied=tied,
+                                activation_shape=(config.seq_length, b_local // m,
+                                                  config.hidden_size))
+        losses, norms = [], []
+        for tokens, labels in batches:
+            lo = state.dp_rank * b_local
+            mbs = [(tokens[lo + i * b_local // m: lo + (i + 1) * b_local // m],
+                    labels[lo + i * b_local // m: lo + (i + 1) * b_local // m]) for i in range(m)]
+            engine.zero_grad()
+            out = runner.step(mbs)
+            norms.append(engine.step().grad_norm)
+            if tied is not None:
+                tied.sync_weight()
+            for chunk in chunks:
+                chunk.update_expert_biases(state.dp)
+            if out.loss is not None:
+                total = torch.tensor([out.loss])
+                comm.all_reduce(total, state.dp)
+                losses.append(total.item() / dp)
+        what = f"{variant} {steps} steps {schedule} v{v} m{m} pp2 ep{ep} dp{dp}"
+        if state.is_last_stage:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                       atol=1e-6, msg=lambda msg: f"{what} losses: {msg}")
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0,
+                                   msg=lambda msg: f"{what} grad norms: {msg}")
+        seen = 0
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                expected = sharding.shard_tensor(config, name, expert_slice(
+                    name, ref_params[name], state.ep_rank, state.ep_size), 0, 1)
+                torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda msg: f"{what} param {name}: {msg}")
+                seen += "experts" in name
+            if chunk.output_weight is not None:
+                expected = sharding.shard_tensor(config, sharding.WORD_EMBEDDING,
+                                                 ref_params[sharding.WORD_EMBEDDING], 0, 1)
+                torch.testing.assert_close(chunk.output_weight.detach(), expected, rtol=1e-5,
+                                           atol=1e-6)
+            for index, bias in chunk.expert_biases().items():
+                assert bias.abs().sum() > 0, (what, index)   # the bias moved
+            assert bool(chunk.expert_biases()) == (variant == "bias-drop"), what
+        assert seen > 0, what
+        checked.append(what)
+    return checked
+
+
+@pytest.mark.slow
+def test_moe_pp2_matches_the_oracle():
+    cases = [("dropless", "1f1b", 1, 4, 5), ("dropless", "interleaved", 2, 2, 5),
+             ("bias-drop", "1f1b", 1, 4, 3)]
+    results = run_on_ranks(_run, 2, args=(1, cases), timeout=600)
+    assert all(len(r) == len(cases) for r in results)
+
+
+@pytest.mark.slow
+def test_moe_pp2_ep2_matches_the_oracle():
+    results = run_on_ranks(_run, 4, args=(2, [("dropless", "1f1b", 1, 2, 5),
+                                                    ("bias-drop", "1f1b", 1, 2, 3)]), timeout=600)
+    assert all(len(r) == 2 for r in results)

@@ -187,6 +187,7 @@ def _compile_times(run_dir) -> list[float]:
     return [e.value for e in acc.Scalars("compile-time")]
 
 
+@pytest.mark.slow   # CI budget: compiled layers stay in the default set (TP 2 ZeRO 3 case above)
 def test_trainer_compile_flag_trains_like_eager(cache_root, tmp_path):
     cache_parent = str(cache_root)
     eager, (losses, seconds, _) = _start([(False, tmp_path / "eager"),

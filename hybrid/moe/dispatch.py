@@ -165,13 +165,24 @@ def _weighted_sum(rows: torch.Tensor, weights: torch.Tensor, token: torch.Tensor
     return out.to(rows.dtype)
 
 
-class AllToAllDispatcher:
-    """``alltoall``: variable-size all-to-all of exactly the routed tokens over the EP group."""
+class _EPDispatcher:
+    """What the two EP dispatchers share: the experts split over ``group`` and the state one
+    ``dispatch`` leaves for its ``combine``."""
 
     def __init__(self, num_experts: int, group: Group):
         self.num_experts, self.group = num_experts, group
         self.num_local_experts = _check_experts(num_experts, group)
         self._saved = None
+
+    def _take_saved(self):
+        if self._saved is None:
+            raise RuntimeError("combine() needs a dispatch() first")
+        saved, self._saved = self._saved, None
+        return saved
+
+
+class AllToAllDispatcher(_EPDispatcher):
+    """``alltoall``: variable-size all-to-all of exactly the routed tokens over the EP group."""
 
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
                  ) -> tuple[torch.Tensor, list[int]]:
@@ -199,24 +210,16 @@ class AllToAllDispatcher:
         return received[regroup], recv_counts.sum(0).tolist()
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        if self._saved is None:
-            raise RuntimeError("combine() needs a dispatch() first")
-        regroup, send, recv, token, weights, num_tokens = self._saved
-        self._saved = None
+        regroup, send, recv, token, weights, num_tokens = self._take_saved()
         back = torch.empty_like(regroup)
         back[regroup] = torch.arange(regroup.numel(), device=regroup.device)   # inverse permutation
         returned = all_to_all_rows(expert_out[back], send, recv, self.group)     # [S, h] route order
         return _weighted_sum(returned, weights, token, num_tokens)
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_EPDispatcher):
     """``allgather``: every EP rank sees every token and keeps the routes to its own experts.
     Every rank of the group must hold the same number of tokens (equal micro-batches)."""
-
-    def __init__(self, num_experts: int, group: Group):
-        self.num_experts, self.group = num_experts, group
-        self.num_local_experts = _check_experts(num_experts, group)
-        self._saved = None
 
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
                  ) -> tuple[torch.Tensor, list[int]]:
@@ -239,10 +242,7 @@ class AllGatherDispatcher:
         return every_hidden[token], counts
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        if self._saved is None:
-            raise RuntimeError("combine() needs a dispatch() first")
-        token, weights, every_tokens = self._saved
-        self._saved = None
+        token, weights, every_tokens = self._take_saved()
         summed = _weighted_sum(expert_out, weights, token, every_tokens)     # [EP*T, h] partial
         return apply_communicating(_ReduceScatterRows, summed, self.group, group=self.group)
 

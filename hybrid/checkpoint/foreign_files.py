@@ -7,22 +7,19 @@ torch.distributed.checkpoint's ``.metadata`` and the ``torch.save`` blobs in its
 The ``torch.save`` files are read only by torch's weights-only unpickler
 (``torch.load(weights_only=True)``), which resolves tensors, containers and torch's own types,
 plus the names of :data:`ALLOWED` that a file really holds, granted for that one load through
-``torch.serialization.safe_globals``. ``.metadata`` is a plain protocol-4 pickle that torch's
-weights-only unpickler cannot parse (it has no FRAME, STACK_GLOBAL or MEMOIZE); it goes through
-:func:`hybrid.checkpoint.dcp_reader.read_metadata`, which resolves names by the same
-:func:`grant`. The allow-list:
+``torch.serialization.safe_globals`` by :func:`grant`:
 
-    tensors    torch's rebuild functions, torch.Size, dtypes and devices (torch.load grants them
-               itself; listed for .metadata)
-    containers collections.OrderedDict, set, frozenset, slice, _codecs.encode (bytes, protocol 2)
+    containers frozenset, slice
     metadata   argparse.Namespace (Megatron-LM's ``args``); numpy arrays, dtypes and scalars (the
-               numpy RNG state); io.BytesIO (Transformer Engine's ``_extra_state``); the
-               dataclasses of torch.distributed.checkpoint's ``.metadata`` and the POSIX path
-               its ``StorageMeta`` records (pathlib.PosixPath)
+               numpy RNG state); io.BytesIO (Transformer Engine's ``_extra_state``)
 
 Megatron's own classes (enums in ``args`` such as ``AttnBackend``) are granted as inert
 :class:`ForeignObject` placeholders under their names: Megatron is never imported and nothing of
 theirs runs. Any other name is refused with :class:`ForbiddenPickleError` naming it and the file.
+DCP's ``.metadata`` is no ``torch.save`` file and is never unpickled at all: it is parsed as data
+from its opcodes (:mod:`hybrid.checkpoint.pickle_opcodes`, :mod:`hybrid.checkpoint.dcp_reader`),
+which raise the same :class:`ForbiddenPickleError`. No module of the framework imports ``pickle``
+(tests/project/test_security.py).
 """
 
 from __future__ import annotations
@@ -35,29 +32,21 @@ import torch
 
 from hybrid.checkpoint.format import CheckpointError
 
-_DCP = ("torch.distributed.checkpoint.metadata",
-        ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"))
-_DCP_PLANNER = ("torch.distributed.checkpoint.planner",
-                ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"))
+# what torch's weights-only unpickler does not grant itself (it has tensors, storages, torch.Size,
+# dtypes, devices, OrderedDict, set): only names torch.serialization.get_unsafe_globals_in_checkpoint
+# reports reach grant()
 ALLOWED = frozenset({
-    "collections.OrderedDict", "_codecs.encode", "torch.Size", "torch.device",
-    "torch.serialization._get_layout", "torch._utils._rebuild_tensor_v2",
-    "torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state",
-    "argparse.Namespace", "_io.BytesIO", "builtins.set", "builtins.frozenset", "builtins.slice",
+    "argparse.Namespace", "_io.BytesIO", "builtins.frozenset", "builtins.slice",
     "numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
     "numpy._core.multiarray._reconstruct", "numpy.core.multiarray.scalar",
-    "numpy._core.multiarray.scalar", "torch.distributed.checkpoint.filesystem._StorageInfo",
-    # StorageMeta.checkpoint_id: the directory DCP wrote to, a path (building one touches nothing)
-    "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib._local.PosixPath",
-    "pathlib._local.PurePosixPath",
-    *(f"{module}.{name}" for module, names in (_DCP, _DCP_PLANNER) for name in names),
+    "numpy._core.multiarray.scalar",
 })
 _PLACEHOLDER_PACKAGES = ("megatron",)
 
 
 class ForbiddenPickleError(CheckpointError):
-    """A pickled file names a class or function outside the allow-list."""
+    """A pickled file names a class or function outside the allow-list (or, in a ``.metadata``
+    read by :mod:`hybrid.checkpoint.pickle_opcodes`, uses an opcode that plain data does not)."""
 
 
 class ForeignObject:
@@ -93,9 +82,7 @@ def _placeholder(qualified: str) -> type:
 
 def _allowed(qualified: str) -> bool:
     module, _, name = qualified.rpartition(".")
-    return (qualified in ALLOWED
-            or (module == "numpy.dtypes" and name.endswith("DType"))   # numpy >= 1.25's dtypes
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+    return qualified in ALLOWED or (module == "numpy.dtypes" and name.endswith("DType"))   # numpy >= 1.25
 
 
 def grant(qualified: str, label: str):

@@ -13,8 +13,9 @@ here (local layer spec, gloo); only its torch_dist save needs CUDA shims (see th
 
 Also: legacy checkpoints at PP 2 and with two virtual pipeline stages (megatron's own rank files
 regrouped, the layers of each chunk numbered from 0, as Megatron-LM writes them) give the same
-weights, and a file
-holding a foreign pickled object is refused, naming the object and the file, before it can run.
+weights; megatron-core's DCP ``.metadata`` parsed as data (hybrid/checkpoint/pickle_opcodes.py)
+equals what Python's unpickler builds from it; and a file holding a foreign pickled object is
+refused, naming the object and the file, before it can run.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hybrid.checkpoint.dcp_reader import read_metadata
 from hybrid.checkpoint.foreign_files import ForbiddenPickleError, load_torch
 from hybrid.parallel_state import ParallelState
 from models.gpt.weights import canonical_state_dict, load_model
 from tests.checkpoint import megatron_env
+from tests.checkpoint.test_pickle_opcodes import assert_same_as_unpickled
 from tools._cli import run_cli
 from tools.import_megatron import main as import_main
 
@@ -279,6 +282,18 @@ def test_foreign_object_in_dcp_metadata_refused(tmp_path):
     with pytest.raises(ForbiddenPickleError, match=r"system.*\.metadata|\.metadata.*system"):
         import_main(["--load", str(directory), "--save", str(tmp_path / "ours")])
     assert not marker.exists()
+
+
+def test_dcp_metadata_parsed_as_data_equals_megatrons(written):
+    """megatron-core's ``.metadata`` (TP 2 chunks, its save plans in ``all_local_plans``) read from
+    its opcodes equals, field by field, what Python's unpickler builds (the oracle, test-only)."""
+    files = sorted(written.glob("*/torch_dist*/iter_0000007/.metadata"))
+    assert len(files) == len(KINDS) * 2, files
+    for path in files:
+        with open(path, "rb") as f:
+            real = pickle.load(f)
+        assert_same_as_unpickled(read_metadata(path), real, str(path))
+        assert real.all_local_plans, "megatron-core no longer stores its save plans in .metadata"
 
 
 def test_not_a_megatron_directory_is_one_error_line(tmp_path):

@@ -5,7 +5,8 @@
 
 Reads either format Megatron writes (docs/checkpoints.md, From Megatron-LM): ``torch_dist``
 (torch.distributed.checkpoint) or the legacy per-rank ``mp_rank_TT[_PPP]/model_optim_rng.pt``, at
-any TP and PP degree, without unpickling arbitrary objects (hybrid/checkpoint/foreign_files.py).
+any TP and PP degree, without unpickling arbitrary objects (hybrid/checkpoint/foreign_files.py; DCP's
+``.metadata`` is parsed as data, never unpickled: hybrid/checkpoint/pickle_opcodes.py).
 ``--load`` is Megatron's --save directory (its ``latest_checkpointed_iteration.txt`` picks the
 iteration) or one iteration directory. The model config comes from the checkpoint's stored args;
 the model flags below (Megatron's names) fill in what a checkpoint without args lacks, or replace

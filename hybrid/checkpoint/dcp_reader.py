@@ -57,7 +57,7 @@ def _check_tensor_entry(path: Path, key: str, meta) -> None:
                     for c in chunks))
     if not good:
         raise CheckpointError(f"{path}: the entry of {key} is not a tensor's metadata (a dtype, a "
-                              f"size and chunks of that rank): {meta!r}")
+                              f"size and chunks of that rank): {meta!r}"[:400])
 
 
 class DCPReader:
@@ -83,7 +83,7 @@ class DCPReader:
                     and type(getattr(info, "relative_path", None)) is str
                     and all(type(getattr(info, f, None)) is int for f in ("offset", "length"))):
                 raise CheckpointError(f"{path}: storage_data maps {index!r} to {info!r}, not a "
-                                      f"MetadataIndex to a _StorageInfo (file, offset, length)")
+                                      f"MetadataIndex to a _StorageInfo (file, offset, length)"[:400])
             self._storage[(index.fqn, tuple(index.offset or ()))] = info
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:

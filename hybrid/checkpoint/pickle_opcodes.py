@@ -25,6 +25,7 @@ malformed file with :class:`~hybrid.checkpoint.format.CheckpointError`.
 from __future__ import annotations
 
 import pickletools
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class Record:
 
     qualified_name = "?"
 
+    @reprlib.recursive_repr()
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
@@ -103,7 +105,7 @@ _CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 
 
 class _Machine:
-    """The pickle machine's stack, mark stack and memo, holding only values built here."""
+    """The pickle machine's stack (MARK is an entry on it) and memo, holding only values built here."""
 
     def __init__(self, table: Mapping[str, Global], label: str):
         self.table, self.label = table, label

@@ -23,9 +23,9 @@ number of ranks and any torchtitan parallelism load it.
 
 Import: a DCP directory in that layout (written by torchtitan, or by ``dcp.save`` of a plain model's
 state dict, any number of ranks and any sharding) -> a training checkpoint here, which any layout
-resumes (``--load``). DCP's ``.metadata`` pickle is read by the allow-list unpickler of
-:mod:`hybrid.checkpoint.dcp_reader` and the tensor chunks by torch's weights-only unpickler: nothing
-in the directory can run code. The model dims come from the caller (a GPTConfig: DCP stores shapes,
+resumes (``--load``). DCP's ``.metadata`` pickle is parsed as data from its opcodes, never
+unpickled (:mod:`hybrid.checkpoint.dcp_reader`), and the tensor chunks read by torch's weights-only
+unpickler: nothing in the directory can run code. The model dims come from the caller (a GPTConfig: DCP stores shapes,
 not head counts); the shapes are checked against them. Optimizer moments are taken when present
 (else fresh, zero); the data position is not (torchtitan's dataloader state is its own): the
 imported run starts at the checkpoint's step with the sample count at 0.

@@ -23,8 +23,9 @@ iteration (a number, or ``release``):
 
 :func:`read_megatron` returns a :class:`MegatronCheckpoint`: ``args`` (None when not stored),
 the iteration, and ``{name: full tensor}`` with names ``decoder.layers.<global i>.<param>``, each tensor in Megatron's global layout except SwiGLU's fc1,
-put in ``[gate; up]`` order for both formats. Every pickle is read through
-:mod:`hybrid.checkpoint.foreign_files`.
+put in ``[gate; up]`` order for both formats. Every ``torch.save`` file is read through
+:mod:`hybrid.checkpoint.foreign_files`; DCP's ``.metadata`` is parsed as data, never unpickled
+(:mod:`hybrid.checkpoint.dcp_reader`).
 """
 
 from __future__ import annotations

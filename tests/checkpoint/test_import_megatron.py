@@ -36,7 +36,7 @@ from hybrid.checkpoint.foreign_files import ForbiddenPickleError, load_torch
 from hybrid.parallel_state import ParallelState
 from models.gpt.weights import canonical_state_dict, load_model
 from tests.checkpoint import megatron_env
-from tests.checkpoint.test_pickle_opcodes import assert_same_as_unpickled
+from tests.checkpoint.test_pickle_opcodes import assert_same_as_unpickled, unpickled
 from tools._cli import run_cli
 from tools.import_megatron import main as import_main
 
@@ -290,8 +290,7 @@ def test_dcp_metadata_parsed_as_data_equals_megatrons(written):
     files = sorted(written.glob("*/torch_dist*/iter_0000007/.metadata"))
     assert len(files) == len(KINDS) * 2, files
     for path in files:
-        with open(path, "rb") as f:
-            real = pickle.load(f)
+        real = unpickled(path)
         assert_same_as_unpickled(read_metadata(path), real, str(path))
         assert real.all_local_plans, "megatron-core no longer stores its save plans in .metadata"
 

@@ -1,11 +1,13 @@
 """DCP's ``.metadata`` read as data from its pickle opcodes (hybrid/checkpoint/pickle_opcodes.py,
 hybrid/checkpoint/dcp_reader.py): no unpickling anywhere in the product (security review).
 
-The oracle is Python's own unpickler, used here in the test only: a ``.metadata`` torch's
-``torch.distributed.checkpoint.save`` writes (tensors of four dtypes, a non-tensor item so that
-``BytesStorageMetadata`` appears, and an int) parses into records equal, field by field, to the
-dataclasses ``pickle.load`` builds, and :class:`DCPReader` gives back the saved tensors (megatron-core's
-sharded TP 2 files, with its save plans, are compared the same way in test_import_megatron.py).
+The oracles: the ``Metadata`` object ``torch.distributed.checkpoint.save`` returns (the one it
+pickled), and Python's own unpickler, used here in the test only (:func:`unpickled`, the one
+``pickle.load`` tests/project/test_security.py allows). A ``.metadata`` torch writes (tensors of four
+dtypes, a non-tensor item so that ``BytesStorageMetadata`` appears, and an int) parses into records
+equal, field by field, to both, and :class:`DCPReader` gives back the saved tensors (megatron-core's
+sharded TP 2 files, with its save plans, are compared with :func:`unpickled` in
+test_import_megatron.py).
 Refused, naming the problem, with nothing imported or run: a file naming ``os.system``,
 ``builtins.eval``, any other global (a sentinel module on ``sys.path`` stays unimported), an allowed
 class used as a function, opcodes plain data does not need, a byte that is no opcode, a truncated
@@ -31,6 +33,12 @@ from hybrid.checkpoint.format import CheckpointError
 from hybrid.checkpoint.pickle_opcodes import EnumValue, Record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def unpickled(path):
+    """The test oracle: ``path`` unpickled by Python (a file a test or megatron-core just wrote)."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def assert_same_as_unpickled(ours, real, where: str = "metadata") -> None:
@@ -63,16 +71,15 @@ def saved(tmp_path_factory):
     torch.manual_seed(0)
     state = {"w": torch.randn(4, 3), "b": torch.randn(5).bfloat16(), "h": torch.ones(2, 2).half(),
              "i": torch.arange(3), "extra": io.BytesIO(b"not a tensor"), "step": 7}
-    dcp.save(state, checkpoint_id=directory)
-    return directory, state
+    written = dcp.save(state, checkpoint_id=directory)
+    return directory, state, written
 
 
 def test_torch_dcp_metadata_parses_to_what_pickle_builds(saved):
-    directory, state = saved
+    directory, state, written = saved
     ours = read_metadata(directory / ".metadata")
-    with open(directory / ".metadata", "rb") as f:
-        real = pickle.load(f)   # the oracle, in the test only
-    assert_same_as_unpickled(ours, real)
+    assert_same_as_unpickled(ours, written)
+    assert_same_as_unpickled(ours, unpickled(directory / ".metadata"))
     kinds = {k: type(v).__name__ for k, v in ours.state_dict_metadata.items()}
     assert kinds == {"w": "TensorStorageMetadata", "b": "TensorStorageMetadata",
                      "h": "TensorStorageMetadata", "i": "TensorStorageMetadata",

@@ -199,7 +199,8 @@ METADATA_GLOBALS: dict = {
     f"{_FS}._StorageInfo": RecordType(f"{_FS}._StorageInfo", {"transform_descriptors": None}),
     # megatron-core keeps its save plans in Metadata (all_local_plans)
     **_records(_PLANNER, "SavePlan WriteItem TensorWriteData BytesIOWriteData"),
-    f"{_PLANNER}.WriteItemType": EnumType(f"{_PLANNER}.WriteItemType", frozenset({1, 2, 3})),   # auto(): TENSOR, SHARD, BYTE_IO
+    # WriteItemType's members are auto(): TENSOR 1, SHARD 2, BYTE_IO 3
+    f"{_PLANNER}.WriteItemType": EnumType(f"{_PLANNER}.WriteItemType", frozenset({1, 2, 3})),
     "torch.Size": Function("torch.Size", _size),
     "torch.serialization._get_layout": Function("torch.serialization._get_layout", _layout),
     **{name: Constant(dtype) for name, dtype in _DTYPES.items()},

@@ -332,7 +332,8 @@ class GPTModel(nn.Module):
             return self._output_logits(x).transpose(0, 1).contiguous()  # [b, s, V_p/tp]
         loss = self._output_loss(x, labels.t()).t().contiguous()    # [b, s]
         if self.moe_layers():   # the MoE aux losses' gradient scale (models/gpt/moe.py)
-            loss = probe_loss_gradient(loss, self.aux_scale)
+            loss = probe_loss_gradient(loss, self.aux_scale,
+                                       layout.cp_group if layout is not None else None)
         return loss
 
     def moe_layers(self) -> list[MoELayer]:

@@ -1,7 +1,8 @@
 """MoE GPT under expert parallelism x context parallelism trains exactly like the independent
 single-device oracle (models/gpt/reference.py MixtureOfExperts; issues 31 and 32): 5 AdamW steps,
 fp32, rtol 1e-5 on the losses, the gradient norms and every final parameter, and the interval's
-MoE metrics (tokens per expert, aux + z loss per micro-batch) equal to the oracle's.
+MoE metrics (tokens per expert, aux + z loss per micro-batch) equal to the oracle's; every
+micro-batch's router bytes on the CP group equal hybrid.perf.moe_comm.cp_statistics_bytes.
 
 Each CP rank holds 2 of the 2C load-balanced chunks of every sequence (pretrain.token_split, the
 trainer's own split) and the loss mask drops different numbers of tokens on the CP ranks, so the
@@ -37,6 +38,7 @@ from models.gpt.config import GPTConfig
 from models.gpt.model import GPTModel
 from models.gpt.reference import ReferenceGPT
 from models.gpt.sharding import expert_slice, shard_tensor
+from hybrid.perf.moe_comm import cp_scale_bytes, cp_statistics_bytes
 from pretrain.metrics import moe_metrics
 from pretrain.token_split import model_loss, split_micro_batch
 from tests.moe.test_moe_parity import ADAMW as MOE_ADAMW
@@ -112,8 +114,10 @@ def _train(state, config: GPTConfig, data: list[dict], stage: int, comm_type: st
     for batch in data:
         opt.zero_grad()
         mine = {k: v[_rows(state.dp_size, state.dp_rank)] for k, v in batch.items()}
+        mark = state.ledger.position
         loss = model_loss(model, split_micro_batch(mine, state, comm_type))
         opt.backward(loss)
+        _check_cp_ledger(state, config, mine["tokens"].size(0), state.ledger.since(mark))
         norms.append(float(opt.step().grad_norm))
         model.update_expert_biases(state.dp_cp)          # as the trainer: every token, DP x CP
         total = loss.detach().reshape(1).double()
@@ -124,6 +128,23 @@ def _train(state, config: GPTConfig, data: list[dict], stage: int, comm_type: st
     params = (opt.gathered_state_dict() if stage == 3
               else {n: p.detach().clone() for n, p in model.named_parameters()})
     return losses, norms, params, metrics
+
+
+def _check_cp_ledger(state, config, sequences: int, records) -> None:
+    """The router's bytes on the CP group for one micro-batch, forward and backward, equal
+    hybrid.perf.moe_comm's formula (the attention's p2p / all-to-all are other ops)."""
+    cp = state.cp_size
+    tokens = sequences * SEQ // cp
+    layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    kind = config.moe_router_load_balancing_type if config.moe_aux_loss_coeff else "none"
+    expected = layers * cp_statistics_bytes(
+        tokens, config.moe_router_topk, config.num_experts, cp, sequences=sequences,
+        load_balancing=kind, capacity=config.moe_expert_capacity_factor is not None)
+    if kind != "none" or config.moe_z_loss_coeff is not None:
+        expected += cp_scale_bytes(cp)
+    moved = sum(r.bytes_per_rank for r in records
+                if r.group == "cp" and r.op in ("all_reduce", "all_gather"))
+    assert moved == pytest.approx(expected, rel=1e-12), (moved, expected)
 
 
 def _check_metrics(config, metrics, ref_metrics, what):

@@ -96,18 +96,14 @@ class TrainConfig:
                 "unset, with --moe-router-score-function sigmoid --moe-router-enable-expert-bias")
 
     def _check_experts(self) -> None:
-        """Expert parallelism (issue 32): the experts split evenly over the EP ranks."""
+        """Expert parallelism (issue 32): the experts split evenly over the EP ranks. EP composes
+        with context parallelism (EP groups carved out of DP x CP; the router reduces its
+        statistics and capacity over the CP group: docs/moe.md)."""
         from hybrid.topology import TopologyError, check_expert_split
         try:
             check_expert_split(self.model.num_experts, self.parallel.expert_model_parallel_size)
         except TopologyError as err:
             raise TrainConfigError(str(err)) from None
-        ep, cp = self.parallel.expert_model_parallel_size, self.parallel.context_parallel_size
-        if ep > 1 and cp > 1:
-            raise TrainConfigError(
-                f"--expert-model-parallel-size {ep} with --context-parallel-size {cp}: expert "
-                f"parallelism across context-parallel ranks is not tested yet (the EP groups would "
-                f"span the CP ranks of a sample); use one of the two, e.g. --expert-model-parallel-size 1")
 
     def _check_context_parallel(self) -> None:
         """--context-parallel-size C (issue 31): every sequence cuts into 2C equal chunks (and,

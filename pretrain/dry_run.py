@@ -196,16 +196,17 @@ def dry_run_report(cfg: TrainConfig, rank: int = 0) -> dict:
 def _moe_report(cfg, gcfg, state, chunks, layout, param_bytes: int, mode: str) -> dict | None:
     """Expert parallelism on this rank (issue 32): its EP and expert-DP groups, its experts'
     parameters and bytes, and the token dispatch's bytes per step (hybrid.perf.moe_comm's
-    even-routing estimate, x the stage's MoE layers x micro-batches; a full recompute repeats the
-    forward's). None for a dense model."""
+    even-routing estimate for the tokens this rank routes, its CP share of each micro-batch, x the
+    stage's MoE layers x micro-batches; a full recompute repeats the forward's). None for a dense
+    model."""
     if gcfg.num_experts is None:
         return None
     from hybrid.perf.moe_comm import dispatch_bytes
     experts = sum(t.numel() for chunk in chunks for t in chunk.parameters()
                   if getattr(t, "expert_parallel", False))
     layers = sum(len(chunk.moe_layers()) for chunk in chunks)
-    per_layer = dispatch_bytes(gcfg.moe_token_dispatcher_type,
-                               cfg.data.micro_batch_size * gcfg.seq_length, gcfg.moe_router_topk,
+    tokens = cfg.data.micro_batch_size * gcfg.seq_length // cfg.parallel.context_parallel_size
+    per_layer = dispatch_bytes(gcfg.moe_token_dispatcher_type, tokens, gcfg.moe_router_topk,
                                gcfg.hidden_size, state.ep_size, gcfg.num_experts, param_bytes)
     forwards = 2 if mode.startswith("full") else 1
     step = layers * layout.micro_batches * (per_layer.total

@@ -18,9 +18,9 @@ runs: ``--attention-core flash`` (SDPA's fused kernels, the default for a custom
 [s, s] scores; the papers' presets use the explicit core of their time ("megatron").
 
 With ``--num-experts E --expert-model-parallel-size EP`` (issue 32) every top layout whose DP
-divides by EP also gets its expert bytes per GPU (every layer a MoE layer of E SwiGLU experts of
+x CP divides by EP also gets its expert bytes per GPU (every layer a MoE layer of E SwiGLU experts of
 width ``--moe-ffn-hidden-size``, split over EP then TP; 16-bit parameters and gradients, the
-optimizer's K bytes over the expert-DP group DP / EP at ZeRO 1-3) and its all-to-all token
+optimizer's K bytes over the expert-DP group DP x CP / EP at ZeRO 1-3) and its all-to-all token
 dispatch bytes per step (hybrid/perf/moe_comm.py, even routing, top ``--moe-router-topk``). The
 ranking itself still models the dense GPT of ``--hidden``.
 
@@ -287,16 +287,18 @@ def expert_lines(preset: Preset, found: list[LayoutEstimate], top: int,
              f"(even routing, 16-bit activations)"]
     for i, e in enumerate(found[:top], 1):
         lay = e.layout
-        if lay.dp % moe.ep or moe.num_experts % moe.ep:
-            lines.append(f"{i:>3} {lay.describe():<62} EP {moe.ep} does not divide DP {lay.dp} "
-                         f"or the {moe.num_experts} experts")
+        dp_cp = lay.dp * lay.cp   # EP groups are carved out of DP x CP (docs/moe.md)
+        if dp_cp % moe.ep or moe.num_experts % moe.ep:
+            lines.append(f"{i:>3} {lay.describe():<62} EP {moe.ep} does not divide DP x CP "
+                         f"{dp_cp} or the {moe.num_experts} experts")
             continue
         layers = preset.layers // lay.pp
         params = layers * (moe.num_experts // moe.ep) * 3 * preset.hidden * moe.ffn / lay.tp
-        expert_dp = lay.dp // moe.ep
+        expert_dp = dp_cp // moe.ep
         state = params * (2 + 2 + k_bytes / (expert_dp if lay.stage else 1))
         micro_batches = preset.global_batch // (lay.micro_batch * lay.dp)
-        per_layer = dispatch_bytes("alltoall", lay.micro_batch * preset.seq, moe.topk,
+        # a rank routes its CP share of each micro-batch's tokens
+        per_layer = dispatch_bytes("alltoall", lay.micro_batch * preset.seq // lay.cp, moe.topk,
                                    preset.hidden, moe.ep, moe.num_experts, 2)
         a2a = per_layer.total * layers * micro_batches
         lines.append(f"{i:>3} {lay.describe():<62} {params / 1e9:6.2f} B expert params, "

@@ -24,8 +24,20 @@ The expert bias is a buffer, not a parameter: after each optimizer step
 ``b_e += rate * sign(mean load - load_e)`` from the loads of the whole global batch (summed over
 the data-parallel ranks by the caller: :meth:`Router.update_expert_bias`).
 
+Context parallelism (``cp``: the CP group, issue 31): this rank holds 2 of the 2C load-balanced
+chunks of every sequence (hybrid/context_parallel/layout.py), so T here is T_g / C. Routing is per
+token and needs nothing; every statistic above is over the WHOLE micro-batch, as at CP 1: the route
+counts f (per expert, or per sequence and expert) are summed over the CP group (one all-reduce,
+no gradient), T and the sequence length are the global ones, and each rank's loss is its tokens'
+share of the mean over the whole sequences (P_e's and the z-loss's sums over its tokens / T_g);
+the C shares add up to the CP-1 loss, and so do their gradients (the caller scales every share by
+the whole micro-batch's loss gradient: models/gpt/moe.py). The capacity is that of the whole
+micro-batch too: the routes are all-gathered over CP, put back in sequence order, and every CP
+rank drops exactly what CP 1 drops.
+
 Capacity (token dropping, GShard §2.2): with ``capacity_factor`` each expert takes at most
-``C = ceil(capacity_factor * T * k / E)`` of the routes of this rank's micro-batch. An expert
+``C = ceil(capacity_factor * T * k / E)`` of the routes of this rank's micro-batch (under CP the
+whole sequences'). An expert
 offered more keeps the C routes with the largest routing probability and drops the rest. Ties
 (top-1 Mixtral routing gives every route probability 1) go to the earlier position in the
 sequence, then the lower sequence index in the micro-batch (the ``[s, b]`` token order), then the
@@ -45,6 +57,7 @@ import torch.nn.functional as F
 
 from hybrid import comm
 from hybrid.comm import Group
+from hybrid.context_parallel.layout import merge_sequence, split_sequence
 
 DROPPED = -1   # expert index of a route dropped by the capacity
 
@@ -93,9 +106,12 @@ class Router(nn.Module):
             self.expert_bias = None
             self.pending_load = None
 
-    def forward(self, x: torch.Tensor, num_sequences: int = 1) -> Routing:
+    def forward(self, x: torch.Tensor, num_sequences: int = 1, cp: Group | None = None) -> Routing:
         """``x`` [T, h] with tokens in Megatron's ``[s, b]`` order flattened (token t belongs to
-        sequence ``t % num_sequences``; only seq_aux_loss reads it)."""
+        sequence ``t % num_sequences``; seq_aux_loss and the capacity read it). ``cp``: the CP
+        group holding the rest of every sequence in the load-balanced layout (module docstring);
+        None or one rank: these T tokens are the whole micro-batch."""
+        cp = cp if cp is not None and cp.size > 1 else None
         if self.expert_bias is not None and self.expert_bias.is_meta:
             self.reset_buffers(x.device)   # built on meta and never materialised (ZeRO stage 3)
         logits = x.float() @ self.weight.float().t()                     # [T, E] fp32
@@ -108,14 +124,16 @@ class Router(nn.Module):
         if self.pending_load is not None and torch.is_grad_enabled():
             # training forward (recompute's first forward runs without grad: counted once)
             self.pending_load += load.float()
-        aux = self._aux_loss(logits, scores, expert_index, num_sequences)
+        aux = self._aux_loss(logits, scores, expert_index, num_sequences, cp)
         z = None
-        if self.z_loss_coeff is not None:
-            z = self.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        if self.z_loss_coeff is not None:   # mean over the whole micro-batch's T_g tokens
+            total = logits.size(0) * (cp.size if cp is not None else 1)
+            z = self.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
         dropped = load.new_zeros(())
         if self.capacity_factor is not None:
             expert_index, probs, dropped = drop_over_capacity(expert_index, probs, self.num_experts,
-                                                              self.capacity_factor)
+                                                              self.capacity_factor, cp,
+                                                              num_sequences)
         return Routing(expert_index, probs, aux, z, load, dropped)
 
     def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -140,7 +158,8 @@ class Router(nn.Module):
             return scores.gather(1, expert_index)
         return torch.softmax(logits.gather(1, expert_index), dim=-1)     # Mixtral
 
-    def _aux_loss(self, logits, scores, expert_index, num_sequences) -> torch.Tensor | None:
+    def _aux_loss(self, logits, scores, expert_index, num_sequences,
+                  cp: Group | None) -> torch.Tensor | None:
         kind = self.load_balancing_type
         if kind == "none" or not self.aux_loss_coeff:
             return None
@@ -149,13 +168,16 @@ class Router(nn.Module):
         else:
             p = scores if scores is not None else torch.softmax(logits, dim=-1)   # [T, E]
         onehot = F.one_hot(expert_index, self.num_experts).sum(dim=1).float()    # [T, E] 0/1
-        if kind == "aux_loss":
-            f = onehot.mean(dim=0) / self.topk                                   # [E]
-            return self.aux_loss_coeff * self.num_experts * (f * p.mean(dim=0)).sum()
+        c = cp.size if cp is not None else 1
+        if kind == "aux_loss":   # over the whole micro-batch: T_g = T C tokens
+            tokens = onehot.size(0) * c
+            f = _sum_over_cp(onehot.sum(dim=0), cp) / (tokens * self.topk)      # [E], no grad
+            return self.aux_loss_coeff * self.num_experts * (f * p.sum(dim=0) / tokens).sum()
         # seq_aux_loss: tokens [s * b] in [s, b] order -> per sequence [b, s, E]
         b, e = num_sequences, self.num_experts
-        f = onehot.view(-1, b, e).mean(dim=0) / self.topk                        # [b, E]
-        per_seq = (f * p.view(-1, b, e).mean(dim=0)).sum(dim=-1)                 # [b]
+        length = onehot.size(0) // b * c                                         # whole sequence
+        f = _sum_over_cp(onehot.view(-1, b, e).sum(dim=0), cp) / (length * self.topk)   # [b, E]
+        per_seq = (f * p.view(-1, b, e).sum(dim=0) / length).sum(dim=-1)         # [b]
         return self.aux_loss_coeff * e * per_seq.mean()
 
     @torch.no_grad()
@@ -179,20 +201,50 @@ class Router(nn.Module):
         self.pending_load.zero_()
 
 
+def _sum_over_cp(counts: torch.Tensor, cp: Group | None) -> torch.Tensor:
+    """Route counts of this rank's tokens -> of the whole sequences (summed over CP; no graph)."""
+    if cp is None:
+        return counts
+    counts = counts.detach().clone()
+    comm.all_reduce(counts, cp)
+    return counts
+
+
 def capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
     """Routes one expert may take: ceil(factor * T * k / E)."""
     return math.ceil(factor * num_tokens * topk / num_experts)
 
 
 def drop_over_capacity(expert_index: torch.Tensor, probs: torch.Tensor, num_experts: int,
-                       factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       factor: float, cp: Group | None = None, num_sequences: int = 1,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Apply the capacity rule of the module docstring: (expert_index with -1 where dropped, probs
-    with 0 there, number of dropped routes). Vectorised: routes sorted by probability (stable, so
-    ties keep token order), then by expert (stable); a route's rank inside its expert's run is its
-    position minus the run's start."""
+    with 0 there, number of this rank's dropped routes). Under CP (``cp`` of more than one rank,
+    tokens ``[s/C, b]`` in the load-balanced layout) the rule runs on the whole sequences' routes,
+    all-gathered (one all-gather of T k (index, probability) pairs), on every CP rank alike."""
+    if cp is None or cp.size == 1:
+        keep = _keep_within_capacity(expert_index, probs.detach(), num_experts, factor)
+    else:
+        t, k = expert_index.shape
+        pairs = torch.stack([expert_index.double(), probs.detach().double()], dim=-1)  # [T, k, 2]
+        every = pairs.new_empty((cp.size * t, k, 2))
+        comm.all_gather_into(every, pairs.contiguous(), cp)
+        parts = every.view(cp.size, t // num_sequences, num_sequences, k, 2).unbind(0)
+        whole = merge_sequence(list(parts), dim=0).reshape(-1, k, 2)        # [s b, k, 2] in order
+        keep = _keep_within_capacity(whole[..., 0].long(), whole[..., 1], num_experts, factor)
+        keep = split_sequence(keep.view(-1, num_sequences, k), 0, cp.rank, cp.size).reshape(t, k)
+    new_index = torch.where(keep, expert_index, torch.full_like(expert_index, DROPPED))
+    return new_index, probs * keep, (~keep).sum()
+
+
+def _keep_within_capacity(expert_index: torch.Tensor, probs: torch.Tensor, num_experts: int,
+                          factor: float) -> torch.Tensor:
+    """[T, k] bool, the routes the capacity keeps. Vectorised: routes sorted by probability
+    (stable, so ties keep token order), then by expert (stable); a route's rank inside its
+    expert's run is its position minus the run's start."""
     t, k = expert_index.shape
     cap = capacity(t, k, num_experts, factor)
-    flat_e, flat_p = expert_index.reshape(-1), probs.detach().reshape(-1)
+    flat_e, flat_p = expert_index.reshape(-1), probs.reshape(-1)
     by_prob = torch.sort(flat_p, descending=True, stable=True).indices
     by_expert = by_prob[torch.sort(flat_e[by_prob], stable=True).indices]    # grouped, prob-desc
     counts = torch.bincount(flat_e, minlength=num_experts)
@@ -200,6 +252,4 @@ def drop_over_capacity(expert_index: torch.Tensor, probs: torch.Tensor, num_expe
     rank_in_expert = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[by_expert]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
     keep[by_expert] = rank_in_expert < cap
-    keep = keep.view(t, k)
-    new_index = torch.where(keep, expert_index, torch.full_like(expert_index, DROPPED))
-    return new_index, probs * keep, (~keep).sum()
+    return keep.view(t, k)

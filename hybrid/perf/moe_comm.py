@@ -70,3 +70,27 @@ def dispatch_bytes(dispatcher: str, tokens: int, topk: int, hidden: int, ep: int
         meta = (ep - 1) * tokens * topk * (COUNT_BYTES + 2 * PROB_BYTES)
         return DispatchBytes(float(rows), float(rows), float(meta))
     raise ValueError(f"dispatcher must be alltoall or allgather, got {dispatcher!r}")
+
+
+def cp_statistics_bytes(tokens: int, topk: int, num_experts: int, cp: int, *,
+                        sequences: int = 1, load_balancing: str = "none",
+                        capacity: bool = False) -> float:
+    """Bytes one rank moves on its CP group (ring volume, as the ledger counts it) for one MoE
+    layer's router per micro-batch under context parallelism (docs/moe.md, "Expert parallelism
+    with context parallelism"), ``tokens`` being this rank's T / C: the aux loss's route counts
+    all-reduced (E fp32; ``seq_aux_loss``: ``sequences`` x E), and with a capacity factor the
+    routes all-gathered (T k (index, probability) pairs as float64, 16 bytes). Once per
+    micro-batch and model, not per layer, add :func:`cp_scale_bytes` when aux or z losses
+    are on: the gradient scale's fp32 all-reduce in backward."""
+    if cp == 1:
+        return 0.0
+    counts = {"aux_loss": num_experts, "seq_aux_loss": sequences * num_experts}.get(load_balancing, 0)
+    total = 2 * (cp - 1) / cp * 4 * counts
+    if capacity:
+        total += (cp - 1) * tokens * topk * 16
+    return total
+
+
+def cp_scale_bytes(cp: int) -> float:
+    """The aux-loss gradient scale's all-reduce (one fp32) per micro-batch backward, on CP."""
+    return 2 * (cp - 1) / cp * 4 if cp > 1 else 0.0

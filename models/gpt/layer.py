@@ -247,7 +247,7 @@ class TransformerLayer(nn.Module):
                                 aux_scale=aux_scale, device=device, dtype=dtype, ep=ep)
         else:
             self.mlp = ParallelMLP(config, group, sequence_parallel, device, dtype)
-        self.p, self.rng, self.tp = config.hidden_dropout, rng, group.size
+        self.p, self.rng, self.tp, self.moe = config.hidden_dropout, rng, group.size, moe
         self.sequence_parallel = sequence_parallel
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,4 +258,6 @@ class TransformerLayer(nn.Module):
         """``layout``: the tokens' :class:`~models.gpt.token_layout.TokenLayout` (None: the default
         causal layout); ``cache`` and ``start``: KV-cache decoding."""
         x = x + self._drop(self.attn(self.ln1(x), cache, start, layout))
+        if self.moe:   # the MoE router reduces its statistics over the layout's CP group
+            return x + self._drop(self.mlp(self.ln2(x), layout))
         return x + self._drop(self.mlp(self.ln2(x)))

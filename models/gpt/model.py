@@ -332,7 +332,11 @@ class GPTModel(nn.Module):
             return self._output_logits(x).transpose(0, 1).contiguous()  # [b, s, V_p/tp]
         loss = self._output_loss(x, labels.t()).t().contiguous()    # [b, s]
         if self.moe_layers():   # the MoE aux losses' gradient scale (models/gpt/moe.py)
-            loss = probe_loss_gradient(loss, self.aux_scale)
+            c = self.config   # summed over CP only when a balancing loss uses it
+            losses = c.moe_z_loss_coeff is not None or (
+                c.moe_router_load_balancing_type != "none" and bool(c.moe_aux_loss_coeff))
+            loss = probe_loss_gradient(loss, self.aux_scale, layout.cp_group
+                                       if layout is not None and losses else None)
         return loss
 
     def moe_layers(self) -> list[MoELayer]:

@@ -11,6 +11,13 @@ and Qwen2-MoE's shared expert, Qwen2-MoE's sigmoid gate on it).
                sigmoid(x w_g) with the gate
       out = routed + shared
 
+Under context parallelism (issue 31) the tokens are this CP rank's 2 of the 2C load-balanced chunks
+of every sequence and are NOT gathered (that would undo CP's memory saving): routing is per token,
+and the router reduces every statistic over the CP group instead (the balancing losses' counts,
+the capacity: hybrid/moe/router.py), so a CP run routes, drops and balances exactly as CP 1. The
+aux losses' gradient scale is then the whole micro-batch's, summed over CP in backward
+(:func:`probe_loss_gradient`); the metrics count each micro-batch once over its C ranks.
+
 Why gather under SP instead of routing the local shard: the routing is then over the same T tokens
 as at TP 1, so capacity, the balancing losses and the dropped tokens are those of the single-device
 oracle exactly. The gather's backward keeps this rank's slice (every TP rank computed the same full
@@ -30,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybrid import comm
 from hybrid.comm import Group
 from hybrid.moe.dispatch import LocalDispatcher, make_dispatcher
 from hybrid.moe.experts import GroupedSwiGLUExperts
@@ -50,19 +58,25 @@ class AuxLossScale:
 
 class _ProbeLossGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, loss, scale):
-        ctx.scale = scale
+    def forward(ctx, loss, scale, cp):
+        ctx.scale, ctx.cp = scale, cp
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.scale.value = grad.float().sum()
-        return grad, None
+        value = grad.float().sum()
+        if ctx.cp is not None:   # the whole micro-batch's scale: every CP rank's tokens
+            comm.all_reduce(value, ctx.cp)
+        ctx.scale.value = value
+        return grad, None, None
 
 
-def probe_loss_gradient(loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
-    """Identity on the per-token loss [b, s]; its backward records the scale for the aux losses."""
-    return _ProbeLossGradient.apply(loss, scale)
+def probe_loss_gradient(loss: torch.Tensor, scale: AuxLossScale, cp: Group | None = None
+                        ) -> torch.Tensor:
+    """Identity on the per-token loss [b, s]; its backward records the scale for the aux losses.
+    ``cp``: the CP group holding the rest of these sequences (one all-reduce of a scalar in
+    backward: each CP rank's aux-loss share is scaled by the whole micro-batch's gradient)."""
+    return _ProbeLossGradient.apply(loss, scale, cp if cp is not None and cp.size > 1 else None)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -173,13 +187,16 @@ class MoELayer(nn.Module):
         set_tp_attributes(self.router.weight, tensor_model_parallel=False, partition_dim=-1)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        """``layout``: the forward's :class:`~models.gpt.token_layout.TokenLayout`; under CP its
+        group is the one the router reduces its statistics over."""
+        cp = layout.cp_group if layout is not None and layout.context_parallel else None
         tokens = x
         if self.sequence_parallel:
             tokens = gather_sequence_replicated(x, self.group)
         s, b, h = tokens.shape
         flat = tokens.reshape(s * b, h)                                            # [T, h]
-        routing = self.router(flat, num_sequences=b)
+        routing = self.router(flat, num_sequences=b, cp=cp)
         routed, counts = self.dispatcher.dispatch(flat, routing.expert_index, routing.probs)
         y = self.dispatcher.combine(self.experts(routed, counts)).view(s, b, h)    # [s, b, h]
         if self.sequence_parallel:
@@ -191,7 +208,7 @@ class MoELayer(nn.Module):
                 shared = shared * self.shared_expert_gate(x)
             y = y + shared
         if torch.is_grad_enabled():
-            self._record(routing)
+            self._record(routing, cp.size if cp is not None else 1)
         return y
 
     def _attach_losses(self, y: torch.Tensor, routing) -> torch.Tensor:
@@ -201,14 +218,16 @@ class MoELayer(nn.Module):
         return attach_aux_loss(y, sum(losses), self.aux_scale)
 
     @torch.no_grad()
-    def _record(self, routing) -> None:
-        """Accumulate this micro-batch's load, losses and drops (device tensors, no host read)."""
+    def _record(self, routing, cp_size: int = 1) -> None:
+        """Accumulate this micro-batch's load, losses and drops (device tensors, no host read).
+        Under CP each rank holds its tokens' counts and loss shares, which add up over the CP
+        group, and counts 1/C of the micro-batch."""
         zero = routing.load.new_zeros((), dtype=torch.float32)
         now = dict(load=routing.load.float(), dropped=routing.dropped.float(),
                    routes=zero + routing.expert_index.numel(),
                    aux_loss=routing.aux_loss.detach() if routing.aux_loss is not None else zero,
                    z_loss=routing.z_loss.detach() if routing.z_loss is not None else zero,
-                   micro_batches=zero + 1)
+                   micro_batches=zero + 1 / cp_size)
         if self._metrics is None:
             self._metrics = now
         else:
@@ -217,6 +236,8 @@ class MoELayer(nn.Module):
     def pop_metrics(self) -> dict[str, torch.Tensor] | None:
         """The metrics summed since the last call (None if no training forward ran): ``load`` [E]
         routes per expert (before dropping), ``dropped`` and ``routes`` counts, ``aux_loss`` and
-        ``z_loss`` (times their coefficients) summed over ``micro_batches``."""
+        ``z_loss`` (times their coefficients) summed over ``micro_batches`` (this rank's tokens;
+        under CP summing over the CP group, as pretrain.metrics does over DP x CP, gives the
+        whole micro-batches')."""
         out, self._metrics = self._metrics, None
         return out

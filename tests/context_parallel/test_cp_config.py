@@ -76,7 +76,15 @@ def test_kv_cache_generation_refuses_a_cp_layout():
 
 
 
-def test_experts_across_context_parallel_ranks_are_refused():
-    with pytest.raises(TrainConfigError, match="expert parallelism across context-parallel ranks"):
-        parse_args(BASE + ["--swiglu", "--num-experts", "4", "--expert-model-parallel-size", "2",
-                           "--context-parallel-size", "2"])
+def test_experts_across_context_parallel_ranks_are_accepted():
+    """EP x CP (issue 32 with 31): EP groups are carved out of DP x CP, so EP may exceed DP; an EP
+    that does not divide DP x CP is one clear error naming both."""
+    moe = BASE + ["--swiglu", "--num-experts", "8", "--context-parallel-size", "2",
+                  "--global-batch-size", "2"]
+    cfg, _ = parse_args(moe + ["--expert-model-parallel-size", "4"])
+    layout = cfg.validate_for_world(4)                 # TP 1 x CP 2 x DP 2: EP 4 spans CP and DP
+    assert (layout.context_parallel, layout.data_parallel) == (2, 2)
+    cfg, _ = parse_args(moe + ["--expert-model-parallel-size", "8"])
+    with pytest.raises(TrainConfigError, match="--expert-model-parallel-size 8 does not divide the "
+                                               "data-parallel x context-parallel size 4"):
+        cfg.validate_for_world(4)

@@ -40,6 +40,18 @@ def test_dry_run_reports_experts_and_dispatch_bytes():
     assert "alltoall token dispatch" in format_report(r)
 
 
+def test_dry_run_with_context_parallelism():
+    """EP x CP: EP 4 spans the CP pairs (16 ranks, TP 2 x CP 2 x DP 4: DP x CP = 8), and each rank
+    routes its CP half of the micro-batch's tokens."""
+    r = dry_run_report(parse_args(MOE + ["--context-parallel-size", "2"])[0], rank=3)
+    moe = r["moe"]
+    # rank 3 = (dp 0, cp 1, tp 1): DP x CP ranks of TP rank 1 are 1, 3, 5, ... in DP x CP order
+    assert (moe["ep"], moe["ep_group"], moe["expert_dp_group"]) == (4, [1, 3, 5, 7], [3, 11])
+    micro_batches = 32 // (2 * 4)
+    per_layer = dispatch_bytes("alltoall", 2 * 128 // 2, 2, 256, 4, 8, 2)
+    assert moe["a2a_bytes_per_step"] == 4 * micro_batches * per_layer.total
+
+
 def test_rank_layouts_expert_lines(capsys):
     from tools.rank_layouts import main
     assert main(["--layers", "8", "--hidden", "1024", "--heads", "16", "--gpus", "32",

@@ -17,13 +17,16 @@ enumerated with TP x C inside one node's GPUs or across nodes, as long as every 
 runs: ``--attention-core flash`` (SDPA's fused kernels, the default for a custom model) keeps no
 [s, s] scores; the papers' presets use the explicit core of their time ("megatron").
 
-With ``--num-experts E --expert-model-parallel-size EP`` (issue 32) every top layout whose DP
-x CP divides by EP also gets its expert bytes per GPU (every layer a MoE layer of E SwiGLU experts of
-width ``--moe-ffn-hidden-size``, split over EP then TP; 16-bit parameters and gradients, the
-optimizer's K bytes over the expert-DP group DP x CP / EP at ZeRO 1-3) and its all-to-all token
-dispatch bytes per step (hybrid/perf/moe_comm.py, even routing, top ``--moe-router-topk``). The
-ranking itself still models the dense GPT of ``--hidden``.
+Mixture of experts (issue 32): with ``--num-experts E`` every layer is a MoE layer of E SwiGLU
+experts of width ``--moe-ffn-hidden-size``, top ``--moe-router-topk``; ``--preset mixtral-8x7b``
+is Mixtral 8x7B on 64 A100 80GB. The ranking then models the MoE model (hybrid/perf/pipeline.py):
+active-parameter FLOPs, model states with the dense parameters over DP x CP and the experts over
+the expert-DP group DP x CP / EP, the exposed all-to-all token dispatch (hybrid/perf/moe_comm.py,
+even routing) in the step time. EP is searched over the divisors of E that divide DP x CP unless
+``--expert-model-parallel-size`` fixes it; a layout reads "... x DP d (EP e)". The expert lines
+print each top layout's expert parameters and states per GPU and its all-to-all bytes per step.
 
+    python tools/rank_layouts.py --preset mixtral-8x7b --top 5
     python tools/rank_layouts.py --layers 32 --hidden 4096 --heads 32 --gpus 64 --global-batch 512 \
         --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 14336 --expert-model-parallel-size 8
 
@@ -54,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybrid.layout import LayoutError, RunLayout  # noqa: E402
 from hybrid.perf import infinity  # noqa: E402
 from hybrid.perf.activations import activation_bytes_per_layer  # noqa: E402
-from hybrid.perf.flops import model_flops_per_iteration, pad_vocab  # noqa: E402
+from hybrid.perf.architecture import GPT2, Architecture  # noqa: E402
+from hybrid.perf.flops import expert_params_per_rank, model_flops_per_iteration, pad_vocab  # noqa: E402
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster  # noqa: E402
 from hybrid.perf.model_states import STATE_DTYPE_BYTES, optimizer_bytes_per_param  # noqa: E402
 from hybrid.perf.pipeline import Layout, LayoutEstimate, estimate_layout  # noqa: E402
@@ -83,12 +87,14 @@ class Preset:
 
     moments: tuple[str, str] = ("fp32", "fp32")   # storage dtypes of exp_avg, exp_avg_sq
     attention_core: str = "megatron"   # the core whose activations count (hybrid.perf.activations)
+    arch: Architecture = GPT2          # the model's options; MoE layers when arch.num_experts
 
     def model(self) -> dict:
         """The keyword arguments :func:`hybrid.perf.pipeline.estimate_layout` takes besides the layout."""
         return dict(layers=self.layers, hidden=self.hidden, heads=self.heads, seq=self.seq,
                     vocab=self.vocab, global_batch=self.global_batch, cluster=self.cluster,
-                    attention_core=self.attention_core, **optimizer_options(self.moments))
+                    attention_core=self.attention_core, arch=self.arch,
+                    **optimizer_options(self.moments))
 
 
 def optimizer_options(moments: tuple[str, str]) -> dict:
@@ -116,6 +122,18 @@ PRESETS = {
                         "fp16, full recompute, 138 TFLOP/s per GPU; Narayanan et al. 2021 §5.1: "
                         "140 TFLOP/s per GPU at 1024 GPUs, batch 1536"),
 }
+
+
+def _mixtral_preset() -> Preset:
+    from models.gpt.presets import MOE_PRESETS
+    config = MOE_PRESETS["mixtral-8x7b"]
+    return Preset(config.num_layers, config.hidden_size, config.num_attention_heads,
+                  config.seq_length, config.vocab_size, 64, 256, A100_80GB, None,
+                  "Mixtral 8x7B (46.7B parameters, 12.9B active) on 64 A100 80GB, global batch 256",
+                  attention_core="flash", arch=config.perf_architecture())
+
+
+MOE_PRESETS = {"mixtral-8x7b": _mixtral_preset()}   # not in --all-presets (the papers' runs)
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 LONG_SEQUENCE = 8192        # from here on context-parallel degrees are enumerated
@@ -161,30 +179,43 @@ def _pipelines(layers, seq, gpus, global_batch, tp, cp, comm_types):
                             yield Layout(tp, pp, dp, virtual, stage, recompute, b, tp > 1, cp, comm)
 
 
-def rank(preset: Preset) -> list[LayoutEstimate]:
-    """Every candidate layout that fits the preset cluster's memory, fastest first."""
+def expert_degrees(arch: Architecture, dp_cp: int, fixed: int | None = None) -> list[int]:
+    """EP degrees to try for a layout with DP x CP = ``dp_cp``: 1 for a dense model; ``fixed``
+    alone when it divides both ``dp_cp`` and the experts (none otherwise); else every divisor of
+    the number of experts that divides ``dp_cp``."""
+    if not arch.is_moe:
+        return [1]
+    options = [fixed] if fixed is not None else _divisors(arch.num_experts)
+    return [e for e in options if dp_cp % e == 0 and arch.num_experts % e == 0]
+
+
+def rank(preset: Preset, ep: int | None = None) -> list[LayoutEstimate]:
+    """Every candidate layout that fits the preset cluster's memory, fastest first; for a MoE
+    model with each EP degree :func:`expert_degrees` allows (``ep`` fixes it)."""
     found = []
     for layout in candidates(preset.layers, preset.hidden, preset.heads, preset.seq, preset.gpus,
                              preset.global_batch, preset.cluster.gpus_per_node):
-        try:
-            est = estimate_layout(layout, **preset.model())
-        except ValueError:
-            continue   # e.g. a recompute mode the memory model does not combine with the layout
-        if est.memory_bytes <= preset.cluster.memory_bytes:
-            found.append(est)
+        for degree in expert_degrees(preset.arch, layout.dp * layout.cp, ep):
+            try:
+                est = estimate_layout(dataclasses.replace(layout, ep=degree), **preset.model())
+            except ValueError:
+                continue   # e.g. a recompute mode the memory model does not combine with the layout
+            if est.memory_bytes <= preset.cluster.memory_bytes:
+                found.append(est)
     return sorted(found, key=lambda e: e.time_s)
 
 
 def table(found: list[LayoutEstimate], top: int) -> list[str]:
     with_cp = any(e.layout.cp > 1 for e in found[:top])
-    width = 78 if with_cp else 62
+    with_ep = any(e.layout.ep > 1 for e in found[:top])
+    width = (78 if with_cp else 62) + (8 if with_ep else 0)
     lines = [f"{'#':>3} {'layout':<{width}} {'TFLOP/s':>7} {'step s':>7} {'work':>6} {'bubble':>6} "
-             f"{'p2p':>5} " + (f"{'CP':>5} " if with_cp else "")
+             f"{'p2p':>5} " + (f"{'CP':>5} " if with_cp else "") + (f"{'a2a':>5} " if with_ep else "")
              + f"{'DP':>5} {'opt':>5} {'mem GB':>6} {'act GB':>6} {'states':>6}"]
     for i, e in enumerate(found[:top], 1):
         lines.append(f"{i:>3} {e.layout.describe():<{width}} {e.tflops_per_gpu:7.1f} {e.time_s:7.2f} "
                      f"{e.compute_s:6.2f} {e.bubble_s:6.2f} {e.p2p_s:5.2f} "
-                     + (f"{e.cp_s:5.2f} " if with_cp else "")
+                     + (f"{e.cp_s:5.2f} " if with_cp else "") + (f"{e.ep_s:5.2f} " if with_ep else "")
                      + f"{e.dp_s:5.2f} {e.optimizer_s:5.2f} {e.memory_bytes / 1e9:6.1f} "
                      f"{e.activation_bytes / 1e9:6.1f} {e.model_state_bytes / 1e9:6.1f}")
     return lines
@@ -269,49 +300,48 @@ def offload_lines(preset: Preset, found: list[LayoutEstimate], top: int, where: 
 
 @dataclass(frozen=True)
 class ExpertOptions:
-    """The MoE options of the expert lines (module docstring)."""
+    """The MoE options of the command line (module docstring); ``ep`` None: searched."""
 
     num_experts: int
     topk: int
     ffn: int
-    ep: int
+    ep: int | None = None
+
+    def arch(self) -> Architecture:
+        """A GPT-2 model whose every MLP is a MoE layer of SwiGLU experts."""
+        return Architecture(swiglu=True, num_experts=self.num_experts, moe_topk=self.topk,
+                            moe_ffn_hidden=self.ffn)
 
 
-def expert_lines(preset: Preset, found: list[LayoutEstimate], top: int,
-                 moe: ExpertOptions) -> list[str]:
-    """Per top layout: expert parameters and bytes per GPU, and the all-to-all bytes per step."""
+def expert_lines(preset: Preset, found: list[LayoutEstimate], top: int) -> list[str]:
+    """Per top layout: expert parameters and their states per GPU, the all-to-all bytes per step."""
+    from hybrid.perf.model_states import moe_model_state_bytes
     from hybrid.perf.moe_comm import dispatch_bytes
-    k_bytes = preset.model()["optimizer_bytes_per_param"]
-    lines = [f"experts: {moe.num_experts} per layer (SwiGLU width {moe.ffn}, top-{moe.topk}) at "
-             f"EP {moe.ep}, every layer a MoE layer; per GPU, with the all-to-all bytes per step "
-             f"(even routing, 16-bit activations)"]
+    from hybrid.perf.context_parallel import local_seq
+    arch, k_bytes = preset.arch, preset.model()["optimizer_bytes_per_param"]
+    width = arch.moe_ffn_hidden or arch.ffn(preset.hidden)
+    lines = [f"experts: {arch.num_experts} per MoE layer (width {width}, top-{arch.moe_topk}); per "
+             f"GPU, with the all-to-all bytes per step (even routing, 16-bit activations)"]
     for i, e in enumerate(found[:top], 1):
         lay = e.layout
-        dp_cp = lay.dp * lay.cp   # EP groups are carved out of DP x CP (docs/moe.md)
-        if dp_cp % moe.ep or moe.num_experts % moe.ep:
-            lines.append(f"{i:>3} {lay.describe():<62} EP {moe.ep} does not divide DP x CP "
-                         f"{dp_cp} or the {moe.num_experts} experts")
-            continue
         layers = preset.layers // lay.pp
-        params = layers * (moe.num_experts // moe.ep) * 3 * preset.hidden * moe.ffn / lay.tp
-        expert_dp = dp_cp // moe.ep
-        state = params * (2 + 2 + k_bytes / (expert_dp if lay.stage else 1))
-        micro_batches = preset.global_batch // (lay.micro_batch * lay.dp)
-        # a rank routes its CP share of each micro-batch's tokens
-        per_layer = dispatch_bytes("alltoall", lay.micro_batch * preset.seq // lay.cp, moe.topk,
-                                   preset.hidden, moe.ep, moe.num_experts, 2)
-        a2a = per_layer.total * layers * micro_batches
-        lines.append(f"{i:>3} {lay.describe():<62} {params / 1e9:6.2f} B expert params, "
-                     f"{state / 1e9:7.1f} GB expert states (expert-DP {expert_dp}), "
-                     f"all-to-all {a2a / 1e9:7.2f} GB/step")
+        params = expert_params_per_rank(layers, preset.hidden, arch, tp=lay.tp, ep=lay.ep)
+        state = moe_model_state_bytes(1.0, params * lay.ep, lay.stage, lay.dp * lay.cp, lay.ep,
+                                      optimizer_bytes_per_param=k_bytes).expert.total
+        per_layer = dispatch_bytes("alltoall", lay.micro_batch * local_seq(preset.seq, lay.cp),
+                                   arch.moe_topk, preset.hidden, lay.ep, arch.num_experts, 2)
+        a2a = per_layer.total * arch.moe_layers(layers) * e.micro_batches
+        lines.append(f"{i:>3} {lay.describe():<70} {params / 1e9:6.2f} B expert params, "
+                     f"{state / 1e9:7.1f} GB expert states (expert-DP "
+                     f"{lay.dp * lay.cp // lay.ep}), all-to-all {a2a / 1e9:7.2f} GB/step")
     return lines
 
 
 def report(preset: Preset, top: int, offload: str = "none",
-           target: float = 0.9, moe: ExpertOptions | None = None) -> list[str] | None:
-    """The ranking of one model and cluster, with the published layout's verdict; None if nothing
-    fits."""
-    found = rank(preset)
+           target: float = 0.9, ep: int | None = None) -> list[str] | None:
+    """The ranking of one model and cluster (``ep`` fixes a MoE model's EP degree), with the
+    published layout's verdict; None if nothing fits."""
+    found = rank(preset, ep)
     if not found:
         return None
     lines = [f"{preset.layers} layers, hidden {preset.hidden}, {preset.heads} heads, seq {preset.seq}, "
@@ -321,8 +351,8 @@ def report(preset: Preset, top: int, offload: str = "none",
     lines.append(working_memory_line(preset, found[0].layout, "#1"))
     if offload != "none":
         lines += offload_lines(preset, found, top, offload, target)
-    if moe is not None:
-        lines += expert_lines(preset, found, top, moe)
+    if preset.arch.is_moe:
+        lines += expert_lines(preset, found, top)
     if preset.published is not None:
         lines += published_verdict(preset, found)
         lines.append(working_memory_line(preset, preset.published, "the published layout"))
@@ -346,7 +376,7 @@ def render_presets(top: int = 10, moments: tuple[str, str] = ("fp32", "fp32")) -
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS))
+    parser.add_argument("--preset", choices=sorted({**PRESETS, **MOE_PRESETS}))
     parser.add_argument("--all-presets", action="store_true",
                         help="every preset, one report after the other")
     for name in ("layers", "hidden", "heads", "gpus", "global-batch"):
@@ -366,10 +396,13 @@ def main(argv=None) -> int:
                         help="for a custom model: the attention core whose activations count: "
                              "flash (SDPA's fused kernels, no [s, s] scores; default) or megatron "
                              "(the explicit core, 5 a s^2 b / t bytes a layer)")
-    parser.add_argument("--num-experts", type=int, help="MoE: experts per layer (expert lines)")
+    parser.add_argument("--num-experts", type=int,
+                        help="MoE: experts per layer, every layer a MoE layer (ranked as such)")
     parser.add_argument("--moe-router-topk", type=int, default=2)
     parser.add_argument("--moe-ffn-hidden-size", type=int, help="MoE: expert width (default 4h)")
-    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-model-parallel-size", type=int,
+                        help="MoE: fix the EP degree (default: searched over the divisors of the "
+                             "number of experts that divide DP x CP)")
     parser.add_argument("--out", type=Path, help="with --all-presets: write the reports to this file")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
@@ -395,7 +428,7 @@ def main(argv=None) -> int:
         print("error: --out writes the --all-presets reports; add --all-presets", file=sys.stderr)
         return 2
     if args.preset:
-        preset = dataclasses.replace(PRESETS[args.preset], moments=moments)
+        preset = dataclasses.replace({**PRESETS, **MOE_PRESETS}[args.preset], moments=moments)
     else:
         missing = [n for n in ("layers", "hidden", "heads", "gpus", "global_batch")
                    if getattr(args, n) is None]
@@ -406,16 +439,24 @@ def main(argv=None) -> int:
         preset = Preset(args.layers, args.hidden, args.heads, args.seq_length, args.vocab_size,
                         args.gpus, args.global_batch, dgx2_v100_cluster(), None, "", moments,
                         args.attention_core)
-    moe = None
+    ep = args.expert_model_parallel_size
     if args.num_experts is not None:
-        if args.num_experts < 1 or args.expert_model_parallel_size < 1 or args.moe_router_topk < 1:
+        if args.num_experts < 1 or (ep is not None and ep < 1) or args.moe_router_topk < 1:
             print("error: --num-experts, --moe-router-topk and --expert-model-parallel-size must be "
                   "positive", file=sys.stderr)
             return 2
         moe = ExpertOptions(args.num_experts, args.moe_router_topk,
-                            args.moe_ffn_hidden_size or 4 * preset.hidden,
-                            args.expert_model_parallel_size)
-    lines = report(preset, args.top, args.offload, args.target_efficiency, moe)
+                            args.moe_ffn_hidden_size or 4 * preset.hidden, ep)
+        preset = dataclasses.replace(preset, arch=moe.arch())
+    if ep is not None and not preset.arch.is_moe:
+        print("error: --expert-model-parallel-size needs a MoE model: add --num-experts or "
+              "--preset mixtral-8x7b", file=sys.stderr)
+        return 2
+    if ep is not None and preset.arch.num_experts % ep:
+        print(f"error: --expert-model-parallel-size {ep} does not divide the "
+              f"{preset.arch.num_experts} experts", file=sys.stderr)
+        return 2
+    lines = report(preset, args.top, args.offload, args.target_efficiency, ep)
     if lines is None:
         print(f"error: no layout of this model fits {preset.cluster.memory_bytes / 1e9:.0f} GB per GPU "
               f"on {preset.gpus} GPUs; add GPUs or lower the global batch", file=sys.stderr)

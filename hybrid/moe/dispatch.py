@@ -200,20 +200,23 @@ class AllToAllDispatcher(_EPDispatcher):
         recv_counts = comm.exchange_counts(send_counts, self.group)   # row i: from rank i
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
-        received = all_to_all_rows(hidden[token], recv, send, self.group)       # [R, h]
+        # index_select, not hidden[token]: its backward is an index_add, cheaper on a CPU than
+        # the accumulating index_put of advanced indexing
+        received = all_to_all_rows(hidden.index_select(0, token), recv, send, self.group)  # [R, h]
         # received is (source rank, local expert)-major; regroup to (local expert, source rank)
         block = torch.repeat_interleave(
             torch.arange(ep * local, device=hidden.device), recv_counts.reshape(-1).to(hidden.device))
         source, expert = torch.div(block, local, rounding_mode="floor"), block % local
         regroup = torch.sort(expert * ep + source, stable=True).indices         # [R]
         self._saved = (regroup, send, recv, token, probs.reshape(-1)[route], num_tokens)
-        return received[regroup], recv_counts.sum(0).tolist()
+        return received.index_select(0, regroup), recv_counts.sum(0).tolist()
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         regroup, send, recv, token, weights, num_tokens = self._take_saved()
         back = torch.empty_like(regroup)
         back[regroup] = torch.arange(regroup.numel(), device=regroup.device)   # inverse permutation
-        returned = all_to_all_rows(expert_out[back], send, recv, self.group)     # [S, h] route order
+        returned = all_to_all_rows(expert_out.index_select(0, back), send, recv,
+                                   self.group)                                   # [S, h] route order
         return _weighted_sum(returned, weights, token, num_tokens)
 
 
@@ -239,7 +242,7 @@ class AllGatherDispatcher(_EPDispatcher):
         token = torch.div(route, k, rounding_mode="floor")                   # [N] in EP*T tokens
         self._saved = (token, every_probs.reshape(-1)[route], num_tokens * group.size)
         counts = torch.bincount(experts, minlength=local).tolist()
-        return every_hidden[token], counts
+        return every_hidden.index_select(0, token), counts
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         token, weights, every_tokens = self._take_saved()

@@ -117,17 +117,21 @@ class GroupedSwiGLUExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens [N, h] (``counts[e]`` rows per local expert, in order) -> outputs [N, h]."""
         x = copy_to_tp(tokens, self.group) if self.group.size > 1 else tokens
-        w1 = self.fc1.weight.transpose(1, 2)                     # [E, h, 2f/tp]
+        # fc1's rows interleave gate and up (the checkpoint layout); one copy of the weight puts
+        # the gate rows first, so the product is [gate | up] and silu and the product read
+        # unit-stride rows (on the interleaved product they ran several times slower on a CPU)
+        e, rows, h = self.fc1.weight.shape
+        w1 = self.fc1.weight.view(e, rows // 2, 2, h).transpose(1, 2).reshape(e, rows, h)
+        w1 = w1.transpose(1, 2)                                  # [E, h, 2f/tp] columns [gate | up]
         w2 = self.fc2.weight.transpose(1, 2)                     # [E, f/tp, h]
         # no rows: the padded path (torch._grouped_mm's backward rejects empty operands)
         if self.use_grouped_mm and x.size(0) > 0 and grouped_mm_supported(x, w1, w2):
             offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
             y = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))              # [N, 2f/tp]
-            gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
+            gate, up = y.chunk(2, dim=-1)
             act = F.silu(gate) * up                                                      # [N, f/tp]
             out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))          # [N, h]
         else:
-            y = padded_bmm(x, w1, counts)
-            gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
+            gate, up = padded_bmm(x, w1, counts).chunk(2, dim=-1)
             out = padded_bmm(F.silu(gate) * up, w2, counts)
         return reduce_from_tp(out, self.group) if self.group.size > 1 else out

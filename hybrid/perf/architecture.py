@@ -163,9 +163,19 @@ class Architecture:
         """Per token, in units of h: the 16-bit activations a layer keeps that TP shards, outside the
         attention scores (24 for GPT-2: q, k 4, v 2, projection input 2, MLP 16). GQA shrinks k and
         v to g d; SwiGLU keeps gate and up (4f), silu(gate) (2f) and the product (2f) instead of
-        GELU's input and output (4f); see :meth:`core_input_copies` for rotary and GQA."""
+        GELU's input and output (4f); see :meth:`core_input_copies` for rotary and GQA. A MoE
+        layer keeps per token k routed copies of its input (2k) and each route's expert
+        activations (8 f_e / h for SwiGLU), plus the shared expert's (8 f_s / h); with a
+        ``moe_pattern`` the dense and MoE MLP terms are averaged over the pattern's layers."""
         kv = self.kv_hidden(hidden, heads) / hidden
-        mlp = (8 if self.swiglu else 4) * self.ffn(hidden) / hidden
+        per_width = 8 if self.swiglu else 4
+        mlp = per_width * self.ffn(hidden) / hidden
+        if self.is_moe:
+            f_e = self.ffn(hidden) if self.moe_ffn_hidden is None else self.moe_ffn_hidden
+            moe = (self.moe_topk * (2 + per_width * f_e / hidden)
+                   + (8 * self.shared_expert_ffn / hidden if self.shared_expert_ffn else 0))
+            share = 1.0 if self.moe_pattern is None else sum(self.moe_pattern) / len(self.moe_pattern)
+            mlp = (1 - share) * mlp + share * moe
         return 2 + 2 * kv + 2 * kv + 2 + mlp + self.core_input_copies(hidden, heads)
 
     def core_input_copies(self, hidden: int, heads: int | None = None) -> float:

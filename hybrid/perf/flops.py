@@ -87,6 +87,14 @@ def gpt_param_count(layers: int, hidden: int, vocab_padded: int, positions: int,
                + arch.norm_params(h))
 
 
+def expert_params_per_rank(layers: int, hidden: int, arch: Architecture, *, tp: int = 1,
+                           ep: int = 1) -> float:
+    """Routed-expert parameters one TP x EP rank holds over ``layers`` layers (0 when dense)."""
+    if not arch.is_moe:
+        return 0.0
+    return arch.moe_layers(layers) * arch.num_experts * arch.expert_params(hidden) / (ep * tp)
+
+
 def active_param_count(layers: int, hidden: int, vocab_padded: int, positions: int, *,
                        heads: int | None = None, arch: Architecture = GPT2) -> int:
     """Parameters one token uses (the whole model, TP 1): :func:`gpt_param_count` less the E - k

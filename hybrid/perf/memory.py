@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from hybrid.perf import activations as act
 from hybrid.perf.architecture import GPT2, Architecture
-from hybrid.perf.flops import gpt_param_count, layer_param_count, pad_vocab
-from hybrid.perf.model_states import ModelStateBytes, model_state_bytes
+from hybrid.perf.flops import (expert_params_per_rank, gpt_param_count, layer_param_count,
+                               pad_vocab)
+from hybrid.perf.model_states import ModelStateBytes, model_state_bytes, moe_model_state_bytes
 from hybrid.zero_policy import DEFAULT_BUCKET_ELEMENTS
 
 DEFAULT_RESERVED_BYTES = 1.0e9   # CUDA context + allocator slack per GPU (an assumption, not measured)
@@ -58,7 +59,7 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
                   arch: Architecture = GPT2,
                   optimizer_bytes_per_param: int = 12, attention_core: str = "megatron",
                   attention_dropout: bool = True, cp: int = 1,
-                  cp_comm_type: str = "p2p") -> MemoryEstimate:
+                  cp_comm_type: str = "p2p", ep: int = 1) -> MemoryEstimate:
     """Memory of one GPU of a GPT run with ``tp`` x ``dp`` GPUs under ZeRO ``stage``.
 
     ``bucket_elements=None`` models the baseline's fused fp32 gradient buffer (4 Ψ / Nm bytes);
@@ -71,11 +72,19 @@ def device_memory(*, layers: int, hidden: int, heads: int, seq: int, vocab: int,
     ``attention_core``: the core that runs (:data:`hybrid.perf.activations.ATTENTION_CORES`; the
     paper's explicit "megatron" by default, "flash" for SDPA on CUDA); ``cp``, ``cp_comm_type``:
     context parallelism (``seq`` stays the whole sequence; model states partitioned over ``dp x cp``).
+    ``ep``: with MoE layers in ``arch`` (issue 32), the routed experts split over ``ep`` ranks
+    carved out of ``dp x cp``, their states partitioned over the expert-DP group ``dp cp / ep``
+    (:func:`hybrid.perf.model_states.moe_model_state_bytes`).
     """
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
                                arch=arch)
-    states = model_state_bytes(psi_rank, stage, dp * cp,
-                               optimizer_bytes_per_param=optimizer_bytes_per_param)
+    experts = expert_params_per_rank(layers, hidden, arch, tp=tp)   # all E experts / TP
+    if experts:
+        states = moe_model_state_bytes(psi_rank - experts, experts, stage, dp * cp, ep,
+                                       optimizer_bytes_per_param=optimizer_bytes_per_param).total
+    else:
+        states = model_state_bytes(psi_rank, stage, dp * cp,
+                                   optimizer_bytes_per_param=optimizer_bytes_per_param)
     core = dict(core=attention_core, attention_dropout=attention_dropout, cp=cp,
                 cp_comm_type=cp_comm_type)
     checkpoints, working = _activations(layers, hidden, heads, seq, micro_batch, tp, recompute,

@@ -31,6 +31,16 @@ node when t C fits one): the ring (p2p) overlaps each transfer with one block's 
 what the attention does not hide is exposed; a2a's all-to-alls are exposed whole. Memory: the
 activations of ``s / C`` tokens (:func:`hybrid.perf.memory.device_memory` with ``cp``), model states
 partitioned over d C.
+
+Mixture of experts (issue 32, ``arch`` with MoE layers, ``ep`` E > 1): the experts split over E
+ranks carved out of d C (E divides d C and the number of experts). FLOPs are the active ones
+(:func:`hybrid.perf.flops.model_flops_per_iteration`); model states put the dense parameters over
+d C and the rank's experts over the expert-DP group d C / E
+(:func:`hybrid.perf.model_states.moe_model_state_bytes`), the DP collectives and the optimizer step
+likewise; the all-to-all token dispatch of every MoE layer and micro-batch
+(:func:`hybrid.perf.moe_comm.dispatch_bytes`, even routing; its forward half again under full
+recompute) crosses nodes when t E exceeds a node, is exposed whole and pays 4 call latencies a
+layer and micro-batch (6 with full recompute) (``ep_s``).
 """
 
 from __future__ import annotations
@@ -38,10 +48,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybrid.layout import LayoutError, RunLayout
+from hybrid.perf.architecture import GPT2, Architecture
 from hybrid.perf.context_parallel import check_a2a_heads, cp_bytes_per_step, local_seq
 from hybrid.perf.flops import model_flops_per_iteration
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.memory import device_memory
+from hybrid.perf.moe_comm import dispatch_bytes
 from hybrid.perf.throughput import (ThroughputAssumptions, attention_core_flops_per_iteration,
                                     estimate_iteration, sustained_efficiency)
 from hybrid.zero_policy import check_layout
@@ -59,13 +71,16 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1                 # context-parallel degree (issue 31)
     cp_comm_type: str = "p2p"   # p2p (ring) | a2a
+    ep: int = 1                 # expert-parallel degree, carved out of DP x CP (issue 32)
 
     def describe(self) -> str:
         sp = "+SP" if self.sequence_parallel else ""
         cp = f" x CP {self.cp} ({self.cp_comm_type})" if self.cp > 1 else ""
+        ep = f" (EP {self.ep})" if self.ep > 1 else ""
         return (f"TP {self.tp}{sp}{cp} x PP {self.pp}"
                 + (f" (v {self.virtual})" if self.virtual > 1 else "")
-                + f" x DP {self.dp}, ZeRO {self.stage}, recompute {self.recompute}, b {self.micro_batch}")
+                + f" x DP {self.dp}{ep}, ZeRO {self.stage}, recompute {self.recompute}, "
+                f"b {self.micro_batch}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class LayoutEstimate:
     model_state_bytes: float
     model_flops_per_gpu: float
     cp_s: float = 0.0      # exposed context-parallel communication (0 without CP)
+    ep_s: float = 0.0      # the MoE layers' all-to-all token dispatch (0 at EP 1)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -114,11 +130,12 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
                     global_batch: int, cluster: Cluster | None = None,
                     assumptions: ThroughputAssumptions = ThroughputAssumptions(),
                     optimizer_bytes_per_param: int = 12,
-                    attention_core: str = "megatron") -> LayoutEstimate:
+                    attention_core: str = "megatron", arch: Architecture = GPT2) -> LayoutEstimate:
     """Time and memory of one layout. ``optimizer_bytes_per_param``: K of the model states (12, or 8
     with bf16 Adam moments); the optimizer step's memory traffic is the ``assumptions``'.
     ``attention_core``: the core whose activations count (:mod:`hybrid.perf.activations`; the
-    papers' explicit "megatron" by default, "flash" for SDPA's fused kernels)."""
+    papers' explicit "megatron" by default, "flash" for SDPA's fused kernels). ``arch``: the model's
+    options (GPT-2 by default; with MoE layers ``layout.ep`` splits the experts, module docstring)."""
     cluster = cluster or dgx2_v100_cluster()
     t, p, d, v, b = layout.tp, layout.pp, layout.dp, layout.virtual, layout.micro_batch
     c, full_seq = layout.cp, seq
@@ -137,10 +154,12 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
         raise ValueError(f"{layout.describe()}: {err}") from None
     m = run.micro_batches
     stage_layers = layers // p
+    _check_ep(layout, arch)
     zero_stage = check_layout(layout.stage, p)   # the stage the engine runs (ValueError: refused)
     it = estimate_iteration(layers=stage_layers, hidden=hidden, seq=seq, vocab=vocab, micro_batch=b,
                             tp=t, dp=d, stage=zero_stage, grad_accumulation=m,
-                            recompute=layout.recompute, cluster=cluster, assumptions=assumptions)
+                            recompute=layout.recompute, cluster=cluster, assumptions=assumptions,
+                            heads=heads, arch=arch, ep=layout.ep, expert_dp=d * c // layout.ep)
     work = it.compute_s + it.tp_comm_s + it.memory_s + it.overhead_s
     bubble = work * (p - 1) / (v * m)
     cp_s = 0.0
@@ -165,13 +184,42 @@ def estimate_layout(layout: Layout, *, layers: int, hidden: int, heads: int, seq
                         micro_batch=b, tp=t, dp=d, stage=zero_stage, recompute=layout.recompute,
                         sequence_parallel=layout.sequence_parallel,
                         optimizer_bytes_per_param=optimizer_bytes_per_param,
-                        attention_core=attention_core, cp=c, cp_comm_type=layout.cp_comm_type)
+                        attention_core=attention_core, cp=c, cp_comm_type=layout.cp_comm_type,
+                        arch=arch, ep=layout.ep)
     flight = micro_batches_in_flight(p, v)
     held = mem.checkpoints * flight + mem.working * (1 if layout.recompute == "full" else flight)
     activations = held + mem.logits
     total = mem.model_states.total + activations + mem.buffers + mem.reserved
-    model_flops = (model_flops_per_iteration(run.global_batch, full_seq, layers, hidden, vocab)
-                   / (run.world_size * c))
-    return LayoutEstimate(layout, m, work + bubble + p2p + cp_s + it.dp_comm_s + it.optimizer_s,
+    model_flops = (model_flops_per_iteration(run.global_batch, full_seq, layers, hidden, vocab,
+                                             heads=heads, arch=arch) / (run.world_size * c))
+    ep_s = expert_dispatch_seconds(layout, arch, stage_layers=stage_layers, micro_batches=m,
+                                   seq=seq, hidden=hidden, cluster=cluster)
+    return LayoutEstimate(layout, m, work + bubble + p2p + cp_s + ep_s + it.dp_comm_s + it.optimizer_s,
                           work + bubble, bubble, p2p, it.dp_comm_s, it.optimizer_s, total, activations,
-                          mem.model_states.total, model_flops, cp_s=cp_s)
+                          mem.model_states.total, model_flops, cp_s=cp_s, ep_s=ep_s)
+
+
+def _check_ep(layout: Layout, arch: Architecture) -> None:
+    ep = layout.ep
+    if ep == 1:
+        return
+    if not arch.is_moe:
+        raise ValueError(f"{layout.describe()}: EP {ep} needs MoE layers (an arch with num_experts)")
+    if (layout.dp * layout.cp) % ep or arch.num_experts % ep:
+        raise ValueError(f"{layout.describe()}: EP {ep} must divide DP x CP "
+                         f"{layout.dp * layout.cp} and the {arch.num_experts} experts")
+
+
+def expert_dispatch_seconds(layout: Layout, arch: Architecture, *, stage_layers: int,
+                            micro_batches: int, seq: int, hidden: int, cluster: Cluster) -> float:
+    """Exposed seconds of one stage's all-to-all token dispatch per step (module docstring):
+    ``seq`` is a CP rank's tokens of a sample. 0 at EP 1."""
+    if layout.ep == 1:
+        return 0.0
+    one = dispatch_bytes("alltoall", layout.micro_batch * seq, arch.moe_topk, hidden, layout.ep,
+                         arch.num_experts, 2)
+    per_layer = one.total + (one.forward + one.metadata if layout.recompute == "full" else 0.0)
+    calls_per_layer = 4 + (2 if layout.recompute == "full" else 0)
+    moe_layers = arch.moe_layers(stage_layers)
+    bandwidth, latency = cluster.link(layout.tp * layout.ep > cluster.gpus_per_node, "direct")
+    return micro_batches * moe_layers * (per_layer / bandwidth + calls_per_layer * latency)

@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybrid.perf.architecture import GPT2, Architecture
-from hybrid.perf.flops import (gpt_param_count, model_flops_per_iteration, pad_vocab,
-                               recompute_flops_per_iteration)
+from hybrid.perf.flops import (expert_params_per_rank, gpt_param_count, model_flops_per_iteration,
+                               pad_vocab, recompute_flops_per_iteration)
 from hybrid.perf.hardware import Cluster, dgx2_v100_cluster
 from hybrid.perf.model_states import dp_communication_elements
 from hybrid.topology import Topology
@@ -144,12 +144,16 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                        partition_activations: bool = False, cluster: Cluster | None = None,
                        assumptions: ThroughputAssumptions = ThroughputAssumptions(),
                        heads: int | None = None, arch: Architecture = GPT2,
-                       dp_seconds: float | None = None) -> IterationEstimate:
+                       dp_seconds: float | None = None, ep: int = 1,
+                       expert_dp: int | None = None) -> IterationEstimate:
     """Time of one iteration of ``grad_accumulation`` micro-batches of ``micro_batch`` sequences per
     replica on ``tp`` x ``dp`` GPUs (TP fastest, docs/design.md §2). ``arch`` (with ``heads`` for
     GQA) changes the FLOPs and the parameters; the elementwise and TP traffic terms stay GPT-2's.
     ``dp_seconds``: the DP collectives' seconds per iteration when the caller models them itself
-    (hybrid.perf.zeropp's topology-aware options); None: ZeRO §7's 2Ψ / 3Ψ."""
+    (hybrid.perf.zeropp's topology-aware options); None: ZeRO §7's 2Ψ / 3Ψ. With MoE layers in
+    ``arch``, ``ep`` splits the routed experts and ``expert_dp`` (default ``dp / ep``) ranks hold
+    each expert (issue 32): the DP collectives and the optimizer step run over the dense
+    parameters with ``dp`` and the rank's experts with ``expert_dp``; FLOPs are the active ones."""
     cluster = cluster or dgx2_v100_cluster()
     topo = Topology(tp * dp, tp, cluster.gpus_per_node, allow_tp_across_nodes=True)
     gpus, a = topo.world_size, assumptions
@@ -177,15 +181,18 @@ def estimate_iteration(*, layers: int, hidden: int, seq: int, vocab: int, micro_
                                                           full_recompute, partition_activations,
                                                           topo.tp_crosses_nodes, cluster, a)
     psi_rank = gpt_param_count(layers, hidden, pad_vocab(vocab, tp), seq, tp=tp, heads=heads,
-                               arch=arch)
+                               arch=arch, ep=ep)
+    experts = expert_params_per_rank(layers, hidden, arch, tp=tp, ep=ep)
+    expert_dp = expert_dp or max(1, dp // ep)
     tp_crosses, dp_crosses = topo.tp_crosses_nodes, _dp_crosses_nodes(topo)
-    dp_total = (_dp_time(psi_rank, stage, dp, grad_accumulation, dp_crosses, cluster, a)
+    dp_total = (_dp_time(psi_rank - experts, stage, dp, grad_accumulation, dp_crosses, cluster, a)
+                + _dp_time(experts, stage, expert_dp, grad_accumulation, dp_crosses, cluster, a)
                 if dp_seconds is None else dp_seconds)
     overlap = a.zero_dp_overlap if stage >= 1 else a.baseline_dp_overlap
     dp_exposed = max(dp_total * (1 - overlap), dp_total - compute * 2 / 3)  # hide behind backward
     dp_latency = cluster.link(dp_crosses, a.dp_algorithm)[1]
     dp_exposed += _dp_calls(stage, dp, layers, grad_accumulation, a) * dp_latency
-    updated = psi_rank / dp if stage >= 1 else psi_rank
+    updated = ((psi_rank - experts) / dp + experts / expert_dp) if stage >= 1 else psi_rank
     optimizer = updated * a.optimizer_bytes_per_param / cluster.hbm_bandwidth
     crossing_calls = ((grad_accumulation * _tp_calls(layers, tp, full_recompute, partition_activations, a)
                        if tp_crosses else 0)
@@ -276,7 +283,7 @@ def _tp_time_per_microbatch(layers, hidden, seq, micro_batch, tp, full_recompute
 
 def _dp_time(psi_rank, stage, dp, grad_accumulation, crosses_nodes, cluster: Cluster,
              a: ThroughputAssumptions) -> float:
-    if dp == 1:
+    if dp == 1 or not psi_rank:
         return 0.0
     elements = dp_communication_elements(psi_rank, stage)          # 2Ψ or 3Ψ per step
     if stage == 2:

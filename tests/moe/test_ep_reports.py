@@ -58,4 +58,51 @@ def test_rank_layouts_expert_lines(capsys):
                  "--global-batch", "64", "--top", "3", "--num-experts", "8",
                  "--expert-model-parallel-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "experts: 8 per layer" in out and "all-to-all" in out
+    assert "experts: 8 per MoE layer" in out and "all-to-all" in out
+    ranked = [line for line in out.splitlines() if line[:3].strip() in ("1", "2", "3")]
+    assert ranked and all("(EP 4)" in line for line in ranked)   # the fixed EP, nothing else
+    assert main(["--layers", "8", "--hidden", "1024", "--heads", "16", "--gpus", "32",
+                 "--global-batch", "64", "--expert-model-parallel-size", "4"]) == 2
+    assert "needs a MoE model" in capsys.readouterr().err
+
+
+def test_rank_layouts_ranks_the_moe_model():
+    """Mixtral 8x7B on 64 A100 80GB: the ranking models the MoE model (experts' states over
+    expert-DP, active FLOPs, the all-to-all), searches EP, and its #1 fits; the dense model of the
+    same shape (what the ranking used before) would pick a layout that does not fit."""
+    import dataclasses
+    from hybrid.perf.flops import gpt_param_count, pad_vocab
+    from hybrid.perf.model_states import moe_model_state_bytes
+    from hybrid.perf.pipeline import estimate_layout
+    from tools.rank_layouts import MOE_PRESETS, rank
+    moe = MOE_PRESETS["mixtral-8x7b"]
+    limit, arch, h = moe.cluster.memory_bytes, moe.arch, moe.hidden
+    found = rank(moe)
+    assert found and all(e.memory_bytes <= limit for e in found)
+    assert [e.time_s for e in found] == sorted(e.time_s for e in found)
+    top = found[:20]
+    assert {e.layout.ep for e in top} > {1}        # EP searched, EP > 1 layouts in the lead
+    for e in top:
+        lay = e.layout
+        assert (lay.dp * lay.cp) % lay.ep == 0 and 8 % lay.ep == 0
+        assert e.time_s == pytest.approx(e.compute_s + e.p2p_s + e.cp_s + e.ep_s + e.dp_s
+                                         + e.optimizer_s)
+        # model states: dense over DP x CP, the rank's experts over DP x CP / EP (oracle below)
+        layers = moe.layers // lay.pp
+        experts = layers * 8 * 3 * h * 14336 / lay.tp                      # all 8, one TP rank
+        psi = gpt_param_count(layers, h, pad_vocab(moe.vocab, lay.tp), moe.seq, tp=lay.tp,
+                              heads=moe.heads, arch=arch)
+        states = moe_model_state_bytes(psi - experts, experts, lay.stage, lay.dp * lay.cp, lay.ep,
+                                       optimizer_bytes_per_param=12).total.total
+        assert e.model_state_bytes == pytest.approx(states)
+        if lay.ep > 1:   # 4 T k h b (ep-1)/ep bytes a MoE layer and micro-batch (+ recompute)
+            one = 4 * lay.micro_batch * moe.seq * 2 * h * 2 * (lay.ep - 1) / lay.ep
+            assert e.ep_s > one * layers * e.micro_batches / moe.cluster.intra_node_ring_bandwidth
+        else:
+            assert e.ep_s == 0
+    # ignoring the experts' bytes (the dense model of the same shape) picks a layout that does
+    # not fit once the experts are counted
+    dense = dataclasses.replace(moe, arch=dataclasses.replace(arch, num_experts=None,
+                                                              moe_pattern=None))
+    dense_pick = rank(dense)[0].layout
+    assert estimate_layout(dense_pick, **moe.model()).memory_bytes > limit

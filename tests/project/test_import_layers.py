@@ -300,8 +300,14 @@ def imports_of_tests(source: str, path: str) -> list[str]:
     return out
 
 
+def _own_sources(root: str) -> list[Path]:
+    """The .py files under ``root``, not those of a git-ignored peer venv (benchmarks/.venv-*)."""
+    return [path for path in sorted((REPO / root).rglob("*.py"))
+            if not any(part.startswith(".venv") for part in path.relative_to(REPO).parts)]
+
+
 def test_entry_points_never_import_tests():
-    problems = [problem for root in ENTRY_POINT_DIRS for path in sorted((REPO / root).rglob("*.py"))
+    problems = [problem for root in ENTRY_POINT_DIRS for path in _own_sources(root)
                 for problem in imports_of_tests(path.read_text(), str(path.relative_to(REPO)))]
     assert not problems, ("benchmarks/, tools/ and launch/ import from tests/; move what they need into "
                           "the library (hybrid.testing):\n" + "\n".join(problems))

@@ -48,6 +48,23 @@ class MaskedLoss:
         kept = target[2].reshape(-1)[0].to(per_token.dtype) if target.size(0) > 2 else mask.sum()
         return per_token * mask * (mask.numel() / kept.clamp(min=1.0))
 
+    @staticmethod
+    def token_weight(batch) -> torch.Tensor:
+        """The runner's ``loss_weight``: ``sum_t d(mean of the returned values) / d(loss_t)`` =
+        kept tokens of this micro-batch (this rank's, under CP) over the kept tokens its mean
+        divides by (0 when the mask keeps none), as the single-stage loss gives it."""
+        target = batch[1]
+        mask = target[1].to(torch.float32)
+        kept = target[2].reshape(-1)[0].to(torch.float32) if target.size(0) > 2 else mask.sum()
+        return mask.sum() / kept.clamp(min=1.0)
+
+    @property
+    def needs_loss_gradient(self) -> bool:
+        return getattr(self.chunk, "needs_loss_gradient", False)
+
+    def set_loss_gradient(self, value: torch.Tensor) -> None:
+        self.chunk.set_loss_gradient(value)
+
 
 @dataclass
 class PipelineStage:
@@ -102,7 +119,8 @@ def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precisi
     calls = [MaskedLoss(c) if stage.config.is_last(state.pp_rank, i) else c
              for i, c in enumerate(stage.chunks)]
     runner = PipelineRunner(state, stage.config, calls, activation_shape=(seq, micro_batch, hidden),
-                            dtype=dtype, engine=engine, tied=stage.tied)
+                            dtype=dtype, engine=engine, tied=stage.tied,
+                            loss_weight=MaskedLoss.token_weight)
     return dataclasses.replace(stage, runner=runner)
 
 

@@ -156,7 +156,7 @@ def _check_metrics(state, chunks, config, what):
 
 def test_moe_pp2_aux_and_z_losses_under_loss_scaling():
     """The default case: 1F1B, m 4, aux + z losses, loss scale 2^10 (module docstring)."""
-    results = run_on_ranks(_run, 2, args=(1, [("aux-z", "1f1b", 1, 4, 3, 1024.0)]), timeout=300)
+    results = run_on_ranks(_run, 2, args=(1, [("aux-z", "1f1b", 1, 4, 2, 1024.0)]), timeout=300)
     assert all(len(r) == 1 for r in results)
 
 

@@ -5,13 +5,16 @@ top-2 sigmoid routing with a gated shared expert. fp32, rtol 1e-5 on the losses,
 interleaved (v 2, m 2) at PP 2, and PP 2 x EP 2 (DP 2, m 2) on 4 ranks, ZeRO 1.
 
 Variants: dropless without aux / z losses (5 steps); DeepSeek-V3's expert bias with a capacity
-factor that drops (3 steps); dropless with the aux loss and the z-loss, and with the per-sequence
-aux loss (5 steps). The aux / z-loss variants check the gradient scale that the schedule gives the
-MoE layers of BOTH stages (models/gpt/moe.py): a stage without the loss has no probe. The default
-case runs them with a loss scale of 2^10 (a dynamic scaler on the fp32 engine: the power of two
-is exact) over m = 4 micro-batches, so a scale that ignored the loss scale (2^-10 of the aux
-gradient) or the micro-batch count (4x) fails at rtol 1e-5; it also checks that every stage's
-MoE metrics reach every rank (pretrain.metrics.moe_metrics over the PP group).
+factor that drops (3 steps); dropless with softmax scores, the aux loss and the z-loss, and with
+sigmoid scores and the per-sequence aux loss (5 steps). The aux / z-loss variants check the
+gradient scale that the schedule gives the MoE layers of BOTH stages (models/gpt/moe.py): a stage
+without the loss has no probe. The default case runs them with a loss scale of 2^10 (a dynamic
+scaler on the fp32 engine: the power of two is exact) over m = 4 micro-batches, so a scale that
+ignored the loss scale (2^-10 of the aux gradient) or the micro-batch count (4x) fails at rtol
+1e-5; it also checks that every stage's MoE metrics reach every rank (pretrain.metrics.moe_metrics
+over the PP group). (With sigmoid scores, the aux loss 0.1 and the z-loss 1e-2, the oracle's
+rounding alone, seen from the single-stage layer, already reaches rtol 1e-5 in one embedding
+element by step 5: the variants avoid that combination.)
 
 The bias-drop variant runs fewer steps because it amplifies rounding: the oracle itself, run with
 its micro-batch backwards in another order, drifts by ~2e-6 in the step-4 grad norm, and the
@@ -47,7 +50,8 @@ DROPLESS = dict(moe_expert_capacity_factor=None, moe_router_enable_expert_bias=F
 VARIANTS = {   # on top of test_moe_parity's "top2-sigmoid-bias-drop-shared-z"
     "dropless": dict(**NO_AUX, **DROPLESS),
     "bias-drop": NO_AUX,
-    "aux-z": dict(DROPLESS, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-2),
+    "aux-z": dict(DROPLESS, moe_router_score_function="softmax", moe_aux_loss_coeff=0.1,
+                  moe_z_loss_coeff=1e-2),   # GShard / Switch: softmax scores
     "seq-aux": dict(DROPLESS, moe_router_load_balancing_type="seq_aux_loss",
                     moe_aux_loss_coeff=0.1, moe_z_loss_coeff=None),
 }
@@ -182,3 +186,22 @@ def test_moe_pp2_ep2_matches_the_oracle():
              ("aux-z", "1f1b", 1, 2, 5, 1024.0)]
     results = run_on_ranks(_run, 4, args=(2, cases), timeout=600)
     assert all(len(r) == len(cases) for r in results)
+
+
+def test_masked_loss_weight_is_the_kept_fraction_autograd_gives():
+    """The trainer's runner scales the aux losses by ``MaskedLoss.token_weight`` x loss scale / m:
+    the weight is ``sum_t d(mean of MaskedLoss's output) / d(loss_t)``, by autograd, for a
+    partial mask, a mask that keeps nothing, and a CP rank's share (a third row: the whole
+    samples' kept tokens)."""
+    from pretrain.pipeline_stage import MaskedLoss
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 9, (2, 6), generator=g)
+    partial = (torch.rand(2, 6, generator=g) > 0.4).long()
+    targets = [torch.stack([labels, partial]), torch.stack([labels, torch.zeros_like(labels)]),
+               torch.stack([labels, partial, torch.full_like(labels, 20)])]
+    for target in targets:
+        per_token = torch.rand(2, 6, generator=g, requires_grad=True)
+        MaskedLoss(lambda tokens, lab, hidden_states=None: per_token)(labels, target).mean().backward()
+        weight = MaskedLoss.token_weight((labels, target))
+        torch.testing.assert_close(weight, per_token.grad.sum(), rtol=1e-6, atol=0)
+    assert float(MaskedLoss.token_weight((labels, targets[2]))) == pytest.approx(partial.sum() / 20)

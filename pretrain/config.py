@@ -82,18 +82,11 @@ class TrainConfig:
                 f"is a multiple of {tp} or drop --sequence-parallel")
 
     def _check_moe_pipeline(self) -> None:
-        """MoE aux / z losses get their gradient scale from the model's loss in the same backward
-        (models/gpt/moe.py), which a pipeline stage without the output layer does not have."""
-        m = self.model
-        losses = m.num_experts is not None and (
-            (m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff)
-            or m.moe_z_loss_coeff is not None)
-        if losses and self.parallel.pipeline_model_parallel_size > 1:
-            raise TrainConfigError(
-                "MoE aux / z losses are not trained under pipeline parallelism yet (a stage without "
-                "the loss cannot scale their gradients); use --pipeline-model-parallel-size 1, or "
-                "balance without them: --moe-router-load-balancing-type none and --moe-z-loss-coeff "
-                "unset, with --moe-router-score-function sigmoid --moe-router-enable-expert-bias")
+        """MoE aux / z losses train under pipeline parallelism (issue 32): the schedule gives every
+        stage their gradient scale before each backward (models/gpt/moe.py,
+        hybrid/pipeline/runner.py), so no MoE option is refused with
+        --pipeline-model-parallel-size > 1; MoE x PP rules belong here."""
+        return
 
     def _check_experts(self) -> None:
         """Expert parallelism (issue 32): the experts split evenly over the EP ranks. EP composes

@@ -226,10 +226,16 @@ def cuda_memory_bytes(stats: dict) -> dict[str, float]:
     return {name: float(stats.get(key, 0)) for name, key in keys.items()}
 
 
-def moe_metrics(per_layer: dict, dp_group) -> dict[str, float]:
+def moe_metrics(per_layer: dict, dp_group, pp_group=None, moe_layers=(), num_experts: int = 0,
+                device=None) -> dict[str, float]:
     """The MoE scalars of an interval (issue 32; docs/moe.md) from
-    ``GPTModel.pop_moe_metrics()`` (per layer, summed over the interval's micro-batches), summed
-    over ``dp_group`` first (one all-reduce): per layer ``moe/layer{i}/load-max-over-mean`` (the
+    ``GPTModel.pop_moe_metrics()`` (per layer, summed over the interval's micro-batches; merged
+    over this rank's chunks), summed over ``dp_group`` first (one all-reduce). Under pipeline
+    parallelism (``pp_group`` of size > 1) each stage holds only its layers' counters: every rank
+    of the PP group calls this (a stage without MoE layers too, with ``per_layer`` empty), and one
+    all-reduce over ``pp_group`` of a table over all the model's ``moe_layers`` (global indices,
+    ``num_experts`` E, on ``device``) gives every stage, the first (the writer rank) included,
+    every layer's row. Per layer ``moe/layer{i}/load-max-over-mean`` (the
     busiest expert's routes over the mean, 1 = balanced), ``moe/layer{i}/tokens-per-expert/{e}``
     (routes per micro-batch, before drops), ``moe/layer{i}/aux-loss`` and ``.../z-loss`` (per
     micro-batch, times their coefficients) and ``moe/layer{i}/dropped-fraction``; over all layers
@@ -238,13 +244,26 @@ def moe_metrics(per_layer: dict, dp_group) -> dict[str, float]:
     import torch
 
     from hybrid import comm
-    if not per_layer:
-        return {}
-    layers = sorted(per_layer)
     keys = ("dropped", "routes", "aux_loss", "z_loss", "micro_batches")
-    rows = torch.stack([torch.cat([per_layer[i]["load"].float(),
-                                   torch.stack([per_layer[i][k].float() for k in keys])])
-                        for i in layers])                                    # [L, E + 5]
+
+    def row_of(i):
+        return torch.cat([per_layer[i]["load"].float(),
+                          torch.stack([per_layer[i][k].float() for k in keys])])   # [E + 5]
+    if pp_group is not None and pp_group.size > 1 and moe_layers:
+        layers = sorted(moe_layers)
+        rows = torch.stack([row_of(i).to(device) if i in per_layer else
+                            torch.zeros(num_experts + 5, device=device) for i in layers])
+        with comm.unrecorded(pp_group):   # each layer lives on one stage: the sum is its row
+            comm.all_reduce(rows, pp_group)
+        ran = rows[:, -1] > 0   # the layers that ran a training forward in the interval
+        layers, rows = [i for i, r in zip(layers, ran.tolist()) if r], rows[ran]
+    elif not per_layer:
+        return {}
+    else:
+        layers = sorted(per_layer)
+        rows = torch.stack([row_of(i) for i in layers])                        # [L, E + 5]
+    if not layers:
+        return {}
     if dp_group is not None and dp_group.size > 1:
         with comm.unrecorded(dp_group):
             comm.all_reduce(rows, dp_group)

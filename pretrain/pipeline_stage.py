@@ -48,6 +48,24 @@ class MaskedLoss:
         kept = target[2].reshape(-1)[0].to(per_token.dtype) if target.size(0) > 2 else mask.sum()
         return per_token * mask * (mask.numel() / kept.clamp(min=1.0))
 
+    @staticmethod
+    def token_weight(batch) -> torch.Tensor:
+        """The runner's ``loss_weight``: ``sum_t d(mean of the returned values) / d(loss_t)`` over
+        the whole micro-batch = 1, or 0 when the mask keeps no token. Under CP a rank's tokens
+        give only its share (its kept tokens over the whole samples' kept tokens, the third row);
+        the aux losses take the whole micro-batch's value, the sum of every CP rank's share, as
+        the single-stage probe does after its all-reduce over CP (models/gpt/moe.py)."""
+        target = batch[1]
+        kept = target[2].reshape(-1)[0] if target.size(0) > 2 else target[1].sum()
+        return (kept > 0).to(torch.float32)
+
+    @property
+    def needs_loss_gradient(self) -> bool:
+        return getattr(self.chunk, "needs_loss_gradient", False)
+
+    def set_loss_gradient(self, value: torch.Tensor) -> None:
+        self.chunk.set_loss_gradient(value)
+
 
 @dataclass
 class PipelineStage:
@@ -102,7 +120,8 @@ def attach_runner(stage: PipelineStage, engine, state: ParallelState, *, precisi
     calls = [MaskedLoss(c) if stage.config.is_last(state.pp_rank, i) else c
              for i, c in enumerate(stage.chunks)]
     runner = PipelineRunner(state, stage.config, calls, activation_shape=(seq, micro_batch, hidden),
-                            dtype=dtype, engine=engine, tied=stage.tied)
+                            dtype=dtype, engine=engine, tied=stage.tied,
+                            loss_weight=MaskedLoss.token_weight)
     return dataclasses.replace(stage, runner=runner)
 
 

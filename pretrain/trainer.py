@@ -487,13 +487,25 @@ class Trainer:
              **self._comm_per_step(stats)}
         if self.pipeline is not None:
             m["pipeline/bubble-fraction"] = stats.bubble_sum / stats.iterations
-        for module in self._moe_modules():   # expert load, aux / z losses, drops (docs/moe.md)
-            m.update(moe_metrics(module.pop_moe_metrics(), self.state.dp_cp))
+        m.update(self._moe_interval_metrics())
         if self.stragglers is not None:   # one all-gather of 3 numbers per rank
             m.update(self.stragglers.interval(self.ts.iteration))
         self.metrics.log(m, self.ts.iteration)
         eta = wall / stats.iterations * (self.train_iters - self.ts.iteration)   # evals, saves too
         log.info("%s", console_line(m, self.ts.iteration, self.train_iters, eta))
+
+    def _moe_interval_metrics(self) -> dict[str, float]:
+        """Expert load, aux / z losses, drops (docs/moe.md) of every MoE layer: this rank's chunks
+        merged, and under PP every stage's layers brought to every rank (the writer is stage 0)."""
+        per_layer = {}
+        for module in self._moe_modules():
+            per_layer.update(module.pop_moe_metrics())
+        model = self.cfg.model
+        if self.pipeline is None or model.num_experts is None:
+            return moe_metrics(per_layer, self.state.dp_cp)
+        layers = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+        return moe_metrics(per_layer, self.state.dp_cp, self.state.pp, layers, model.num_experts,
+                           self.state.device)
 
     def _comm_per_step(self, stats: IntervalStats) -> dict[str, float]:
         """Bytes this rank moved per step in DP and TP (and CP) collectives (ring volume, from the ledger),

@@ -34,6 +34,15 @@ the first before the first stage's last backward (:mod:`hybrid.pipeline.tied`), 
 soon as the last stage's final backward has produced it, so it travels during the rest of that
 backward.
 
+The step's objective is ``loss scale x sum_i L_i / m`` (``L_i`` the mean of what the last chunk
+returns for micro-batch i). A chunk whose layers need ``sum_t d(objective) / d(loss_t)`` over a
+micro-batch's per-token losses (MoE aux / z losses: models/gpt/moe.py) says so with
+``needs_loss_gradient`` and receives it before each of its backwards through
+``set_loss_gradient(g)``, ``g = loss scale x w_i / m``, on every stage: the engine's scaler, m and
+the micro-batch are known everywhere, so nothing travels with the activation gradients. ``w_i =
+sum_t d(L_i) / d(loss_t)`` is 1 when the last chunk returns the per-token loss, else the
+``loss_weight`` callable's (a masked mean: the kept fraction).
+
 Per-step costs kept off the critical path: receive buffers come from a free list (an activation's
 is reused after the backward that consumed it, a gradient's after its backward), the last stage's
 loss is summed as a tensor and read once per step (no device sync per micro-batch), and an
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -94,11 +104,14 @@ class PipelineRunner:
     ``c * p + stage``). A chunk is called ``chunk(tokens, labels, hidden_states=x)``: the first
     virtual stage ignores ``x``, the last returns the per-token loss [b, s], every other returns
     its output [s(/t), b, h]. A micro-batch is ``(tokens, labels)`` or ``(tokens, labels,
-    layout)``; a layout that is not None is passed to every chunk as ``layout=``."""
+    layout)``; a layout that is not None is passed to every chunk as ``layout=``.
+    ``loss_weight(micro_batch)``: ``sum_t d(mean of the last chunk's output) / d(loss_t)`` for the
+    chunks that need the loss gradient (module docstring); None: 1."""
 
     def __init__(self, state: ParallelState, config: PipelineConfig, chunks: list[nn.Module], *,
                  activation_shape: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                 engine=None, tied: TiedEmbedding | None = None, prefetch: bool | None = None):
+                 engine=None, tied: TiedEmbedding | None = None, prefetch: bool | None = None,
+                 loss_weight: Callable[[tuple], torch.Tensor] | None = None):
         if config.num_stages != state.pp_size:
             raise ValueError(f"the pipeline config has {config.num_stages} stages but the parallel "
                              f"state's PP group has {state.pp_size} ranks")
@@ -108,6 +121,10 @@ class PipelineRunner:
         self.state, self.chunks = state, chunks
         self.shape, self.dtype, self.engine, self.tied = activation_shape, dtype, engine, tied
         self.stage, self.p, self.v = state.pp_rank, config.num_stages, config.num_model_chunks
+        self.loss_weight = loss_weight
+        # the chunks given sum_t d(objective) / d(loss_t) before each backward (MoE aux losses)
+        self._wants_loss_gradient = {c for c, chunk in enumerate(chunks)
+                                     if getattr(chunk, "needs_loss_gradient", False)}
         self._plan(config)
         if prefetch is None:   # module docstring: gloo posts receives ahead, NCCL batches them
             pg = state.pp.pg
@@ -217,6 +234,8 @@ class PipelineRunner:
                     loss = out if loss is None else loss + out
                 peak = max(peak, len(self._held))
             else:
+                if action.chunk in self._wants_loss_gradient:
+                    self._set_loss_gradient(action, micro_batches[action.micro_batch])
                 self._backward(action, inputs, extra)
             busy += time.perf_counter() - began
             if self.prefetch:
@@ -295,6 +314,17 @@ class PipelineRunner:
             self._send(out, "F", action.micro_batch, k + 1)
         self._held[(action.micro_batch, action.chunk)] = (inputs, out)
         return out.detach() if last else None
+
+    def _set_loss_gradient(self, action: Action, batch) -> None:
+        """Tell the chunk ``loss scale x w_i / m`` (module docstring) for its next backward: the
+        gradient the objective gives micro-batch i's per-token losses, summed over its tokens.
+        The engine multiplies the last chunk's loss by the same scale in its ``backward``."""
+        scaler = getattr(self.engine, "scaler", None)
+        scale = scaler.scale_tensor() if scaler is not None else 1.0   # a device tensor or 1.0
+        weight = self.loss_weight(batch) if self.loss_weight is not None else 1.0
+        g = torch.as_tensor(weight, dtype=torch.float32, device=self.state.device) * scale
+        self.chunks[action.chunk].set_loss_gradient(
+            (g / self.config.num_micro_batches).reshape(()))
 
     def _backward(self, action: Action, grad: torch.Tensor | None, extra) -> None:
         inputs, out = self._held.pop((action.micro_batch, action.chunk))

@@ -343,6 +343,18 @@ class GPTModel(nn.Module):
         """This stage's MoE blocks, in layer order."""
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
 
+    @property
+    def needs_loss_gradient(self) -> bool:
+        """Whether a MoE layer of this chunk trains an aux or z loss: a pipeline runner then calls
+        :meth:`set_loss_gradient` before each of its backwards."""
+        return any(moe.has_losses for moe in self.moe_layers())
+
+    def set_loss_gradient(self, value: torch.Tensor) -> None:
+        """The pipeline schedule's ``sum_t d(step objective) / d(loss_t)`` over the tokens of the
+        micro-batch whose backward comes next (0-dim fp32): the gradient scale of this chunk's
+        MoE aux / z losses, which a stage without the loss cannot probe (models/gpt/moe.py)."""
+        self.aux_scale.set(value)
+
     def update_expert_biases(self, dp_group) -> None:
         """DeepSeek-V3's aux-loss-free balancing: once per optimizer step, after it, move each
         router's expert bias by the loads of the global batch (summed over ``dp_group``, the

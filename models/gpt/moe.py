@@ -29,6 +29,17 @@ and gives the loss a gradient of ``d(training loss) / d(loss per token)`` summed
 :class:`AuxLossScale` takes from the model's per-token loss in backward. So the aux loss is trained
 as if added to every token's loss: loss scaling, gradient accumulation and the loss mask apply to it
 exactly as to the language-model loss, and it works under activation recompute.
+
+Under pipeline parallelism a stage without the output layer never sees the loss, so the schedule
+sets the scale instead (:meth:`AuxLossScale.set`, reached through
+``GPTModel.set_loss_gradient``): before each backward of micro-batch i the runner
+(hybrid/pipeline/runner.py) computes ``loss scale x w_i / m`` on every stage, where m is the number
+of micro-batches and ``w_i = sum_t d(micro-batch loss) / d(loss_t)`` (1 for a plain mean; the kept
+fraction under a loss mask), which is what the probe would read on a single stage. Every stage
+knows all three (the engine's scaler, the schedule, the micro-batch every stage of a PP column
+reads), so the scale needs no message; Megatron-Core's ``MoEAuxLossAutoScaler.set_loss_scale``
+does the same before backward. A scale set by the schedule wins over the probe, so every stage
+(the last one included) uses the same value.
 """
 
 from __future__ import annotations
@@ -49,11 +60,17 @@ from models.gpt.config import GPTConfig
 
 
 class AuxLossScale:
-    """The gradient one unit of aux loss gets: ``sum_t d(training loss) / d(loss_t)`` of the last
-    backward through the model's per-token loss (set by :func:`probe_loss_gradient`)."""
+    """The gradient one unit of aux loss gets: ``sum_t d(training loss) / d(loss_t)`` of the
+    backward under way. Set by :func:`probe_loss_gradient` from the model's per-token loss (one
+    stage), or by the pipeline schedule before each backward (:meth:`set`; module docstring)."""
 
     def __init__(self):
         self.value: torch.Tensor | None = None
+        self.scheduled = False   # set by the schedule: the probe leaves it alone
+
+    def set(self, value: torch.Tensor) -> None:
+        """The scale of the next backward (a 0-dim fp32 tensor), from the pipeline schedule."""
+        self.value, self.scheduled = value, True
 
 
 class _ProbeLossGradient(torch.autograd.Function):
@@ -64,10 +81,11 @@ class _ProbeLossGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        value = grad.float().sum()
-        if ctx.cp is not None:   # the whole micro-batch's scale: every CP rank's tokens
-            comm.all_reduce(value, ctx.cp)
-        ctx.scale.value = value
+        if not ctx.scale.scheduled:   # a pipeline runner that set the scale keeps it
+            value = grad.float().sum()
+            if ctx.cp is not None:   # the whole micro-batch's scale: every CP rank's tokens
+                comm.all_reduce(value, ctx.cp)
+            ctx.scale.value = value
         return grad, None, None
 
 
@@ -89,8 +107,9 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.scale.value is None:
             raise RuntimeError("the MoE aux loss has no gradient scale: the model's loss was not "
-                               "computed in this backward (a pipeline stage without the loss "
-                               "cannot train MoE aux / z losses yet)")
+                               "computed in this backward and no pipeline schedule set it (run "
+                               "pipeline stages through hybrid.pipeline.PipelineRunner, which "
+                               "calls GPTModel.set_loss_gradient before each backward)")
         return grad, ctx.scale.value.to(grad.device).reshape(()), None
 
 
@@ -210,6 +229,12 @@ class MoELayer(nn.Module):
         if torch.is_grad_enabled():
             self._record(routing, cp.size if cp is not None else 1)
         return y
+
+    @property
+    def has_losses(self) -> bool:
+        """Whether this layer trains an aux or z loss (which then needs :class:`AuxLossScale`)."""
+        r = self.router
+        return bool(r.load_balancing_type != "none" and r.aux_loss_coeff) or r.z_loss_coeff is not None
 
     def _attach_losses(self, y: torch.Tensor, routing) -> torch.Tensor:
         losses = [t for t in (routing.aux_loss, routing.z_loss) if t is not None]

@@ -163,10 +163,10 @@ def test_metrics_of_an_interval():
     assert moe_metrics({}, None) == {}
 
 
-def test_aux_losses_under_pipeline_parallelism_are_refused_with_the_alternative():
+def test_aux_and_z_losses_are_accepted_under_pipeline_parallelism():
     from pretrain.arguments import parse_args
-    from pretrain.config import TrainConfigError
     moe = ["--num-experts", "4", "--swiglu", "--pipeline-model-parallel-size", "2"]
-    with pytest.raises(TrainConfigError, match="--moe-router-enable-expert-bias"):
-        parse_args(moe + ["--moe-aux-loss-coeff", "0.01"])
-    parse_args(moe)   # no aux / z loss: accepted
+    for extra in (["--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"],
+                  ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"]):
+        cfg, _ = parse_args(moe + extra)   # the schedule scales them on every stage
+        assert cfg.parallel.pipeline_model_parallel_size == 2 and cfg.model.moe_aux_loss_coeff == 0.01

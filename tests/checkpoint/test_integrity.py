@@ -95,7 +95,8 @@ def corrupted(tmp_path_factory) -> tuple[dict, Path, Path]:
     return corpus, save, rank_file
 
 
-@pytest.mark.parametrize("entry", ["trainer", "evaluate", "generate", "export_hf"])
+@pytest.mark.parametrize("entry", ["trainer", *(pytest.param(e, marks=pytest.mark.slow)   # CI budget
+                                   for e in ("evaluate", "generate", "export_hf"))])
 def test_every_entry_point_refuses_an_edited_header(corrupted, tmp_path, entry):
     corpus, save, rank_file = corrupted
     commands = {

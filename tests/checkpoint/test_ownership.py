@@ -204,6 +204,7 @@ def test_second_job_on_a_held_save_stops_at_start_up(corpus, tmp_path):
     assert CheckpointReader(save, verify="all").run_id is not None
 
 
+@pytest.mark.slow   # CI budget: the lock take-over itself is test_lock_of_a_dead_job_is_taken_over
 def test_killed_jobs_lock_is_taken_over_and_fresh_runs_need_load_or_overwrite(corpus, tmp_path):
     """A job killed with SIGKILL leaves its lock and checkpoints; the same command again takes the
     lock over but refuses to start a new run over them (one error line, nothing touched);

@@ -198,7 +198,7 @@ def _engine_bytes_with_accumulation(rank, world_size, accum):
     return rows
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [pytest.param(1, marks=pytest.mark.slow), 2])   # CI budget
 def test_expected_dp_bytes_count_the_micro_batches_of_stages_2_and_3(accum):
     """The expected per-step DP bytes (dry run, start-up report) against the ledger of real engines
     with gradient accumulation: stage 2 reduce-scatters in every backward, stage 3 also gathers in

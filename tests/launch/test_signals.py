@@ -62,7 +62,8 @@ def _long_run(corpus, tmp_path) -> tuple[list[str], Path]:
                     extra=["--save", str(save), "--log-interval", "1", "--gpus-per-node", "2"]), save
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the script", "Ctrl-C to its process group"])
+@pytest.mark.parametrize("how", [pytest.param("SIGTERM to the script", marks=pytest.mark.slow),   # CI budget
+                                 "Ctrl-C to its process group"])
 def test_stop_signal_saves_and_exits_0(corpus, tmp_path, how):
     args, save = _long_run(corpus, tmp_path)
     log = tmp_path / "job.log"

@@ -104,14 +104,14 @@ class ZeroEngine:
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
 
-    def _muon_setup(self, params, partitioned: bool) -> MuonSetup | None:
-        """--optimizer muon: Muon's matrices among ``(name, TP-local shape, partition_dim)`` rows
-        and its groups (the partition group, TP); None under AdamW."""
+    def _muon_setup(self, params, groups) -> MuonSetup | None:
+        """--optimizer muon: Muon's matrices among ``(name, TP-local shape, partition_dim,
+        expert, parameter class)`` rows and its groups (per parameter class, the partition group
+        or None when nothing is partitioned; TP); None under AdamW."""
         if self.config.muon is None:
             return None
         return MuonSetup(self.config.muon, muon_matrices(params, self.state.tp_size),
-                         self.shard_group if partitioned else None, self.state.tp,
-                         self.adamw.weight_decay)
+                         list(groups), self.state.tp, self.adamw.weight_decay)
 
     # ---- storage methods ---------------------------------------------------------------------
     def _land_gradients(self) -> None:

@@ -58,7 +58,8 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.flat_class import ChunkOffset, FlatClass
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
+from hybrid.zero.param_classes import (check_expert_options, expert_dp_group, is_expert,
+                                       split_classes)
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.reducer import FullGradients, GradientReduction, PartitionedGradients
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
@@ -108,9 +109,10 @@ class FlatEngine(ZeroEngine):
         optimizer_state = build_optimizer_state(
             offload, self._own_chunks(), pieces, adamw, mixed_precision=config.mixed_precision,
             device=self.device, rank=state.rank, resident_bytes=resident,
-            muon=self._muon_setup([(n, tuple(p.shape), getattr(p, "partition_dim", -1))
-                                   for n, p in zip(self.names, self.params)],
-                                  partitioned=self.partitions > 1))
+            muon=self._muon_setup([(c.names[i], tuple(p.shape), getattr(p, "partition_dim", -1),
+                                    is_expert(p), c.index)
+                                   for c in self.classes for i, p in enumerate(c.params)],
+                                  [c.group if c.partitions > 1 else None for c in self.classes]))
         for c in self.classes:
             c.write_masters(optimizer_state.write_master)
         for c in self.classes:   # frees the original values

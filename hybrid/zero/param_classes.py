@@ -76,8 +76,7 @@ def check_expert_options(config, classes: list[ParamClass]) -> None:
     refused = [flag for flag, on in (("--zero-hybrid-shard", config.hybrid_shard),
                                      ("--zero-hpz", config.hpz),
                                      ("--zero-quantized-gradients", config.quantized_gradients),
-                                     ("--zero-tile-factor > 1", config.tile_factor > 1),
-                                     ("--optimizer muon", config.muon is not None)) if on]
+                                     ("--zero-tile-factor > 1", config.tile_factor > 1)) if on]
     if refused:
         raise ValueError(f"{', '.join(refused)} with expert-parallel parameters is not supported: "
                          f"those options build their groups from the dense DP group only; drop "

@@ -57,7 +57,8 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.host_groups import secondary_group
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
+from hybrid.zero.param_classes import (check_expert_options, expert_dp_group, is_expert,
+                                       split_classes)
 from hybrid.zero.pieces import OwnedPiece
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
@@ -143,9 +144,10 @@ class ParameterPartitioning(ZeroEngine):
             offload, [u.shard for u in self.all_units], pieces, adamw_config,
             mixed_precision=zero_config.mixed_precision, device=self.device, rank=state.rank,
             resident_bytes=self._resident_bytes(offload),
-            muon=self._muon_setup([(slot.name, slot.shape, getattr(slot.param, "partition_dim", -1))
+            muon=self._muon_setup([(slot.name, slot.shape, getattr(slot.param, "partition_dim", -1),
+                                    is_expert(slot.param), int(unit.group is self.expert_group))
                                    for unit in self.all_units for slot in unit.slots],
-                                  partitioned=True))
+                                  [self.shard_group, self.expert_group]))
         for k, unit in enumerate(self.all_units):   # the chunks and their fp32 masters
             unit.materialize(init, functools.partial(optimizer_state.write_master, k))
         if self.persistent is not None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from hybrid import comm
 from hybrid.adamw_config import AdamWConfig
+from hybrid.muon_config import COMM_CATEGORY, MuonConfig, muon_comm_bytes
 from hybrid.checkpoint.state import ParamLayout, load_state, save_state
 from hybrid.offload import OffloadConfig
 from hybrid.parallel_state import ParallelState, _make_groups
@@ -30,6 +31,7 @@ from hybrid.topology import Topology
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.factory import build_zero_optimizer
 from hybrid.zero.report import formula_bytes
+from models.gpt.reference import ReferenceMuon
 
 H, E, EP, TOKENS, STEPS = 8, 4, 2, 8, 5      # TOKENS per rank, a multiple of E
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -225,13 +227,14 @@ def _default_set(rank, world_size, directory):
     report = _parity(rank, world_size, [3], 0.05)
     _reshard(rank, world_size, directory, (1, 2), [(1, 1), (2, 4)])
     _overflow(rank, world_size, [2])
+    _muon_parity(rank, world_size, [3])
     return report
 
 
 def test_expert_parallel_zero_parity_checkpoint_and_overflow(tmp_path):
     """Stage 3 = the reference (losses, clipped norms, parameters, memory formula); saved at EP 2
     (stage 1), resumed at EP 1 (stage 1) and 4 (stage 2); an Inf in rank 3's experts skips the
-    step everywhere (stage 2)."""
+    step everywhere (stage 2); Muon at stage 3 = the reference Muon, per expert matrix."""
     results = run_on_ranks(_default_set, 4, args=(str(tmp_path),), timeout=900)
     _check_report(results[0], [3])
 
@@ -375,3 +378,105 @@ def _overflow(rank, world_size, stages):
 @pytest.mark.slow
 def test_nonfinite_expert_gradient_on_one_rank_skips_at_stage_0():
     assert all(run_on_ranks(_overflow, 4, args=([0],), timeout=600))
+
+
+# ---- Muon with experts: each expert's matrix orthogonalised on its own, over expert-DP ----------
+MUON = MuonConfig(ns_dtype="fp32")
+
+
+class MuonToy(nn.Module):
+    """The toy under ``layers.0`` (Muon's rule: the layers' weights): Muon for inp and out [h, h]
+    (dense, over DP) and the expert stack w [E_local, h, h] (E_local matrices, over expert-DP);
+    AdamW for the biases, the router scale and the expert bias stack b [E_local, h]."""
+
+    def __init__(self, ep_group=None):
+        super().__init__()
+        self.layers = nn.ModuleList([ToyMoE(ep_group)])
+        if ep_group is None:   # the reference: its stacks are experts too (b: E vectors)
+            for p in (self.layers[0].experts.w, self.layers[0].experts.b):
+                p.expert_parallel = True
+
+    def sharding_units(self):
+        return self.layers[0].sharding_units()
+
+    def forward(self, x, target):
+        return self.layers[0](x, target)
+
+
+PREFIX = "layers.0."
+
+
+def _muon_reference(batches, dp):
+    model = MuonToy()
+    values = full_values()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(values[n.removeprefix(PREFIX)])
+    opt = ReferenceMuon(model, MUON, ADAMW.lr, ADAMW.betas, ADAMW.eps, ADAMW.weight_decay)
+    assert len(opt.matrices) == 3   # inp, out and the expert stack
+    losses = []
+    for x, t in batches:
+        opt.zero_grad()
+        loss = sum(model(x[r * TOKENS:(r + 1) * TOKENS], t[r * TOKENS:(r + 1) * TOKENS])
+                   for r in range(dp)) / dp
+        loss.backward()
+        opt.step(ADAMW.lr)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _muon_parity(rank, world_size, stages, steps=3):
+    """Muon at EP 2 x expert-DP 2 (stage ``stage``) = ReferenceMuon applied per expert matrix;
+    each step's ``muon`` ledger bytes = the dense exchange over DP 4 + the experts' over
+    expert-DP 2."""
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    ep, edp = expert_groups(state)
+    batches = data(world_size, steps=steps)
+    ref_losses, ref_params = _muon_reference(batches, world_size)
+    out = {}
+    for stage in stages:
+        model = MuonToy(ep)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(shard(n.removeprefix(PREFIX), full_values()[n.removeprefix(PREFIX)], ep.rank))
+        cfg = ZeroConfig(stage=stage, bucket_size=100, muon=MUON,
+                         stage3_param_persistence_threshold=20 if stage == 3 else 0)
+        opt = build_zero_optimizer(model, state, cfg, ADAMW, expert_dp=edp)
+        exchanges = opt.optimizer_state.exchanges
+        assert [x.group.size if x.group else 1 for x in exchanges] == \
+            ([4, 2] if stage else [1, 1]), stage
+        assert len(exchanges[1].plan.matrices) == E // EP   # one matrix per local expert
+        losses = []
+        for x, t in batches:
+            opt.zero_grad()
+            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            loss = model(x[mine], t[mine])
+            opt.backward(loss)
+            opt.step()
+            muon = sum(r.bytes_per_rank for r in opt._last_step_records
+                       if r.category == COMM_CATEGORY)
+            assert muon == opt.optimizer_state.expected_comm_bytes(), (stage, muon)
+            total = loss.detach().reshape(1).clone()
+            comm.all_reduce(total, state.dp)
+            losses.append(total.item() / world_size)
+        what = f"muon stage {stage}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m: f"{what} losses: {m}")
+        mine = (opt.gathered_state_dict() if stage == 3 else
+                {n: p.detach() for n, p in model.named_parameters()})
+        for n, value in mine.items():
+            expected = shard(n.removeprefix(PREFIX), ref_params[n], ep.rank)
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{what} param {n}: {m}")
+        regions = [x.plan.region for x in exchanges]
+        if stage:   # DP 4 owners of inp, out (64 each): 64; expert-DP 2 owners of 2 experts: 64
+            assert regions == [H * H, H * H], regions
+            assert opt.optimizer_state.expected_comm_bytes() == \
+                muon_comm_bytes(H * H, 4, 1, 4) + muon_comm_bytes(H * H, 2, 1, 4)
+        out[stage] = regions
+    return out
+
+
+@pytest.mark.slow
+def test_muon_with_experts_stages_0_1_2_equal_reference_per_expert_matrix():
+    run_on_ranks(_muon_parity, 4, args=([0, 1, 2],), timeout=900)

@@ -88,6 +88,9 @@ class ZeroEngine:
         self.grad_divisor = float(state.dp_size)
         # copies of each owned gradient in the norm group (hybrid sharding: one per host)
         self.norm_replicas = self.replicas.size if self.replicas is not None else 1
+        # the expert class's copies across hosts under hybrid sharding (issue 32; set by the
+        # storage when it has an expert class)
+        self.expert_replicas = self.replicas
 
     def _init_step(self, optimizer_state: OptimizerStateBackend, pieces: list[OwnedPiece],
                    norm_group: Group, counted: list[bool] | None = None) -> None:
@@ -286,6 +289,12 @@ class ZeroEngine:
         """Which copy of its partitioned state this rank holds: 0 unless partitions are replicated
         across hosts (hybrid sharding), where only the first host's copy is written."""
         return self.replicas.rank if self.replicas is not None else 0
+
+    @property
+    def expert_state_replica(self) -> int:
+        """:attr:`state_replica` of the expert parameters' state (their copies across hosts are
+        counted over the expert-DP group's host split, issue 32)."""
+        return self.expert_replicas.rank if self.expert_replicas is not None else 0
 
     def checkpoint_pieces(self) -> list[Fragment]:
         return self._parameter_fragments() + self.owned_fragments()

@@ -57,6 +57,7 @@ from hybrid.tensor_parallel import grad_fusion
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.flat_class import ChunkOffset, FlatClass
+from hybrid.zero.host_groups import place_classes
 from hybrid.zero.optimizer_state import build_optimizer_state
 from hybrid.zero.param_classes import (check_expert_options, expert_dp_group, is_expert,
                                        split_classes)
@@ -88,6 +89,7 @@ class FlatEngine(ZeroEngine):
         classes = split_classes(self.params, self.shard_group, expert_dp_group(state, expert_dp),
                                 state.dp_cp.size)   # dense replicas: DP x CP
         check_expert_options(config, classes)
+        classes = place_classes(state, config, classes, self.replicas)   # hybrid: by host
         self.classes: list[FlatClass] = []
         for k, pclass in enumerate(classes):
             base = sum(len(c.layout.buckets) for c in self.classes)
@@ -137,17 +139,24 @@ class FlatEngine(ZeroEngine):
                       else state.mp)
         self.optimizer_state_replicated = self.partitions == 1 and self.replicas is None
         self.parameters_replicated = True
+        self.expert_replicas = next((c.replicas for c in self.classes if c.name == "expert"),
+                                    self.replicas)
+        # a class's gradients count once: on one rank of its group when not partitioned, on the
+        # first host's copy under hybrid sharding
         self._init_step(optimizer_state, pieces, norm_group,
-                        counted=[c.partitions > 1 or c.group.rank == 0 for c in self.classes])
+                        counted=[(c.partitions > 1 or c.group.rank == 0) and
+                                 (c.replicas is None or c.replicas.rank == 0)
+                                 for c in self.classes])
         if state.rank == 0:
             log.info("%s", self.memory_report())
 
     def _build_gradients(self, pclass: FlatClass, on_final) -> GradientReduction:
         """The gradient part this stage declares, for one parameter class."""
         options = dict(dtype=self.dtype, device=self.device,
-                       overlap=self.config.overlap_communication, replicas=self.replicas,
+                       overlap=self.config.overlap_communication, replicas=pclass.replicas,
                        on_final=on_final,
-                       reduce_scatter=(gradient_reduce_scatter(self.state, quantized=True)
+                       reduce_scatter=(gradient_reduce_scatter(self.state, quantized=True,
+                                                               expert=pclass.name == "expert")
                                        if self.config.quantized_gradients else None))   # qgZ
         if self.partitions_gradients:
             return PartitionedGradients(pclass.params, pclass.layout, pclass.group, **options)

@@ -36,11 +36,14 @@ EXPERT_ATTRIBUTE = "expert_parallel"   # contract 3 of issue 32
 @dataclass(frozen=True)
 class ParamClass:
     """One class of parameters: ``name`` ("dense", "expert"), the DP ``group`` its gradients are
-    reduced and its states partitioned over, and its members' indices in the engine's list."""
+    reduced and its states partitioned over, and its members' indices in the engine's list;
+    ``replicas``: hybrid sharding's inter-host group holding copies of each partition (None:
+    none; :func:`hybrid.zero.host_groups.place_classes`)."""
 
     name: str
     group: Group
     members: tuple[int, ...]
+    replicas: Group | None = None
 
 
 def is_expert(param: nn.Parameter) -> bool:
@@ -73,9 +76,7 @@ def check_expert_options(config, classes: list[ParamClass]) -> None:
     """Options whose groups are built for the dense DP group alone are refused with experts."""
     if len(classes) < 2 and classes[0].name == "dense":
         return
-    refused = [flag for flag, on in (("--zero-hybrid-shard", config.hybrid_shard),
-                                     ("--zero-hpz", config.hpz),
-                                     ("--zero-quantized-gradients", config.quantized_gradients),
+    refused = [flag for flag, on in (("--zero-quantized-gradients", config.quantized_gradients),
                                      ("--zero-tile-factor > 1", config.tile_factor > 1)) if on]
     if refused:
         raise ValueError(f"{', '.join(refused)} with expert-parallel parameters is not supported: "

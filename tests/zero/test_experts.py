@@ -160,9 +160,16 @@ def expert_groups(state):
     return ep, edp
 
 
-def _parity(rank, world_size, stages, clip, offload=None, accum=1):
-    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
-    ep, edp = expert_groups(state)
+def _parity(rank, world_size, stages, clip, offload=None, accum=1, per_host=None, zero=None):
+    """``per_host``: ranks per host, the EP groups from the topology (for the options that split
+    groups by host); ``zero``: more ZeroConfig options."""
+    if per_host is None:
+        state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+        ep, edp = expert_groups(state)
+    else:
+        state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=per_host,
+                                                  expert_model_parallel_size=EP))
+        ep, edp = state.ep, state.expert_dp
     batches = data(world_size)
     ref_losses, ref_norms, ref_params = reference_run(batches, world_size, clip)
     out = {}
@@ -173,8 +180,11 @@ def _parity(rank, world_size, stages, clip, offload=None, accum=1):
                 p.copy_(shard(n, full_values()[n], ep.rank))
         cfg = ZeroConfig(stage=stage, bucket_size=100, clip_grad=clip,
                          gradient_accumulation_steps=accum,
-                         stage3_param_persistence_threshold=20 if stage == 3 else 0)
+                         stage3_param_persistence_threshold=20 if stage == 3 else 0,
+                         **(zero or {}))
         opt = build_zero_optimizer(model, state, cfg, ADAMW, offload=offload, expert_dp=edp)
+        if per_host is not None:   # the expert class really is split by host
+            _check_host_split(opt, cfg, stage, world_size // per_host, per_host // EP)
         losses, norms = [], []
         for x, t in batches:
             opt.zero_grad()
@@ -202,6 +212,18 @@ def _parity(rank, world_size, stages, clip, offload=None, accum=1):
         report = opt.memory_report()
         out[stage] = (report.classes, report.formula, report.psi)
     return out
+
+
+def _check_host_split(opt, cfg, stage, hosts, h_e):
+    """Expert units / classes over the expert-DP group's host split (``h_e`` ranks a host)."""
+    if cfg.hybrid_shard:
+        assert opt.expert_replicas.size == hosts, opt.expert_replicas
+        group = opt.expert_group if stage == 3 else opt.classes[-1].group
+        assert group.size == max(h_e, 1), group
+    if cfg.hpz:
+        experts = [u for u in opt.all_units if u.group is opt.expert_group]
+        assert experts and all(u.secondary_group.size == max(h_e, 1) for u in experts)
+        assert all(u.secondary.numel() == u.padded // max(h_e, 1) for u in experts)
 
 
 def _expected_formula(stage, dense, expert):
@@ -480,3 +502,24 @@ def _muon_parity(rank, world_size, stages, steps=3):
 @pytest.mark.slow
 def test_muon_with_experts_stages_0_1_2_equal_reference_per_expert_matrix():
     run_on_ranks(_muon_parity, 4, args=([0, 1, 2],), timeout=900)
+
+
+# ---- hybrid sharding and hpZ with experts: the expert-DP groups split by host ------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("option,stages", [("hpz", [3]), ("hybrid_shard", [1, 2, 3])])
+def test_host_split_options_with_experts_equal_reference(option, stages):
+    """2 ranks per host: DP [0..3] splits [0, 1] [2, 3]; expert-DP [0, 2] [1, 3] one rank per
+    host (hybrid sharding keeps the experts whole and all-reduces them across hosts; hpZ's
+    expert secondary partition is the whole unit). Same losses, norms and parameters as the
+    reference (hence as the run without the option)."""
+    run_on_ranks(_parity, 4, args=(stages, 0.05), kwargs={"per_host": 2, "zero": {option: True}},
+                 timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option,stage", [("hpz", 3), ("hybrid_shard", 2)])
+def test_host_split_options_with_two_expert_ranks_per_host(option, stage):
+    """8 ranks, 4 per host: expert-DP [0, 2, 4, 6] splits [0, 2] [4, 6] (h_e = 2), replicas
+    [0, 4] [2, 6]: new process groups of their own."""
+    run_on_ranks(_parity, 8, args=([stage], 0.05), kwargs={"per_host": 4, "zero": {option: True}},
+                 timeout=900)

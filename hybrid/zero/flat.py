@@ -59,8 +59,7 @@ from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.flat_class import ChunkOffset, FlatClass
 from hybrid.zero.host_groups import place_classes
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.param_classes import (check_expert_options, expert_dp_group, is_expert,
-                                       split_classes)
+from hybrid.zero.param_classes import expert_dp_group, is_expert, split_classes
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.reducer import FullGradients, GradientReduction, PartitionedGradients
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
@@ -88,7 +87,6 @@ class FlatEngine(ZeroEngine):
         # one flat buffer per parameter class (dense over DP, experts over expert-DP; issue 32)
         classes = split_classes(self.params, self.shard_group, expert_dp_group(state, expert_dp),
                                 state.dp_cp.size)   # dense replicas: DP x CP
-        check_expert_options(config, classes)
         classes = place_classes(state, config, classes, self.replicas)   # hybrid: by host
         self.classes: list[FlatClass] = []
         for k, pclass in enumerate(classes):

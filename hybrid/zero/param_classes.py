@@ -71,13 +71,3 @@ def split_classes(params: list[nn.Parameter], dense_group: Group, expert_group: 
     out = [ParamClass("dense", dense_group, dense)] if dense else []
     return out + [ParamClass("expert", expert_group, experts)]
 
-
-def check_expert_options(config, classes: list[ParamClass]) -> None:
-    """Options whose groups are built for the dense DP group alone are refused with experts."""
-    if len(classes) < 2 and classes[0].name == "dense":
-        return
-    refused = [flag for flag, on in (("--zero-tile-factor > 1", config.tile_factor > 1),) if on]
-    if refused:
-        raise ValueError(f"{', '.join(refused)} with expert-parallel parameters is not supported: "
-                         f"those options build their groups from the dense DP group only; drop "
-                         f"them, or train with --expert-model-parallel-size 1")

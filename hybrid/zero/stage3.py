@@ -57,8 +57,7 @@ from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.host_groups import expert_secondary_group, place_classes, secondary_group
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.param_classes import (check_expert_options, expert_dp_group, is_expert,
-                                       split_classes)
+from hybrid.zero.param_classes import expert_dp_group, is_expert, split_classes
 from hybrid.zero.pieces import OwnedPiece
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
@@ -99,7 +98,6 @@ class ParameterPartitioning(ZeroEngine):
         params = list({id(p): p for p in model.parameters()}.values())
         classes = split_classes(params, self.shard_group, expert_dp_group(state, expert_dp),
                                 state.dp_cp.size)   # dense replicas: DP x CP
-        check_expert_options(zero_config, classes)
         classes = place_classes(state, zero_config, classes, self.replicas)   # hybrid: by host
         expert_class = next((c for c in classes if c.name == "expert"), None)
         expert_ids = {id(params[i]) for i in expert_class.members} if expert_class else set()

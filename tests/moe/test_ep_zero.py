@@ -181,3 +181,28 @@ def test_moe_gpt_muon_at_ep2_matches_reference_muon():
 @pytest.mark.slow
 def test_moe_gpt_muon_at_tp2_ep2_matches_reference_muon():
     assert all(run_on_ranks(_muon_parity, 4, args=([2],), kwargs={"tp": 2}, timeout=900))
+
+
+# ---- tiling with experts (hybrid/zero/tiling.py): dense linears tiled, expert stacks whole -----
+def _tiled_parity(rank, world_size):
+    """ZeRO 3 at EP 2 with --tile-factor 2 = the oracle (hence = the untiled run of
+    test_moe_gpt_zero_stages_at_ep2_match_oracle): attention's QKV and projection are tiled into
+    DP units, the expert stacks stay untiled in their expert-DP units."""
+    config, batches = config_of(VARIANT), data()
+    ref_losses, ref_norms, ref_params = reference_run(config, batches, world_size)
+    state = _state(world_size, 2)
+    model, opt = _engine(state, config, 3, tile_factor=2)
+    tiled = [u for tiles in opt.tiles for t in tiles for u in t.units]
+    assert tiled and all(u.group is opt.shard_group for u in tiled)
+    assert not any(getattr(s.param, "expert_parallel", False) for u in tiled for s in u.slots)
+    experts = [u for u in opt.all_units if u.group is opt.expert_group]
+    assert experts and all(s.whole_shape is None for u in experts for s in u.slots)
+    losses, norms = _steps(state, model, opt, batches)
+    _check("EP 2 zero 3 tile factor 2", state, config, losses, _final(state, model, opt, 3),
+           ref_losses, ref_params, norms, ref_norms)
+    return True
+
+
+@pytest.mark.slow
+def test_moe_gpt_tiled_zero3_at_ep2_matches_oracle():
+    assert all(run_on_ranks(_tiled_parity, 4, timeout=600))

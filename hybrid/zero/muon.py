@@ -27,7 +27,11 @@ ledger category ``muon``): ``2 (dp - 1) R b + (tp - 1) R b`` bytes, b = 2 (bf16 
 The fused QKV matrix is orthogonalised as one matrix (Megatron's ``--muon-no-split-qkv``); its TP
 layout is a row permutation of the canonical [Q; K; V], and Newton-Schulz commutes with row
 permutations, so every TP degree takes the same step. With PP each stage does the above over its
-own DP group. Offloaded optimizer state is refused (the update runs on the device's partition).
+own DP group. Expert stacks [E_local, rows, cols] (issue 32) are E_local matrices, each placed,
+owned and orthogonalised on its own; with expert parallelism the expert matrices are exchanged
+over their ZeRO class's group (expert-DP), the dense ones over DP (x CP), one
+:class:`_ClassExchange` each. Offloaded optimizer state is refused (the update runs on the
+device's partition).
 
 :class:`MuonOptimizerState` wraps the device backend (:mod:`.optimizer_state`), which runs AdamW on
 every other piece; the engines hold it through the same protocol and never ask which it is.

@@ -305,12 +305,12 @@ def _ep_layout(state, ep_size):
                        if ep_size < n else comm.Group("expert_dp", [state.rank], 0, state.ledger))
 
 
-def _engine(state, stage, ep_size):
+def _engine(state, stage, ep_size, **zero):
     model = ToyMoE(state.ep)
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(shard(n, full_values()[n], state.ep.rank, ep_size))
-    cfg = ZeroConfig(stage=stage, bucket_size=100, clip_grad=0.05)
+    cfg = ZeroConfig(stage=stage, bucket_size=100, clip_grad=0.05, **zero)
     return model, build_zero_optimizer(model, state, cfg, ADAMW)
 
 
@@ -328,18 +328,22 @@ def _steps(state, model, opt, batches):
     return losses
 
 
-def _reshard(rank, world_size, directory, save, loads):
+def _reshard(rank, world_size, directory, save, loads, save_zero=None):
     """Train 2 steps at (save stage, save EP), save; for each (stage, EP) of ``loads``: load, train
     the 3 remaining steps, compare losses and final parameters with the 5-step reference, and
-    the loaded Adam moments with the reference's after step 2."""
-    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size))
+    the loaded Adam moments with the reference's after step 2. ``save_zero``: options of the
+    saving run that split groups by host (2 ranks a host)."""
+    per_host = 2 if save_zero else world_size
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=per_host,
+                                              expert_model_parallel_size=save[1] if save_zero else 1))
     batches = data(world_size)
     ref_losses, _, ref_params, _, _ = reference_opt(batches, world_size, 0.05)
     _, _, _, ref_model, ref_opt = reference_opt(batches[:2], world_size, 0.05)
     moments = {(n, kind): ref_opt.state[p][kind] for n, p in ref_model.named_parameters()
                for kind in ("exp_avg", "exp_avg_sq")}
-    _ep_layout(state, save[1])
-    model, opt = _engine(state, *save)
+    if not save_zero:
+        _ep_layout(state, save[1])
+    model, opt = _engine(state, *save, **(save_zero or {}))
     _steps(state, model, opt, batches[:2])
     save_state(directory, 2, opt, LAYOUT, state, extra={}, metadata={}, keep_last=1)
     for stage, ep_size in loads:
@@ -362,6 +366,18 @@ def _reshard(rank, world_size, directory, save, loads):
             torch.testing.assert_close(value, shard(n, ref_params[n], state.ep.rank, ep_size),
                                        rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {n}: {m}")
     return True
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_with_hybrid_sharding_and_experts_reshards(tmp_path):
+    """Saved with hybrid sharding (stage 2, dense over [0, 1] [2, 3] copied on both hosts), each
+    class written by its first host's copy: at EP 2 the experts' copies are [0, 2] [1, 3] (the
+    dense ones' too); at EP 4 each rank's experts are its own (expert-DP of one rank, no copy),
+    so ranks 2 and 3, the dense class's second copy, must write theirs. Resumed plainly."""
+    run_on_ranks(_reshard, 4, args=(str(tmp_path), (2, 2), [(1, 2), (3, 1)]),
+                 kwargs={"save_zero": {"hybrid_shard": True}}, timeout=900)
+    run_on_ranks(_reshard, 4, args=(str(tmp_path / "ep4"), (2, 4), [(1, 2)]),
+                 kwargs={"save_zero": {"hybrid_shard": True}}, timeout=900)
 
 
 @pytest.mark.slow

@@ -74,10 +74,15 @@ class MuonConfig:
         return base * self.extra_scale_factor
 
 
-def is_muon_param(name: str, ndim: int) -> bool:
+def is_muon_param(name: str, ndim: int, expert: bool = False) -> bool:
     """The reference recipe's rule: the 2-D weights inside the transformer layers (attention QKV
-    and projection, MLP matrices); embeddings, the output layer, norms and biases go to AdamW."""
-    return ndim == 2 and "layers." in name and "embedding" not in name and "output" not in name
+    and projection, MLP matrices); embeddings, the output layer, norms and biases go to AdamW.
+    An ``expert`` weight (issue 32) is a stack over the experts: a 3-D one [E, rows, cols] is E
+    matrices, each trained by Muon on its own (Moonlight trains its MoE experts so); a 2-D
+    stack [E, n] is E vectors (biases), trained by AdamW."""
+    if "layers." not in name or "embedding" in name or "output" in name:
+        return False
+    return ndim == (3 if expert else 2)
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:

@@ -33,7 +33,10 @@ that hold different experts of each MoE layer and exchange tokens by all-to-all;
 and ``expert_dp`` its expert-DP group (the DP x CP / EP ranks holding the same experts, over which expert
 gradients are reduced and partitioned; ledger kind ``expert_dp``). At EP 1 ``ep`` is this rank alone
 and ``expert_dp`` is the DP x CP group itself (the DP group at CP 1: same process group, same
-transport, same ledger kind).
+transport, same ledger kind). Hybrid sharding and hpZ split the expert-DP groups by host too
+(:meth:`Topology.expert_dp_host_groups`; :meth:`ParallelState.require_expert_host_groups`): a
+group already on one host, or with one rank per host, reuses the expert-DP group (no new process
+group).
 
 ``ParallelState.single_process()`` needs no process group at all; its groups have size 1 and every
 collective degenerates to a local copy.
@@ -62,7 +65,9 @@ class ParallelState:
                  host_groups: tuple[Group, Group] | None = None,
                  host_split_problem: str | None = None, cp: Group | None = None,
                  dp_cp: Group | None = None, ep: Group | None = None,
-                 expert_dp: Group | None = None):
+                 expert_dp: Group | None = None,
+                 expert_host_groups: tuple[Group, Group] | None = None,
+                 expert_host_problem: str | None = None):
         self.topology = topology
         self.rank = rank
         self.world = world
@@ -83,6 +88,10 @@ class ParallelState:
         else:
             self.dp_intra_host_group, self.dp_inter_host_group = (
                 host_groups if host_groups is not None else _one_host_groups(dp, ledger))
+        # the expert-DP groups split by host (EP > 1; at EP 1 the expert-DP group is DP x CP,
+        # whose split is the one above at CP 1)
+        self._expert_host_problem = expert_host_problem
+        self._expert_host_groups = expert_host_groups
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -116,15 +125,23 @@ class ParallelState:
             intra, inter = (topology.dp_intra_host_group_of(rank), topology.dp_inter_host_group_of(rank))
             host_groups = (Group(INTRA, intra, intra.index(rank), ledger),
                            Group(INTER, inter, inter.index(rank), ledger))
-        ep = expert_dp = None
+        ep = expert_dp = expert_hosts = None
+        expert_problem = topology.expert_dp_host_split_problem() if topology.ep_size > 1 else None
         if topology.ep_size > 1:
             ep_ranks, edp_ranks = topology.ep_group_of(rank), topology.expert_dp_group_of(rank)
             ep_rank, expert_dp_rank = topology.expert_coords(rank)
             ep = Group("ep", ep_ranks, ep_rank, ledger)
             expert_dp = Group("expert_dp", edp_ranks, expert_dp_rank, ledger)
+            if expert_problem is None:
+                intra_all, inter_all = topology.expert_dp_host_groups()
+                intra = next(g for g in intra_all if rank in g)
+                inter = next(g for g in inter_all if rank in g)
+                expert_hosts = (Group(EXPERT_INTRA, intra, intra.index(rank), ledger),
+                                Group(EXPERT_INTER, inter, inter.index(rank), ledger))
         return cls(topology, rank, world, tp, dp, torch.device("meta"), ledger, pp=pp,
                    embedding=embedding, mp=mp, host_groups=host_groups, host_split_problem=problem,
-                   cp=cp, dp_cp=dp_cp, ep=ep, expert_dp=expert_dp)
+                   cp=cp, dp_cp=dp_cp, ep=ep, expert_dp=expert_dp,
+                   expert_host_groups=expert_hosts, expert_host_problem=expert_problem)
 
     @classmethod
     def from_launch_env(cls, env: LaunchEnv, *, tensor_parallel_size: int = 1,
@@ -205,17 +222,22 @@ class ParallelState:
         problem = topology.dp_host_split_problem()
         host_groups = None if problem is not None else _make_host_groups(
             topology, rank, dp, ledger, backend, timeout, dp_transport, device)
-        ep = expert_dp = None
+        ep = expert_dp = expert_hosts = None
+        expert_problem = topology.expert_dp_host_split_problem() if topology.ep_size > 1 else None
         if topology.ep_size > 1:   # EP 1: ep is this rank alone, expert_dp the DP group (__init__)
             ep = _make_groups("ep", topology.ep_groups(), rank, ledger, backend, timeout)
             expert_dp = _make_groups("expert_dp", topology.expert_dp_groups(), rank, ledger,
                                      backend, timeout)
             expert_dp.shm = _dp_shared_memory(expert_dp, "gloo" if dp_transport == "gloo" else "auto",
                                               device, timeout)
+            if expert_problem is None:
+                expert_hosts = _make_expert_host_groups(topology, rank, expert_dp, ledger, backend,
+                                                        timeout)
         log.debug("rank %d: %s", rank, topology.describe())
         return cls(topology, rank, world, tp, dp, device, ledger, pp=pp, embedding=embedding, mp=mp,
                    host_groups=host_groups, host_split_problem=problem, cp=cp, dp_cp=dp_cp,
-                   ep=ep, expert_dp=expert_dp)
+                   ep=ep, expert_dp=expert_dp, expert_host_groups=expert_hosts,
+                   expert_host_problem=expert_problem)
 
     def require_host_groups(self, option: str) -> tuple[Group, Group]:
         """(intra-host, inter-host) DP groups for ``option``, or a ValueError saying why the layout
@@ -225,6 +247,19 @@ class ParallelState:
                              f"{self._host_split_problem}; choose a layout whose DP groups have "
                              f"as many ranks on every host")
         return self.dp_intra_host_group, self.dp_inter_host_group
+
+    def require_expert_host_groups(self, option: str) -> tuple[Group, Group]:
+        """(intra-host, inter-host) expert-DP groups for ``option`` (the expert parameters' class
+        under hybrid sharding or hpZ), or a ValueError saying why there are none. At EP 1 the
+        expert-DP group is the DP group: its split is :meth:`require_host_groups`'."""
+        if self.expert_dp is self.dp_cp:
+            return self.require_host_groups(option)
+        if self._expert_host_groups is None:
+            raise ValueError(f"{option} splits every expert-DP group by host, but "
+                             f"{self._expert_host_problem or 'this state has no such split'}; "
+                             f"choose a layout whose expert-DP groups have as many ranks on "
+                             f"every host")
+        return self._expert_host_groups
 
     # ---- coordinates -----------------------------------------------------------------------
     @property
@@ -311,6 +346,7 @@ def _dp_shared_memory(dp: Group, transport: str, device: torch.device,
 
 
 INTRA, INTER = "dp_intra_host", "dp_inter_host"   # ledger kinds of the host-split DP groups
+EXPERT_INTRA, EXPERT_INTER = "expert_dp_intra_host", "expert_dp_inter_host"   # their expert-DP peers
 DP_CP = "dp_cp"   # ledger kind of the DP x CP group (CP > 1); the trainer counts it as DP traffic
 
 
@@ -335,6 +371,24 @@ def _make_host_groups(topology: Topology, rank: int, dp: Group, ledger: CommLedg
                                   timeout)
     inter = _make_groups(INTER, inter_all, rank, ledger, backend, timeout)
     return intra, inter
+
+
+def _make_expert_host_groups(topology: Topology, rank: int, expert_dp: Group, ledger: CommLedger,
+                             backend: str, timeout: timedelta) -> tuple[Group, Group]:
+    """This rank's intra- and inter-host expert-DP groups (every rank takes part). A split with
+    one part reuses the expert-DP group's process group (every group on one host: intra is it;
+    one rank per host: inter is it)."""
+    intra_all, inter_all = topology.expert_dp_host_groups()
+    kinds = (EXPERT_INTRA, EXPERT_INTER)
+    reused = [Group(kind, expert_dp.ranks, expert_dp.rank, ledger, expert_dp.pg, expert_dp.timeout,
+                    shm=expert_dp.shm) for kind in kinds]
+    alone = [Group(kind, [rank], 0, ledger) for kind in kinds]
+    if all(len(g) == 1 for g in inter_all):   # every expert-DP group on one host
+        return reused[0], alone[1]
+    if all(len(g) == 1 for g in intra_all):   # one rank of each expert-DP group per host
+        return alone[0], reused[1]
+    return (_make_groups(EXPERT_INTRA, intra_all, rank, ledger, backend, timeout),
+            _make_groups(EXPERT_INTER, inter_all, rank, ledger, backend, timeout))
 
 
 def _make_groups(kind: str, all_groups: list[list[int]], rank: int, ledger: CommLedger,

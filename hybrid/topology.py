@@ -340,6 +340,34 @@ class Topology:
             inter += [list(column) for column in zip(*parts)]
         return intra, inter
 
+    def expert_dp_host_split_problem(self) -> str | None:
+        """Why the expert-DP groups cannot be split into equal per-host parts (None: they can)."""
+        for group in self.expert_dp_groups():
+            counts = [len(part) for part in self._by_host(group)]
+            if len(set(counts)) > 1:
+                return (f"the expert-DP group {group} has {'/'.join(map(str, counts))} ranks on "
+                        f"its {len(counts)} hosts of {self.gpus_per_node} GPUs: the expert-DP "
+                        f"ranks on a host must be the same number on every host")
+        return None
+
+    def expert_dp_host_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Every expert-DP group split by host, as :meth:`dp_host_groups` splits the DP groups
+        (hybrid sharding and hpZ for the expert parameters, issue 32). EP groups are consecutive
+        DP ranks, so a host may hold a single rank of an expert-DP group:
+
+            world 4, tp 1, 2 GPUs per node, EP 2   expert-DP [0, 2] [1, 3]
+            intra: [0] [2] [1] [3]                 inter: [0, 2] [1, 3]
+        """
+        problem = self.expert_dp_host_split_problem()
+        if problem is not None:
+            raise TopologyError(problem)
+        intra, inter = [], []
+        for group in self.expert_dp_groups():
+            parts = self._by_host(group)
+            intra += parts
+            inter += [list(column) for column in zip(*parts)]
+        return intra, inter
+
     def dp_intra_host_group_of(self, rank: int) -> list[int]:
         return next(p for p in self._by_host(self.dp_group_of(rank)) if rank in p)
 

@@ -228,6 +228,10 @@ class WeightsOnly:
     def state_replica(self) -> int:
         return self.engine.state_replica
 
+    @property
+    def expert_state_replica(self) -> int:
+        return self.engine.expert_state_replica
+
     def checkpoint_pieces(self):
         return self.engine.checkpoint_pieces()
 

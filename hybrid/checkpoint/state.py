@@ -100,6 +100,8 @@ def _writes(holder: CheckpointState, kind: str, layout: ParamLayout, state: Para
     replicated = holder.parameters_replicated if kind == "model" else holder.optimizer_state_replicated
     if replicated and layout.expert and _ep_group(state) is not None:
         return state.expert_dp.rank == 0   # each EP rank's experts: one copy per expert-DP group
+    if not replicated and layout.expert:   # hybrid sharding: the expert class's own host copies
+        return getattr(holder, "expert_state_replica", holder.state_replica) == 0
     # replicated over DP x CP (CP ranks hold the same model states as their DP rank's): once
     return state.dp_cp.rank == 0 if replicated else holder.state_replica == 0
 

@@ -88,6 +88,9 @@ class ZeroEngine:
         self.grad_divisor = float(state.dp_size)
         # copies of each owned gradient in the norm group (hybrid sharding: one per host)
         self.norm_replicas = self.replicas.size if self.replicas is not None else 1
+        # the expert class's copies across hosts under hybrid sharding (issue 32; set by the
+        # storage when it has an expert class)
+        self.expert_replicas = self.replicas
 
     def _init_step(self, optimizer_state: OptimizerStateBackend, pieces: list[OwnedPiece],
                    norm_group: Group, counted: list[bool] | None = None) -> None:
@@ -104,14 +107,14 @@ class ZeroEngine:
         self._micro_batches = 0
         self._ledger_mark, self._last_step_records = self.state.ledger.position, []
 
-    def _muon_setup(self, params, partitioned: bool) -> MuonSetup | None:
-        """--optimizer muon: Muon's matrices among ``(name, TP-local shape, partition_dim)`` rows
-        and its groups (the partition group, TP); None under AdamW."""
+    def _muon_setup(self, params, groups) -> MuonSetup | None:
+        """--optimizer muon: Muon's matrices among ``(name, TP-local shape, partition_dim,
+        expert, parameter class)`` rows and its groups (per parameter class, the partition group
+        or None when nothing is partitioned; TP); None under AdamW."""
         if self.config.muon is None:
             return None
         return MuonSetup(self.config.muon, muon_matrices(params, self.state.tp_size),
-                         self.shard_group if partitioned else None, self.state.tp,
-                         self.adamw.weight_decay)
+                         list(groups), self.state.tp, self.adamw.weight_decay)
 
     # ---- storage methods ---------------------------------------------------------------------
     def _land_gradients(self) -> None:
@@ -286,6 +289,12 @@ class ZeroEngine:
         """Which copy of its partitioned state this rank holds: 0 unless partitions are replicated
         across hosts (hybrid sharding), where only the first host's copy is written."""
         return self.replicas.rank if self.replicas is not None else 0
+
+    @property
+    def expert_state_replica(self) -> int:
+        """:attr:`state_replica` of the expert parameters' state (their copies across hosts are
+        counted over the expert-DP group's host split, issue 32)."""
+        return self.expert_replicas.rank if self.expert_replicas is not None else 0
 
     def checkpoint_pieces(self) -> list[Fragment]:
         return self._parameter_fragments() + self.owned_fragments()

@@ -57,8 +57,9 @@ from hybrid.tensor_parallel import grad_fusion
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
 from hybrid.zero.flat_class import ChunkOffset, FlatClass
+from hybrid.zero.host_groups import place_classes
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
+from hybrid.zero.param_classes import expert_dp_group, is_expert, split_classes
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter
 from hybrid.zero.reducer import FullGradients, GradientReduction, PartitionedGradients
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
@@ -86,7 +87,7 @@ class FlatEngine(ZeroEngine):
         # one flat buffer per parameter class (dense over DP, experts over expert-DP; issue 32)
         classes = split_classes(self.params, self.shard_group, expert_dp_group(state, expert_dp),
                                 state.dp_cp.size)   # dense replicas: DP x CP
-        check_expert_options(config, classes)
+        classes = place_classes(state, config, classes, self.replicas)   # hybrid: by host
         self.classes: list[FlatClass] = []
         for k, pclass in enumerate(classes):
             base = sum(len(c.layout.buckets) for c in self.classes)
@@ -108,9 +109,10 @@ class FlatEngine(ZeroEngine):
         optimizer_state = build_optimizer_state(
             offload, self._own_chunks(), pieces, adamw, mixed_precision=config.mixed_precision,
             device=self.device, rank=state.rank, resident_bytes=resident,
-            muon=self._muon_setup([(n, tuple(p.shape), getattr(p, "partition_dim", -1))
-                                   for n, p in zip(self.names, self.params)],
-                                  partitioned=self.partitions > 1))
+            muon=self._muon_setup([(c.names[i], tuple(p.shape), getattr(p, "partition_dim", -1),
+                                    is_expert(p), c.index)
+                                   for c in self.classes for i, p in enumerate(c.params)],
+                                  [c.group if c.partitions > 1 else None for c in self.classes]))
         for c in self.classes:
             c.write_masters(optimizer_state.write_master)
         for c in self.classes:   # frees the original values
@@ -135,17 +137,24 @@ class FlatEngine(ZeroEngine):
                       else state.mp)
         self.optimizer_state_replicated = self.partitions == 1 and self.replicas is None
         self.parameters_replicated = True
+        self.expert_replicas = next((c.replicas for c in self.classes if c.name == "expert"),
+                                    self.replicas)
+        # a class's gradients count once: on one rank of its group when not partitioned, on the
+        # first host's copy under hybrid sharding
         self._init_step(optimizer_state, pieces, norm_group,
-                        counted=[c.partitions > 1 or c.group.rank == 0 for c in self.classes])
+                        counted=[(c.partitions > 1 or c.group.rank == 0) and
+                                 (c.replicas is None or c.replicas.rank == 0)
+                                 for c in self.classes])
         if state.rank == 0:
             log.info("%s", self.memory_report())
 
     def _build_gradients(self, pclass: FlatClass, on_final) -> GradientReduction:
         """The gradient part this stage declares, for one parameter class."""
         options = dict(dtype=self.dtype, device=self.device,
-                       overlap=self.config.overlap_communication, replicas=self.replicas,
+                       overlap=self.config.overlap_communication, replicas=pclass.replicas,
                        on_final=on_final,
-                       reduce_scatter=(gradient_reduce_scatter(self.state, quantized=True)
+                       reduce_scatter=(gradient_reduce_scatter(self.state, quantized=True,
+                                                               expert=pclass.name == "expert")
                                        if self.config.quantized_gradients else None))   # qgZ
         if self.partitions_gradients:
             return PartitionedGradients(pclass.params, pclass.layout, pclass.group, **options)

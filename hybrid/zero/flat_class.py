@@ -28,6 +28,7 @@ class FlatClass:
                  params: list[nn.Parameter], *, bucket_size: int, alignment: int,
                  partitioned: bool, dtype: torch.dtype, device: torch.device, chunk_base: int):
         self.index, self.name, self.group = index, pclass.name, pclass.group
+        self.replicas = pclass.replicas   # hybrid sharding: the copies of each partition
         self.names = [names[i] for i in pclass.members]
         self.params = [params[i] for i in pclass.members]
         self.partitions, self.part_rank = ((self.group.size, self.group.rank) if partitioned

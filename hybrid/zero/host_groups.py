@@ -28,15 +28,27 @@ direct collectives of :mod:`hybrid.comm` (a peer on another host is (n-h)/(n-1) 
     plain stage 1/2   2 Ψ (n-h)/n      reduce-scatter + all-gather over DP
     hybrid 1/2        2 Ψ (k-1)/n
 
+With expert parallelism (issue 32) the expert parameters' class is partitioned over its
+expert-DP group; both options split that group by host the same way
+(:func:`expert_partition_groups`, :func:`expert_secondary_group`; the groups:
+:meth:`~hybrid.parallel_state.ParallelState.require_expert_host_groups`). EP groups are runs of
+consecutive DP ranks, so a host may hold one rank of an expert-DP group (h_e = 1): hybrid sharding
+then keeps the experts whole on each rank and all-reduces their gradients over the hosts, and
+hpZ's secondary partition of an expert unit is the whole unit (2 Ψ_e / h_e extra bytes). An
+expert-DP group on one host has no slow link: both options leave the expert class as plain ZeRO.
+
 With NCCL's rings, a DP ring over k hosts in blocks crosses at k of its n hops: plain stage 3 moves
 3 Ψ (n-1)/n x k/n across, hpZ 2 Ψ (n-1)/n x k/n, hybrid sharding as above.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hybrid.comm import Group
 from hybrid.parallel_state import ParallelState
 from hybrid.zero.config import ZeroConfig
+from hybrid.zero.param_classes import ParamClass
 
 HYBRID_FLAG, HPZ_FLAG = "--zero-hybrid-shard", "--zero-hpz"
 
@@ -70,4 +82,50 @@ def _host_groups(state: ParallelState, flag: str) -> tuple[Group, Group]:
                          f"({state.topology.gpus_per_node} ranks per host), so there is no slow "
                          f"link to avoid and the option would change nothing; drop the flag, or "
                          f"launch on several hosts (LOCAL_WORLD_SIZE / --gpus-per-node below DP)")
+    return intra, inter
+
+
+def place_classes(state: ParallelState, config: ZeroConfig, classes: list[ParamClass],
+                  dense_replicas: Group | None) -> list[ParamClass]:
+    """The parameter classes with the groups their partitions live in: the dense class's as
+    given (:func:`partition_groups`), the expert class's split by host under hybrid sharding
+    (:func:`expert_partition_groups`)."""
+    out = []
+    for c in classes:
+        if c.name == "expert":
+            group, replicas = expert_partition_groups(state, config, c.group)
+            out.append(replace(c, group=group, replicas=replicas))
+        else:
+            out.append(replace(c, replicas=dense_replicas))
+    return out
+
+
+def expert_partition_groups(state: ParallelState, config: ZeroConfig, expert_dp: Group
+                            ) -> tuple[Group, Group | None]:
+    """The expert class's (partition group, replicas): (``expert_dp``, None) plainly, its
+    (intra-host, inter-host) split with hybrid sharding (replicas None when the expert-DP group
+    sits on one host)."""
+    if not config.hybrid_shard:
+        return expert_dp, None
+    intra, inter = _expert_host_groups(state, HYBRID_FLAG, expert_dp)
+    return intra, (inter if inter.size > 1 else None)
+
+
+def expert_secondary_group(state: ParallelState, config: ZeroConfig, expert_dp: Group
+                           ) -> Group | None:
+    """hpZ's group for the expert units: the expert-DP ranks on this host, None without hpZ or
+    when the expert-DP group sits on one host (no cross-host gather to avoid)."""
+    if not config.hpz:
+        return None
+    intra, inter = _expert_host_groups(state, HPZ_FLAG, expert_dp)
+    return intra if inter.size > 1 else None
+
+
+def _expert_host_groups(state: ParallelState, flag: str, expert_dp: Group) -> tuple[Group, Group]:
+    intra, inter = state.require_expert_host_groups(flag)
+    if expert_dp.ranks != state.expert_dp.ranks:
+        raise ValueError(f"{flag}: the expert-DP group given to the engine ({expert_dp.ranks}) is "
+                         f"not the parallel state's ({state.expert_dp.ranks}), whose host split "
+                         f"it uses; build the state with --expert-model-parallel-size instead of "
+                         f"passing expert_dp")
     return intra, inter

@@ -27,7 +27,11 @@ ledger category ``muon``): ``2 (dp - 1) R b + (tp - 1) R b`` bytes, b = 2 (bf16 
 The fused QKV matrix is orthogonalised as one matrix (Megatron's ``--muon-no-split-qkv``); its TP
 layout is a row permutation of the canonical [Q; K; V], and Newton-Schulz commutes with row
 permutations, so every TP degree takes the same step. With PP each stage does the above over its
-own DP group. Offloaded optimizer state is refused (the update runs on the device's partition).
+own DP group. Expert stacks [E_local, rows, cols] (issue 32) are E_local matrices, each placed,
+owned and orthogonalised on its own; with expert parallelism the expert matrices are exchanged
+over their ZeRO class's group (expert-DP), the dense ones over DP (x CP), one
+:class:`_ClassExchange` each. Offloaded optimizer state is refused (the update runs on the
+device's partition).
 
 :class:`MuonOptimizerState` wraps the device backend (:mod:`.optimizer_state`), which runs AdamW on
 every other piece; the engines hold it through the same protocol and never ask which it is.
@@ -70,16 +74,25 @@ def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
 @dataclass(frozen=True)
 class MuonMatrix:
     """One Muon matrix: its TP-local shape, the TP dimension it is cut along (-1: replicated) and
-    the TP degree, from which its whole shape follows."""
+    the TP degree, from which its whole shape follows. An expert stack [E_local, rows, cols]
+    (issue 32) is E matrices: ``expert`` is the index in the stack (-1: a 2-D weight), and
+    ``param_class`` the ZeRO parameter class whose partitions hold it (0 dense; experts: the
+    class over the expert-DP group, :mod:`hybrid.zero.param_classes`)."""
 
     name: str
     local_shape: tuple[int, int]
     partition_dim: int
     tp: int
+    expert: int = -1
+    param_class: int = 0
 
     @property
     def numel(self) -> int:
         return self.local_shape[0] * self.local_shape[1]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.name, self.expert
 
     @property
     def whole_shape(self) -> tuple[int, int]:
@@ -92,12 +105,22 @@ class MuonMatrix:
 
 
 def muon_matrices(params, tp: int) -> list[MuonMatrix]:
-    """The Muon matrices among ``(name, TP-local shape, partition_dim)`` rows."""
+    """The Muon matrices among ``(name, TP-local shape, partition_dim[, expert, param_class])``
+    rows; an expert stack [E, rows, cols] (its ``partition_dim`` 1 or 2 counts the stack's
+    dimension) gives E matrices [rows, cols] cut along ``partition_dim - 1``."""
     out = []
-    for name, shape, dim in params:
-        if is_muon_param(name, len(shape)):
+    for name, shape, dim, *rest in params:
+        expert = bool(rest[0]) if rest else False
+        pclass = int(rest[1]) if len(rest) > 1 else 0
+        if not is_muon_param(name, len(shape), expert):
+            continue
+        if expert:
+            cut = int(dim) - 1 if tp > 1 and int(dim) >= 1 else -1
+            out += [MuonMatrix(name, (int(shape[1]), int(shape[2])), cut, tp, e, pclass)
+                    for e in range(int(shape[0]))]
+        else:
             out.append(MuonMatrix(name, (int(shape[0]), int(shape[1])),
-                                  int(dim) if tp > 1 else -1, tp))
+                                  int(dim) if tp > 1 else -1, tp, -1, pclass))
     return out
 
 
@@ -121,7 +144,8 @@ class MuonPlan:
 
     def __init__(self, matrices: list[MuonMatrix], ranks: int, steps: int):
         self.matrices, self.ranks = matrices, ranks
-        self.by_name = {m.name: i for i, m in enumerate(matrices)}
+        self.by_key = {m.key: i for i, m in enumerate(matrices)}
+        self.by_name = {m.name for m in matrices}
         self.owners = assign_owners(matrices, ranks, steps)
         fill = [0] * ranks
         self.offsets = []
@@ -131,35 +155,65 @@ class MuonPlan:
         self.region = max(fill) if fill else 0
         self.loads = fill
 
-    def position(self, name: str) -> int:
-        """Offset of matrix ``name``'s first element in the dp x R buffer."""
-        i = self.by_name[name]
+    def position(self, name: str, expert: int = -1) -> int:
+        """Offset of matrix ``name``'s (expert ``expert``'s) first element in the dp x R buffer."""
+        i = self.by_key[(name, expert)]
         return self.owners[i] * self.region + self.offsets[i]
 
     def owned(self, rank: int) -> list[int]:
         return [i for i, owner in enumerate(self.owners) if owner == rank]
 
+    def segments(self, piece: OwnedPiece) -> list[tuple[int, int, int]]:
+        """(offset in the dp x R buffer, offset in the piece, length) of the piece's elements, one
+        per matrix it covers: a 2-D weight's piece is one run; an expert stack's piece is cut at
+        the experts' boundaries (each expert's matrix has its own owner and place)."""
+        if (piece.name, -1) in self.by_key:
+            return [(self.position(piece.name) + piece.param_offset, 0, piece.numel)]
+        size = self.matrices[self.by_key[(piece.name, 0)]].numel   # one expert's elements
+        out, at, end = [], piece.param_offset, piece.param_offset + piece.numel
+        while at < end:
+            expert = at // size
+            stop = min(end, (expert + 1) * size)
+            out.append((self.position(piece.name, expert) + at - expert * size,
+                        at - piece.param_offset, stop - at))
+            at = stop
+        return out
+
+
+class _ClassExchange:
+    """Muon's exchange for one ZeRO parameter class: its plan over its partition ``group`` (None:
+    nothing partitioned) and this rank's pieces of its matrices, cut per matrix."""
+
+    def __init__(self, matrices: list[MuonMatrix], pieces: list[OwnedPiece], group: Group | None,
+                 steps: int):
+        self.group = group if group is not None and group.size > 1 else None
+        self.rank = self.group.rank if self.group is not None else 0
+        self.plan = MuonPlan(matrices, self.group.size if self.group is not None else 1, steps)
+        self.pieces = [(p, self.plan.segments(p)) for p in pieces if p.name in self.plan.by_name]
+        self.tp_sharded = any(m.partition_dim >= 0 for m in matrices)
+
 
 class MuonOptimizerState(OptimizerStateBackend):
     """Muon on the pieces of the Muon matrices, AdamW (``inner``, built over the other pieces only)
     on the rest; the master and both moment slots are the inner backend's (``exp_avg`` holds
-    Muon's momentum, ``exp_avg_sq`` stays zero for Muon pieces). ``dp_group``: the group the
-    partitions are cut over (None: every rank holds everything, stage 0); ``tp_group``: the TP
-    group (None or size 1: no TP)."""
+    Muon's momentum, ``exp_avg_sq`` stays zero for Muon pieces). ``groups``: per parameter class
+    (``OwnedPiece.param_class``), the group its partitions are cut over (None: every rank holds
+    everything, stage 0): the dense matrices are exchanged over DP (x CP), the experts' over
+    expert-DP, each class with its own owners; ``tp_group``: the TP group (None or size 1: no
+    TP)."""
 
     def __init__(self, inner: OptimizerStateBackend, pieces: list[OwnedPiece],
                  matrices: list[MuonMatrix], config: MuonConfig, *, weight_decay: float,
-                 dp_group: Group | None, tp_group: Group | None, device: torch.device):
+                 groups: Sequence[Group | None], tp_group: Group | None, device: torch.device):
         self.inner, self.config, self.weight_decay = inner, config, weight_decay
-        self.dp = dp_group if dp_group is not None and dp_group.size > 1 else None
         self.tp = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.device = device
         self.dtype = _NS_DTYPES[config.ns_dtype]
-        ranks = self.dp.size if self.dp is not None else 1
-        self.plan = MuonPlan(matrices, ranks, config.ns_steps)
-        self.rank = self.dp.rank if self.dp is not None else 0
-        self.pieces = [p for p in pieces if p.name in self.plan.by_name]
-        self._tp_sharded = any(m.partition_dim >= 0 for m in matrices)
+        present = sorted({m.param_class for m in matrices}) or [0]
+        self.exchanges = [_ClassExchange([m for m in matrices if m.param_class == k],
+                                         [p for p in pieces if p.param_class == k],
+                                         groups[k], config.ns_steps) for k in present]
+        self.plan = self.exchanges[0].plan    # the dense class's (the only one without experts)
 
     # ---- the protocol, delegated -------------------------------------------------------------
     @property
@@ -196,10 +250,12 @@ class MuonOptimizerState(OptimizerStateBackend):
 
     # ---- the step ------------------------------------------------------------------------------
     def expected_comm_bytes(self) -> float:
-        """Bytes per rank this state's step records under the ``muon`` ledger category."""
-        return muon_comm_bytes(self.plan.region, self.plan.ranks,
-                               self.tp.size if self.tp is not None else 1,
-                               self.config.ns_itemsize, self._tp_sharded)
+        """Bytes per rank this state's step records under the ``muon`` ledger category (the sum
+        over the parameter classes' exchanges)."""
+        return sum(muon_comm_bytes(x.plan.region, x.plan.ranks,
+                                   self.tp.size if self.tp is not None else 1,
+                                   self.config.ns_itemsize, x.tp_sharded)
+                   for x in self.exchanges if x.plan.matrices)
 
     def update(self, grads: list[torch.Tensor], params_out: Sequence[torch.Tensor], *, lr: float,
                grad_scale: float, skip: torch.Tensor | None = None) -> None:
@@ -208,45 +264,48 @@ class MuonOptimizerState(OptimizerStateBackend):
         Muon (no ``skips_on_device``), so ``skip`` is set only by direct callers."""
         if skip is not None and bool(skip):
             return
-        if self.plan.matrices:
-            self._muon(grads, lr, grad_scale)
+        for exchange in self.exchanges:   # the same classes in the same order on every rank
+            if exchange.plan.matrices:
+                self._muon(exchange, grads, lr, grad_scale)
         self.inner.update(grads, params_out, lr=lr, grad_scale=grad_scale)
 
     @torch.no_grad()
-    def _muon(self, grads: list[torch.Tensor], lr: float, grad_scale: float) -> None:
-        mu, plan = self.config.momentum, self.plan
+    def _muon(self, exchange: _ClassExchange, grads: list[torch.Tensor], lr: float,
+              grad_scale: float) -> None:
+        mu, plan, dp = self.config.momentum, exchange.plan, exchange.group
         masters, moms = self.inner.fragment_views("master"), self.inner.fragment_views("exp_avg")
         buffer = torch.zeros(plan.ranks * plan.region, dtype=self.dtype, device=self.device)
-        for p in self.pieces:                               # 1. elementwise on this rank's pieces
+        for p, segments in exchange.pieces:                 # 1. elementwise on this rank's pieces
             g = p.of(grads).float() / grad_scale
             m = p.of(moms)
             m32 = m.float().mul_(mu).add_(g)
             m.copy_(m32)
             u = g.add_(m32, alpha=mu) if self.config.nesterov else m32
-            start = plan.position(p.name) + p.param_offset
-            buffer[start:start + p.numel].copy_(u)
-        region = buffer.narrow(0, self.rank * plan.region, plan.region)
-        group = self.dp if self.dp is not None else self.tp
+            for start, at, length in segments:
+                buffer[start:start + length].copy_(u[at:at + length])
+        region = buffer.narrow(0, exchange.rank * plan.region, plan.region)
+        group = dp if dp is not None else self.tp
         with comm.labelled(group, COMM_CATEGORY) if group is not None else nullcontext():
-            if self.dp is not None:                         # 2. each owner gets its matrices whole
-                comm.reduce_scatter_into(region, buffer, self.dp)
-            self._orthogonalise(region)                     # 3. TP gather + Newton-Schulz
-            if self.dp is not None:                         # 4. updates back to every partition
-                comm.all_gather_into(buffer, region, self.dp)
-        for p in self.pieces:
-            start = plan.position(p.name) + p.param_offset
+            if dp is not None:                              # 2. each owner gets its matrices whole
+                comm.reduce_scatter_into(region, buffer, dp)
+            self._orthogonalise(exchange, region)           # 3. TP gather + Newton-Schulz
+            if dp is not None:                              # 4. updates back to every partition
+                comm.all_gather_into(buffer, region, dp)
+        for p, segments in exchange.pieces:
             master = p.of(masters)
             if p.decay and self.weight_decay:
                 master.mul_(1.0 - lr * self.weight_decay)
-            master.add_(buffer[start:start + p.numel].to(master.dtype), alpha=-lr)
+            for start, at, length in segments:
+                master[at:at + length].add_(buffer[start:start + length].to(master.dtype),
+                                            alpha=-lr)
 
-    def _orthogonalise(self, region: torch.Tensor) -> None:
+    def _orthogonalise(self, exchange: _ClassExchange, region: torch.Tensor) -> None:
         """Replace each owned matrix's Nesterov input in ``region`` by its scaled update (this TP
         rank's shard of the whole matrix's)."""
-        plan, owned = self.plan, self.plan.owned(self.rank)
+        plan, owned = exchange.plan, exchange.plan.owned(exchange.rank)
         tp = self.tp.size if self.tp is not None else 1
         whole = region
-        if self.tp is not None and self._tp_sharded:
+        if self.tp is not None and exchange.tp_sharded:
             whole = torch.empty(tp * plan.region, dtype=region.dtype, device=region.device)
             comm.all_gather_into(whole, region, self.tp)
         for i in owned:
@@ -273,7 +332,7 @@ class MuonSetup:
 
     config: MuonConfig
     matrices: list[MuonMatrix]
-    dp_group: Group | None     # the partition group (None: stage 0, nothing partitioned)
+    groups: Sequence[Group | None]   # per parameter class, its partition group (None: stage 0)
     tp_group: Group | None
     weight_decay: float
 
@@ -290,5 +349,5 @@ class MuonSetup:
         names = {m.name for m in self.matrices}
         inner = build_inner([p for p in pieces if p.name not in names])
         return MuonOptimizerState(inner, pieces, self.matrices, self.config,
-                                  weight_decay=self.weight_decay, dp_group=self.dp_group,
+                                  weight_decay=self.weight_decay, groups=self.groups,
                                   tp_group=self.tp_group, device=device)

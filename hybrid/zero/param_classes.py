@@ -36,11 +36,14 @@ EXPERT_ATTRIBUTE = "expert_parallel"   # contract 3 of issue 32
 @dataclass(frozen=True)
 class ParamClass:
     """One class of parameters: ``name`` ("dense", "expert"), the DP ``group`` its gradients are
-    reduced and its states partitioned over, and its members' indices in the engine's list."""
+    reduced and its states partitioned over, and its members' indices in the engine's list;
+    ``replicas``: hybrid sharding's inter-host group holding copies of each partition (None:
+    none; :func:`hybrid.zero.host_groups.place_classes`)."""
 
     name: str
     group: Group
     members: tuple[int, ...]
+    replicas: Group | None = None
 
 
 def is_expert(param: nn.Parameter) -> bool:
@@ -68,17 +71,3 @@ def split_classes(params: list[nn.Parameter], dense_group: Group, expert_group: 
     out = [ParamClass("dense", dense_group, dense)] if dense else []
     return out + [ParamClass("expert", expert_group, experts)]
 
-
-def check_expert_options(config, classes: list[ParamClass]) -> None:
-    """Options whose groups are built for the dense DP group alone are refused with experts."""
-    if len(classes) < 2 and classes[0].name == "dense":
-        return
-    refused = [flag for flag, on in (("--zero-hybrid-shard", config.hybrid_shard),
-                                     ("--zero-hpz", config.hpz),
-                                     ("--zero-quantized-gradients", config.quantized_gradients),
-                                     ("--zero-tile-factor > 1", config.tile_factor > 1),
-                                     ("--optimizer muon", config.muon is not None)) if on]
-    if refused:
-        raise ValueError(f"{', '.join(refused)} with expert-parallel parameters is not supported: "
-                         f"those options build their groups from the dense DP group only; drop "
-                         f"them, or train with --expert-model-parallel-size 1")

@@ -137,14 +137,24 @@ def hierarchical_reduce_scatter(output: torch.Tensor, full: torch.Tensor, intra:
     return _finish(_Continuation(finish), async_op)
 
 
-def gradient_reduce_scatter(state, quantized: bool):
+def gradient_reduce_scatter(state, quantized: bool, expert: bool = False):
     """qgZ's gradient reduce-scatter for the engines, called as ``fn(output, full, async_op=...,
     scratch=...)``: :func:`hierarchical_reduce_scatter` over the state's host subgroups of DP (it
     keeps its own buffers, ``scratch`` is unused); None without ``quantized`` (the engines keep
     their own, :func:`hybrid.comm.reduce_scatter_replicated`). ``state``: a
-    :class:`hybrid.parallel_state.ParallelState`."""
+    :class:`hybrid.parallel_state.ParallelState`. ``expert``: for the expert parameters' class
+    (issue 32), over the host subgroups of the expert-DP group instead (expert-DP rank r = host
+    x m + i as for DP: EP groups are consecutive DP ranks and the host split keeps rank order)."""
     if not quantized:
         return None
+    if expert:
+        intra, inter = state.require_expert_host_groups("--zero-quantized-gradients")
+        if intra.size * inter.size != state.expert_dp.size:
+            raise ValueError("--zero-quantized-gradients reduces the expert gradients inside each "
+                             "host, then across hosts, so it needs the same number of expert-DP "
+                             "ranks on every host; set --gpus-per-node to the machines' GPU count, "
+                             "or drop the flag")
+        return _hierarchical(intra, inter, tp_agreed_scales(state.tp))
     if state.cp_size > 1:
         raise ValueError(f"--zero-quantized-gradients reduces over the host split of DP, but under "
                          f"context parallelism (CP {state.cp_size}) gradients are reduced over DP x "
@@ -155,8 +165,10 @@ def gradient_reduce_scatter(state, quantized: bool):
                          "so it needs the same number of DP ranks on every host; this layout's DP "
                          "group is spread unevenly (set --gpus-per-node to the machines' GPU count, "
                          "or drop the flag)")
-    agree = tp_agreed_scales(state.tp)
+    return _hierarchical(intra, inter, tp_agreed_scales(state.tp))
 
+
+def _hierarchical(intra: Group, inter: Group, agree):
     def reduce(output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
                scratch: torch.Tensor | None = None):
         return hierarchical_reduce_scatter(output, full, intra, inter, async_op, agree)

@@ -55,9 +55,9 @@ from hybrid.zero import stage3_build as build
 from hybrid.zero import tiling
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.engine import ZeroEngine
-from hybrid.zero.host_groups import secondary_group
+from hybrid.zero.host_groups import expert_secondary_group, place_classes, secondary_group
 from hybrid.zero.optimizer_state import build_optimizer_state
-from hybrid.zero.param_classes import check_expert_options, expert_dp_group, split_classes
+from hybrid.zero.param_classes import expert_dp_group, is_expert, split_classes
 from hybrid.zero.pieces import OwnedPiece
 from hybrid.zero.quantized_collectives import gradient_reduce_scatter, tp_agreed_scales
 from hybrid.zero.report import MemoryReport, class_formula_bytes, measure_storages
@@ -98,10 +98,12 @@ class ParameterPartitioning(ZeroEngine):
         params = list({id(p): p for p in model.parameters()}.values())
         classes = split_classes(params, self.shard_group, expert_dp_group(state, expert_dp),
                                 state.dp_cp.size)   # dense replicas: DP x CP
-        check_expert_options(zero_config, classes)
+        classes = place_classes(state, zero_config, classes, self.replicas)   # hybrid: by host
         expert_class = next((c for c in classes if c.name == "expert"), None)
         expert_ids = {id(params[i]) for i in expert_class.members} if expert_class else set()
         self.expert_group = expert_class.group if expert_class else None
+        if expert_class is not None:
+            self.expert_replicas = expert_class.replicas
         plans = tiling.plan_tiles(model, modules, self.tile_factor, threshold)
         groups, small = build.assign_units(model, modules, threshold,
                                            tiled={id(t.param) for mine in plans for t in mine},
@@ -112,11 +114,16 @@ class ParameterPartitioning(ZeroEngine):
         self.persistent_numel = sum(p.numel() for _, p in small)
         init = build.initial_values(model, init_fn, seed)   # before make_units replaces parameters
         self.secondary_group = secondary_group(state, zero_config)
+        # hpZ for the expert units: the expert-DP ranks on this host (host_groups)
+        self.expert_secondary = (expert_secondary_group(state, zero_config, expert_class.group)
+                                 if expert_class is not None else None)
         layout = dict(dtype=self.dtype, device=self.device, alignment=zero_config.alignment_elements,
                       replicas=self.replicas, secondary_group=self.secondary_group)
         dense_units, self.persistent = build.make_units(model, groups, small, self.shard_group,
                                                         **layout)
-        expert_units = (build.make_units(model, expert_groups, [], self.expert_group, **layout,
+        expert_units = (build.make_units(model, expert_groups, [], self.expert_group,
+                                         **dict(layout, replicas=self.expert_replicas,
+                                                secondary_group=self.expert_secondary),
                                          name="expert_unit")[0]
                         if self.expert_group is not None else [None] * len(modules))
         # what the scheduler gathers per module (both classes' units as one UnitSet)
@@ -129,9 +136,13 @@ class ParameterPartitioning(ZeroEngine):
         if self.persistent is not None:
             self.all_units.append(self.persistent)
         reduce_scatter = gradient_reduce_scatter(state, zero_config.quantized_gradients)
+        expert_reduce_scatter = (gradient_reduce_scatter(state, zero_config.quantized_gradients,
+                                                         expert=True)
+                                 if self.expert_group is not None else None)   # qgZ over expert-DP
         for unit in self.all_units:   # qwZ spares the persistent unit: gathered once a step, small
             quantized = zero_config.quantized_weights and unit is not self.persistent
-            unit.use_collectives(reduce_scatter, quantized,
+            mine = expert_reduce_scatter if unit.group is self.expert_group else reduce_scatter
+            unit.use_collectives(mine, quantized,
                                  tp_agreed_scales(state.tp) if quantized else None,
                                  zero_config.quantized_weights_format)
         pieces = [OwnedPiece(seg.slot.name, k, seg.chunk_offset, seg.param_offset, seg.length,
@@ -143,9 +154,10 @@ class ParameterPartitioning(ZeroEngine):
             offload, [u.shard for u in self.all_units], pieces, adamw_config,
             mixed_precision=zero_config.mixed_precision, device=self.device, rank=state.rank,
             resident_bytes=self._resident_bytes(offload),
-            muon=self._muon_setup([(slot.name, slot.shape, getattr(slot.param, "partition_dim", -1))
+            muon=self._muon_setup([(slot.name, slot.shape, getattr(slot.param, "partition_dim", -1),
+                                    is_expert(slot.param), int(unit.group is self.expert_group))
                                    for unit in self.all_units for slot in unit.slots],
-                                  partitioned=True))
+                                  [self.shard_group, self.expert_group]))
         for k, unit in enumerate(self.all_units):   # the chunks and their fp32 masters
             unit.materialize(init, functools.partial(optimizer_state.write_master, k))
         if self.persistent is not None:
@@ -166,8 +178,9 @@ class ParameterPartitioning(ZeroEngine):
         comm.reserve_transport(self.shard_group, largest * self.dtype.itemsize)   # a whole unit
         if self.expert_group is not None:
             comm.reserve_transport(self.expert_group, largest * self.dtype.itemsize)
-        if self.secondary_group is not None:                                   # per collective
-            comm.reserve_transport(self.secondary_group, largest * self.dtype.itemsize)
+        for group in (self.secondary_group, self.expert_secondary):          # per collective
+            if group is not None:
+                comm.reserve_transport(group, largest * self.dtype.itemsize)
         self._reduce_buffers = _ReduceBuffers(largest, self.dtype, self.device,
                                               comm.needs_reduce_scratch(self.shard_group))
         self._module_of = {k: i for k, u in enumerate(self.all_units)   # unit -> sharding unit index
@@ -179,7 +192,10 @@ class ParameterPartitioning(ZeroEngine):
                                                           for slot in unit.slots))
         self.optimizer_state_replicated = False   # each DP rank holds its partition (Pos)
         self.parameters_replicated = False        # and of every unit (ZeRO §5.3 Pos+g+p)
-        self._init_step(optimizer_state, pieces, state.world)   # disjoint partitions
+        # disjoint partitions; with an expert class, each class counted on its first host's copy
+        self._init_step(optimizer_state, pieces, state.world,
+                        counted=None if self.expert_group is None else
+                        [r is None or r.rank == 0 for r in (self.replicas, self.expert_replicas)])
         if state.rank == 0:
             log.info("ZeRO stage 3: %d units\n%s", len(self.all_units), self.memory_report())
 
@@ -304,8 +320,8 @@ class ParameterPartitioning(ZeroEngine):
                        comm.transport_buffers(self.shard_group) +
                        (comm.transport_buffers(self.expert_group)
                         if self.expert_group is not None else []) +
-                       (comm.transport_buffers(self.secondary_group)
-                        if self.secondary_group is not None else []) +
+                       [t for g in (self.secondary_group, self.expert_secondary) if g is not None
+                        for t in comm.transport_buffers(g)] +
                        resident["buffers"]})
         param_bytes = torch.empty((), dtype=self.dtype).element_size()
         shares = {"dense": (self.psi - self.expert_psi, self.shard_group.size)}
@@ -315,8 +331,12 @@ class ParameterPartitioning(ZeroEngine):
                                       mixed_precision=self.config.mixed_precision,
                                       moment_bytes=self.adamw.moment_bytes_per_param)
         if self.secondary_group is not None:   # hpZ: 2(Ψ - persistent)/h in bf16
-            formula["param16_secondary"] = (param_bytes * (self.psi - self.persistent_numel)
+            formula["param16_secondary"] = (param_bytes * (self.psi - self.expert_psi -
+                                                           self.persistent_numel)
                                             / self.secondary_group.size)
+            if self.expert_secondary is not None:   # experts: 2 Ψ_e / h_e
+                formula["param16_secondary"] += (param_bytes * self.expert_psi
+                                                  / self.expert_secondary.size)
         return MemoryReport(self.stage, self.shard_group.size, self.state.tp_size,
                             self.config.precision, self.psi, measured, formula,
                             working_memory=self.working_memory(), tile_factor=self.tile_factor,
@@ -349,7 +369,7 @@ class ParameterPartitioning(ZeroEngine):
         out = {"padding": padding * per_elem, "persistent_params": float(persistent)}
         if self.secondary_group is not None:
             out["secondary_padding"] = param_bytes * sum(
-                u.secondary.numel() - u.numel / self.secondary_group.size
+                u.secondary.numel() - u.numel / u.secondary_group.size
                 for u in self.all_units if u.secondary is not None)
         return out
 

@@ -77,7 +77,8 @@ class TilePlan:
 def plan_tiles(model: nn.Module, modules: list[nn.Module], factor: int, threshold: int
                ) -> list[list[TilePlan]]:
     """Per sharding unit, the weights ``factor`` splits: the ``weight`` of every tileable
-    submodule large enough to be partitioned (``threshold``: ZeRO-3's persistence threshold).
+    submodule large enough to be partitioned (``threshold``: ZeRO-3's persistence threshold),
+    expert-parallel weights excepted (they are sharded over expert-DP, untiled).
     A weight whose rows ``factor`` does not divide is refused (the error names the values that
     do)."""
     if factor <= 1:
@@ -90,6 +91,8 @@ def plan_tiles(model: nn.Module, modules: list[nn.Module], factor: int, threshol
             weight = sub.weight
             if weight is None or weight.numel() < threshold or id(weight) not in names:
                 continue
+            if getattr(weight, "expert_parallel", False):   # issue 32: expert stacks stay whole
+                continue   # in their expert-DP units (a tile unit is partitioned over DP)
             rows = weight.shape[0]
             if rows % factor:
                 fits = [t for t in range(2, min(rows, 64) + 1) if rows % t == 0]

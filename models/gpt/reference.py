@@ -328,7 +328,8 @@ class ReferenceMuon:
     owners or collectives: each matrix chosen by :func:`hybrid.muon_config.is_muon_param` keeps a
     momentum buffer ``M <- mu M + G``; its update is orthogonalise(G + mu M) (Nesterov; M without
     it) by quintic Newton-Schulz in ``ns_dtype`` (fp32 for exact parity), times
-    ``config.scale(rows, cols)``, with decoupled weight decay:
+    ``config.scale(rows, cols)``, with decoupled weight decay (an expert stack [E, rows, cols]:
+    each expert's matrix on its own):
     ``W <- W (1 - lr wd) - lr scale O``. Every other parameter: ``torch.optim.AdamW`` (decay on
     ndim >= 2 only). ``step(lr)`` after ``backward``."""
 
@@ -336,7 +337,11 @@ class ReferenceMuon:
                  weight_decay: float, ns_dtype: torch.dtype = torch.float32):
         self.muon, self.wd, self.ns_dtype = muon, weight_decay, ns_dtype
         named = list(model.named_parameters())
-        self.matrices = [p for n, p in named if is_muon_param(n, p.dim())]
+        # expert stacks (issue 32): 3-D weights [E, rows, cols], or what the caller marks
+        # ``expert_parallel``; each [rows, cols] slice is its own matrix
+        self.matrices = [p for n, p in named
+                         if is_muon_param(n, p.dim(), p.dim() == 3 or
+                                          bool(getattr(p, "expert_parallel", False)))]
         chosen = {id(p) for p in self.matrices}
         rest = [p for _, p in named if id(p) not in chosen]
         self.momenta = [torch.zeros_like(p) for p in self.matrices]
@@ -377,6 +382,10 @@ class ReferenceMuon:
             grad = p.grad.float()
             buf.mul_(mu).add_(grad)
             direction = grad + mu * buf if self.muon.nesterov else buf
-            update = self.orthogonalise(direction) * self.muon.scale(*p.shape)
+            if p.dim() == 3:   # an expert stack: E matrices, orthogonalised one by one
+                update = torch.stack([self.orthogonalise(d) * self.muon.scale(*d.shape)
+                                      for d in direction])
+            else:
+                update = self.orthogonalise(direction) * self.muon.scale(*p.shape)
             p.mul_(1 - lr * self.wd)
             p.sub_(lr * update)

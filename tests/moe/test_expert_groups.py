@@ -62,3 +62,20 @@ def test_experts_must_split_over_ep():
         check_expert_split(6, 4)
     with pytest.raises(TopologyError, match="needs a mixture-of-experts model"):
         check_expert_split(None, 2)
+
+
+def test_expert_dp_host_split_for_hybrid_sharding_hpz_and_qgz():
+    """The expert-DP groups split by host (hybrid sharding, hpZ and qgZ of the expert class)."""
+    one_a_host = Topology(4, 1, gpus_per_node=2, expert_model_parallel_size=2)
+    assert one_a_host.expert_dp_host_groups() == ([[0], [2], [1], [3]], [[0, 2], [1, 3]])
+    two_a_host = Topology(8, 1, gpus_per_node=4, expert_model_parallel_size=2)
+    intra, inter = two_a_host.expert_dp_host_groups()
+    assert intra == [[0, 2], [4, 6], [1, 3], [5, 7]] and inter == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    state = ParallelState.dry_run(two_a_host, rank=6)
+    hosts = state.require_expert_host_groups("--zero-hpz")
+    assert [(g.kind, g.ranks, g.rank) for g in hosts] == [
+        ("expert_dp_intra_host", [4, 6], 1), ("expert_dp_inter_host", [2, 6], 1)]
+    uneven = Topology(6, 1, gpus_per_node=3, expert_model_parallel_size=2)   # [0, 2] | [4]
+    assert "expert-DP group [0, 2, 4] has 2/1 ranks" in uneven.expert_dp_host_split_problem()
+    with pytest.raises(ValueError, match="--zero-hpz splits every expert-DP group by host"):
+        ParallelState.dry_run(uneven, rank=0).require_expert_host_groups("--zero-hpz")

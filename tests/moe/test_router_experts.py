@@ -72,6 +72,7 @@ def test_local_dispatcher_groups_by_expert_and_combines_with_probs():
     probs = torch.rand(t, k) * (index >= 0)
     d = LocalDispatcher(e)
     tokens, counts = d.dispatch(hidden, index, probs)
+    counts = counts.tolist()
     assert counts == [3, 4, 4]
     experts = torch.cat([torch.full((c,), float(i + 1)) for i, c in enumerate(counts)])
     out = d.combine(tokens * experts[:, None])               # expert i multiplies by i + 1

@@ -32,6 +32,10 @@ the EP group, EP rank e holding experts ``e*E/EP .. (e+1)*E/EP - 1``. Two dispat
   reduce-scatter returns each rank its tokens' sums. Simple, and it needs no counts, but it moves
   every token to every rank: worth it only for small EP or top-k close to E.
 
+Under ``--compile`` (models/gpt/compile.py) the EP dispatchers' ``dispatch`` and ``combine`` run
+eagerly between the compiled regions (``torch.compiler.disable``), like the TP collectives: they
+communicate through hybrid.comm's ledger and size their outputs by counts read on the host.
+
 Bytes per MoE layer and step: docs/moe.md, "Communication" (the ledger test checks them).
 """
 
@@ -183,6 +187,7 @@ class _EPDispatcher:
 class AllToAllDispatcher(_EPDispatcher):
     """``alltoall``: variable-size all-to-all of exactly the routed tokens over the EP group."""
 
+    @torch.compiler.disable   # communicates and sizes by the counts: eager between compiled regions
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_routes(hidden, expert_index, probs)
@@ -209,6 +214,7 @@ class AllToAllDispatcher(_EPDispatcher):
         self._saved = (regroup, send, recv, token, probs.reshape(-1)[route], num_tokens)
         return received[regroup], recv_counts.sum(0)
 
+    @torch.compiler.disable
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         regroup, send, recv, token, weights, num_tokens = self._take_saved()
         back = torch.empty_like(regroup)
@@ -221,6 +227,7 @@ class AllGatherDispatcher(_EPDispatcher):
     """``allgather``: every EP rank sees every token and keeps the routes to its own experts.
     Every rank of the group must hold the same number of tokens (equal micro-batches)."""
 
+    @torch.compiler.disable   # communicates and sizes by the counts: eager between compiled regions
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_routes(hidden, expert_index, probs)
@@ -242,6 +249,7 @@ class AllGatherDispatcher(_EPDispatcher):
         self._saved = (token, every_probs.reshape(-1)[route], num_tokens * group.size)
         return every_hidden[token], counts
 
+    @torch.compiler.disable
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         token, weights, every_tokens = self._take_saved()
         summed = _weighted_sum(expert_out, weights, token, every_tokens)     # [EP*T, h] partial

@@ -81,6 +81,20 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(d * size % 16 == 0 for d in dims)
 
 
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` outside any compiled graph: its fake-tensor (meta) kernel in torch 2.13
+    accepts bf16 only, although the CPU kernel runs fp32, so under --compile an fp32 grouped GEMM
+    runs eagerly between compiled regions (a graph break; the same kernel as without compile)."""
+    return torch._grouped_mm(x, weight_t, offs=offs)
+
+
+def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, weight_t, offs=offs)      # traced and compiled with the layer
+    return _grouped_mm_eager(x, weight_t, offs)
+
+
 def padded_bmm(x: torch.Tensor, weight_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x [N, in] grouped by expert, weight_t [E, in, out] -> [N, out], one ``bmm`` over experts
     padded to the largest count."""
@@ -125,10 +139,10 @@ class GroupedSwiGLUExperts(nn.Module):
         if self.use_grouped_mm and x.size(0) > 0 and grouped_mm_supported(x, w1, w2):
             # offsets from the device counts: no host read
             offs = torch.cumsum(torch.as_tensor(counts, device=x.device), 0).to(torch.int32)
-            y = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))              # [N, 2f/tp]
+            y = _ContiguousGrad.apply(_grouped_mm(x, w1, offs))                          # [N, 2f/tp]
             gate, up = y.view(y.size(0), y.size(1) // 2, 2).unbind(dim=-1)
             act = F.silu(gate) * up                                                      # [N, f/tp]
-            out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))          # [N, h]
+            out = _ContiguousGrad.apply(_grouped_mm(act, w2, offs))                      # [N, h]
         else:
             # the padded product sizes its batch by the largest count: one host read
             counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)

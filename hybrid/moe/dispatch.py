@@ -195,14 +195,14 @@ class AllToAllDispatcher(_EPDispatcher):
         num_tokens, k = expert_index.shape
         flat = expert_index.reshape(-1)                                          # [T*k]
         key = torch.where(flat >= 0, flat, torch.full_like(flat, self.num_experts))   # dropped last
-        order = torch.sort(key, stable=True).indices                             # by expert = by rank
+        order = torch.sort(key, stable=True).indices                         # by expert = by rank
         per_expert = count_routes(key, self.num_experts + 1)[:-1]                # [E]
         send_counts = per_expert.view(ep, local)             # row j: to rank j, per local expert
         recv_counts = comm.exchange_counts(send_counts, self.group)   # row i: from rank i
         # the split sizes, the one host read of this dispatcher (all_to_all_v takes them as ints)
         sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         send, recv = sizes[:ep], sizes[ep:]
-        route = order[:sum(send)]                                                # [S] flat route ids
+        route = order[:sum(send)]                                            # [S] flat route ids
         token = torch.div(route, k, rounding_mode="floor")                      # [S] source token
         received = all_to_all_rows(hidden[token], recv, send, self.group)       # [R, h]
         # received is (source rank, local expert)-major; regroup to (local expert, source rank)
@@ -239,8 +239,8 @@ class AllGatherDispatcher(_EPDispatcher):
         comm.all_gather_into(every_index, expert_index.contiguous(), group)
         flat = every_index.reshape(-1)
         first = group.rank * local
-        mine = (flat >= first) & (flat < first + local)                       # dropped: -1, not mine
-        key = torch.where(mine, flat - first, torch.full_like(flat, local))   # local id, others last
+        mine = (flat >= first) & (flat < first + local)                   # dropped: -1, not mine
+        key = torch.where(mine, flat - first, torch.full_like(flat, local))  # local id, others last
         order = torch.sort(key, stable=True).indices
         counts = count_routes(key, local + 1)[:-1]                            # [E_local]
         # the routes to this rank's experts: their number is the one host read (the rows' count)

@@ -65,7 +65,8 @@ def _params(model) -> dict[str, torch.Tensor]:
 def _poison_expert_gradient(trainer) -> None:
     """Rank 0 only: the first MoE layer's expert fc1 gradient is Inf in iteration ``POISONED``
     (rank 1 holds other experts and sees finite gradients)."""
-    weight = next(p for n, p in trainer.model.named_parameters() if n.endswith("experts.fc1.weight"))
+    weight = next(p for n, p in trainer.model.named_parameters()
+                  if n.endswith("experts.fc1.weight"))
     if trainer.state.rank == 0:
         weight.register_hook(lambda g: g * float("inf") if trainer.ts.iteration == POISONED else g)
 

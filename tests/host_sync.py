@@ -8,6 +8,11 @@ file:line). Each of them would wait for the device on a GPU (``to``/``cpu`` a de
 copy), so a step with zero recorded calls has no host sync on any device. The patch is undone on
 exit; calls inside torch's own Python code count too (they would sync just the same).
 
+Also counted, as ``"hidden <name>"``: the operations whose output SIZE depends on tensor values,
+which CUDA computes by waiting for the device although no value reaches Python - ``nonzero``,
+``masked_select``, indexing with a boolean mask, ``bincount`` (its length is the maximum), and
+``repeat_interleave`` with tensor repeats and no ``output_size`` - when called from Python.
+
 Not counted: reads made by :data:`HOST_TRANSPORTS`, the shared-memory collectives of CPU ranks,
 which poll their own counters in host memory (a GPU run uses NCCL, never them).
 """
@@ -21,6 +26,20 @@ import torch
 
 HOST_TRANSPORTS = ("hybrid/shm_collectives.py",)
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+_HIDDEN_METHODS = ("nonzero", "masked_select", "bincount", "repeat_interleave", "__getitem__")
+_HIDDEN_FUNCTIONS = ("nonzero", "masked_select", "bincount", "repeat_interleave")
+
+
+def _hidden_sync(name: str, args, kwargs) -> bool:
+    """Whether this call of ``name`` sizes its output from tensor values (module docstring)."""
+    if name == "__getitem__":
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    return True
 
 
 class HostReads(contextlib.AbstractContextManager):
@@ -53,12 +72,24 @@ class HostReads(contextlib.AbstractContextManager):
             return original(tensor, *args, **kwargs)
         return patched
 
+    def _wrap_hidden(self, name: str, original):
+        def patched(*args, **kwargs):
+            if self.active and _hidden_sync(name, args, kwargs):
+                self._record(f"hidden {name}")
+            return original(*args, **kwargs)
+        return patched
+
     def __enter__(self) -> "HostReads":
-        for name in _READS + ("to",):
+        for name in _READS + ("to",) + _HIDDEN_METHODS:
             self._saved[name] = getattr(torch.Tensor, name)
         for name in _READS:
             setattr(torch.Tensor, name, self._wrap(name, self._saved[name]))
+        for name in _HIDDEN_METHODS:
+            setattr(torch.Tensor, name, self._wrap_hidden(name, self._saved[name]))
         torch.Tensor.to = self._wrap_to(self._saved["to"])
+        self._saved_functions = {name: getattr(torch, name) for name in _HIDDEN_FUNCTIONS}
+        for name, original in self._saved_functions.items():
+            setattr(torch, name, self._wrap_hidden(name, original))
         self.active = True
         return self
 
@@ -66,6 +97,8 @@ class HostReads(contextlib.AbstractContextManager):
         self.active = False
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
+        for name, original in self._saved_functions.items():
+            setattr(torch, name, original)
 
     @contextlib.contextmanager
     def paused(self):

@@ -5,7 +5,8 @@ the routing probabilities.
 The interface every dispatcher implements (the EP dispatchers of expert parallelism too):
 
     dispatch(hidden [T, h], expert_index [T, k] int64, probs [T, k] fp32)
-        -> tokens [N, h] grouped by local expert in expert order, counts: list[int] (E_local)
+        -> tokens [N, h] grouped by local expert in expert order, counts [E_local] int64 on the
+           device (the experts' grouped GEMM offsets come from it without a host read)
     combine(expert_out [N, h]) -> [T, h]: y_t = sum_j probs[t, j] * out(t, j), over the routes kept
 
 Routes with expert index -1 (dropped by the capacity, :mod:`hybrid.moe.router`) are excluded: no
@@ -31,6 +32,10 @@ the EP group, EP rank e holding experts ``e*E/EP .. (e+1)*E/EP - 1``. Two dispat
   reduce-scatter returns each rank its tokens' sums. Simple, and it needs no counts, but it moves
   every token to every rank: worth it only for small EP or top-k close to E.
 
+Under ``--compile`` (models/gpt/compile.py) the EP dispatchers' ``dispatch`` and ``combine`` run
+eagerly between the compiled regions (``torch.compiler.disable``), like the TP collectives: they
+communicate through hybrid.comm's ledger and size their outputs by counts read on the host.
+
 Bytes per MoE layer and step: docs/moe.md, "Communication" (the ledger test checks them).
 """
 
@@ -40,44 +45,42 @@ import torch
 
 from hybrid import comm
 from hybrid.comm import Group
+from hybrid.moe.router import count_routes
 from hybrid.tensor_parallel.mappings import apply_communicating
 
 
 class LocalDispatcher:
-    """All experts local (EP 1)."""
+    """All experts local (EP 1). ``dropless`` (no capacity: no route is ever dropped) keeps every
+    shape static: all ``T k`` routes are rows, nothing is read on the host. With a capacity the
+    number of routes kept is read once (the rows' count; docs/moe.md, "Host synchronisation")."""
 
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, dropless: bool = False):
+        self.num_experts, self.dropless = num_experts, dropless
         self._state = None
 
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor,
-                 probs: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+                 probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, k = expert_index.shape
         flat = expert_index.reshape(-1)                                      # [T k] route -> expert
-        kept = flat >= 0
         # dropped routes sort after every expert and are cut off
-        key = torch.where(kept, flat, torch.full_like(flat, self.num_experts))
+        key = torch.where(flat >= 0, flat, torch.full_like(flat, self.num_experts))
         order = torch.sort(key, stable=True).indices                         # routes by expert
-        counts_t = torch.bincount(flat[kept], minlength=self.num_experts)
-        counts = counts_t.tolist()
-        order = order[:sum(counts)]                                          # [N]
+        counts = count_routes(key, self.num_experts + 1)[:-1]                # [E] on the device
+        if not self.dropless:
+            order = order[:int(counts.sum())]                                # [N] (host read)
         token = order // k                                                   # [N] source token
-        self._state = (token, order, probs, t, counts_t)
+        self._state = (token, order, probs, t)
         return hidden.index_select(0, token), counts                         # [N, h]
 
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         if self._state is None:
             raise RuntimeError("combine() needs a dispatch() first")
-        token, order, probs, t, _ = self._state
+        token, order, probs, t = self._state
         self._state = None
         weight = probs.reshape(-1).index_select(0, order)                    # [N] fp32
         weighted = expert_out.float() * weight.unsqueeze(1)                  # [N, h] fp32
         out = weighted.new_zeros(t, expert_out.size(1)).index_add(0, token, weighted)
         return out.to(expert_out.dtype)                                      # [T, h]
-
-    def offsets(self) -> torch.Tensor:
-        """Cumulative counts [E] int32 on the device (grouped GEMM offsets, no host read)."""
-        return torch.cumsum(self._state[4], 0).to(torch.int32)
 
 
 DISPATCHER_TYPES = ("alltoall", "allgather")
@@ -184,33 +187,36 @@ class _EPDispatcher:
 class AllToAllDispatcher(_EPDispatcher):
     """``alltoall``: variable-size all-to-all of exactly the routed tokens over the EP group."""
 
+    @torch.compiler.disable   # communicates and sizes by the counts: eager between compiled regions
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
-                 ) -> tuple[torch.Tensor, list[int]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_routes(hidden, expert_index, probs)
         ep, local = self.group.size, self.num_local_experts
         num_tokens, k = expert_index.shape
         flat = expert_index.reshape(-1)                                          # [T*k]
-        kept = (flat >= 0).nonzero().squeeze(1)                                  # routes not dropped
-        experts = flat[kept]
-        order = torch.sort(experts, stable=True).indices                         # by expert = by rank
-        route = kept[order]                                                      # [S] flat route ids
-        token = torch.div(route, k, rounding_mode="floor")                      # [S] source token
-        per_expert = torch.bincount(experts, minlength=self.num_experts)         # [E]
+        key = torch.where(flat >= 0, flat, torch.full_like(flat, self.num_experts))   # dropped last
+        order = torch.sort(key, stable=True).indices                         # by expert = by rank
+        per_expert = count_routes(key, self.num_experts + 1)[:-1]                # [E]
         send_counts = per_expert.view(ep, local)             # row j: to rank j, per local expert
         recv_counts = comm.exchange_counts(send_counts, self.group)   # row i: from rank i
-        send = send_counts.sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
+        # the split sizes, the one host read of this dispatcher (all_to_all_v takes them as ints)
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        send, recv = sizes[:ep], sizes[ep:]
+        route = order[:sum(send)]                                            # [S] flat route ids
+        token = torch.div(route, k, rounding_mode="floor")                      # [S] source token
         # index_select, not hidden[token]: its backward is an index_add, cheaper on a CPU than
         # the accumulating index_put of advanced indexing
         received = all_to_all_rows(hidden.index_select(0, token), recv, send, self.group)  # [R, h]
         # received is (source rank, local expert)-major; regroup to (local expert, source rank)
-        block = torch.repeat_interleave(
-            torch.arange(ep * local, device=hidden.device), recv_counts.reshape(-1).to(hidden.device))
+        block = torch.repeat_interleave(torch.arange(ep * local, device=hidden.device),
+                                        recv_counts.reshape(-1).to(hidden.device),
+                                        output_size=sum(recv))
         source, expert = torch.div(block, local, rounding_mode="floor"), block % local
         regroup = torch.sort(expert * ep + source, stable=True).indices         # [R]
         self._saved = (regroup, send, recv, token, probs.reshape(-1)[route], num_tokens)
-        return received.index_select(0, regroup), recv_counts.sum(0).tolist()
+        return received.index_select(0, regroup), recv_counts.sum(0)
 
+    @torch.compiler.disable
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         regroup, send, recv, token, weights, num_tokens = self._take_saved()
         back = torch.empty_like(regroup)
@@ -224,8 +230,9 @@ class AllGatherDispatcher(_EPDispatcher):
     """``allgather``: every EP rank sees every token and keeps the routes to its own experts.
     Every rank of the group must hold the same number of tokens (equal micro-batches)."""
 
+    @torch.compiler.disable   # communicates and sizes by the counts: eager between compiled regions
     def dispatch(self, hidden: torch.Tensor, expert_index: torch.Tensor, probs: torch.Tensor
-                 ) -> tuple[torch.Tensor, list[int]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_routes(hidden, expert_index, probs)
         group, local = self.group, self.num_local_experts
         num_tokens, k = expert_index.shape
@@ -233,17 +240,19 @@ class AllGatherDispatcher(_EPDispatcher):
         every_probs = apply_communicating(_GatherRows, probs, group, group=group)      # [EP*T, k]
         every_index = expert_index.new_empty((num_tokens * group.size, k))
         comm.all_gather_into(every_index, expert_index.contiguous(), group)
+        flat = every_index.reshape(-1)
         first = group.rank * local
-        flat = every_index.reshape(-1) - first                                # local expert id
-        mine = ((flat >= 0) & (flat < local) & (every_index.reshape(-1) >= 0)).nonzero().squeeze(1)
-        experts = flat[mine]
-        order = torch.sort(experts, stable=True).indices
-        route = mine[order]                                                   # [N] flat route ids
+        mine = (flat >= first) & (flat < first + local)                   # dropped: -1, not mine
+        key = torch.where(mine, flat - first, torch.full_like(flat, local))  # local id, others last
+        order = torch.sort(key, stable=True).indices
+        counts = count_routes(key, local + 1)[:-1]                            # [E_local]
+        # the routes to this rank's experts: their number is the one host read (the rows' count)
+        route = order[:int(counts.sum())]                                     # [N] flat route ids
         token = torch.div(route, k, rounding_mode="floor")                   # [N] in EP*T tokens
         self._saved = (token, every_probs.reshape(-1)[route], num_tokens * group.size)
-        counts = torch.bincount(experts, minlength=local).tolist()
         return every_hidden.index_select(0, token), counts
 
+    @torch.compiler.disable
     def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         token, weights, every_tokens = self._take_saved()
         summed = _weighted_sum(expert_out, weights, token, every_tokens)     # [EP*T, h] partial

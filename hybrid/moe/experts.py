@@ -81,6 +81,20 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(d * size % 16 == 0 for d in dims)
 
 
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` outside any compiled graph: its fake-tensor (meta) kernel in torch 2.13
+    accepts bf16 only, although the CPU kernel runs fp32, so under --compile an fp32 grouped GEMM
+    runs eagerly between compiled regions (a graph break; the same kernel as without compile)."""
+    return torch._grouped_mm(x, weight_t, offs=offs)
+
+
+def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, weight_t, offs=offs)      # traced and compiled with the layer
+    return _grouped_mm_eager(x, weight_t, offs)
+
+
 def padded_bmm(x: torch.Tensor, weight_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x [N, in] grouped by expert, weight_t [E, in, out] -> [N, out], one ``bmm`` over experts
     padded to the largest count."""
@@ -91,7 +105,8 @@ def padded_bmm(x: torch.Tensor, weight_t: torch.Tensor, counts: list[int]) -> to
         # weight, so the backward reaches the dispatcher's all-to-all as on every other rank
         return torch.mm(x, weight_t[0]) if e else x.new_zeros(n, weight_t.size(2))
     counts_t = torch.tensor(counts, device=x.device)
-    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts_t)       # [N]
+    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts_t,
+                                     output_size=n)                                 # [N]
     starts = torch.cumsum(counts_t, 0) - counts_t
     slot = expert * longest + torch.arange(n, device=x.device) - starts[expert]       # [N]
     padded = x.new_zeros(e * longest, x.size(1)).index_copy(0, slot, x)
@@ -114,8 +129,9 @@ class GroupedSwiGLUExperts(nn.Module):
         self.fc2 = ExpertWeight((num_local_experts, hidden, ffn // tp), 2, tp, device, dtype)
         self.use_grouped_mm = True   # False forces the padded batched product
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """tokens [N, h] (``counts[e]`` rows per local expert, in order) -> outputs [N, h]."""
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """tokens [N, h] (``counts[e]`` rows per local expert, in order; a device tensor, as the
+        dispatchers give it, or a list) -> outputs [N, h]."""
         x = copy_to_tp(tokens, self.group) if self.group.size > 1 else tokens
         # fc1's rows interleave gate and up (the checkpoint layout); one copy of the weight puts
         # the gate rows first, so the product is [gate | up] and silu and the product read
@@ -126,12 +142,15 @@ class GroupedSwiGLUExperts(nn.Module):
         w2 = self.fc2.weight.transpose(1, 2)                     # [E, f/tp, h]
         # no rows: the padded path (torch._grouped_mm's backward rejects empty operands)
         if self.use_grouped_mm and x.size(0) > 0 and grouped_mm_supported(x, w1, w2):
-            offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
-            y = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))              # [N, 2f/tp]
+            # offsets from the device counts: no host read
+            offs = torch.cumsum(torch.as_tensor(counts, device=x.device), 0).to(torch.int32)
+            y = _ContiguousGrad.apply(_grouped_mm(x, w1, offs))                          # [N, 2f/tp]
             gate, up = y.chunk(2, dim=-1)
             act = F.silu(gate) * up                                                      # [N, f/tp]
-            out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))          # [N, h]
+            out = _ContiguousGrad.apply(_grouped_mm(act, w2, offs))                      # [N, h]
         else:
+            # the padded product sizes its batch by the largest count: one host read
+            counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
             gate, up = padded_bmm(x, w1, counts).chunk(2, dim=-1)
             out = padded_bmm(F.silu(gate) * up, w2, counts)
         return reduce_from_tp(out, self.group) if self.group.size > 1 else out

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from hybrid import comm
 from hybrid.comm import Group
@@ -120,7 +119,7 @@ class Router(nn.Module):
         probs = self._probs(logits, scores, expert_index)
         if self.topk_scaling_factor is not None:
             probs = probs * self.topk_scaling_factor
-        load = torch.bincount(expert_index.reshape(-1), minlength=self.num_experts)
+        load = count_routes(expert_index, self.num_experts)
         if self.pending_load is not None and torch.is_grad_enabled():
             # training forward (recompute's first forward runs without grad: counted once)
             self.pending_load += load.float()
@@ -167,7 +166,8 @@ class Router(nn.Module):
             p = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
         else:
             p = scores if scores is not None else torch.softmax(logits, dim=-1)   # [T, E]
-        onehot = F.one_hot(expert_index, self.num_experts).sum(dim=1).float()    # [T, E] 0/1
+        # [T, E] 0/1 (the k choices are distinct); a scatter: one_hot checks its range on the host
+        onehot = logits.new_zeros(logits.shape, dtype=torch.float32).scatter_(1, expert_index, 1.0)
         c = cp.size if cp is not None else 1
         if kind == "aux_loss":   # over the whole micro-batch: T_g = T C tokens
             tokens = onehot.size(0) * c
@@ -210,6 +210,14 @@ def _sum_over_cp(counts: torch.Tensor, cp: Group | None) -> torch.Tensor:
     return counts
 
 
+def count_routes(index: torch.Tensor, n: int) -> torch.Tensor:
+    """Routes per value of ``index`` (any shape, values in 0..n-1): [n] int64 on its device.
+    A scatter-add, not ``torch.bincount``, which reads the maximum on the host on CUDA."""
+    flat = index.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 def capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
     """Routes one expert may take: ceil(factor * T * k / E)."""
     return math.ceil(factor * num_tokens * topk / num_experts)
@@ -247,7 +255,7 @@ def _keep_within_capacity(expert_index: torch.Tensor, probs: torch.Tensor, num_e
     flat_e, flat_p = expert_index.reshape(-1), probs.reshape(-1)
     by_prob = torch.sort(flat_p, descending=True, stable=True).indices
     by_expert = by_prob[torch.sort(flat_e[by_prob], stable=True).indices]    # grouped, prob-desc
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = count_routes(flat_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts                                # [E]
     rank_in_expert = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[by_expert]]
     keep = torch.empty_like(flat_e, dtype=torch.bool)

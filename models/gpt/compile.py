@@ -12,6 +12,9 @@ are, so parameter names, checkpoints and the hooks on the layer modules are unch
   collectives go through hybrid.comm's ledger and overlap asynchronously; docs/compile.md says why);
   on one rank they are identities and compile with the rest. The selective-recompute checkpoint of
   the attention core runs eagerly too (:func:`hybrid.recompute.checkpoint`).
+* **MoE layers** compile too; the expert-parallel dispatchers' ``dispatch`` / ``combine``
+  (communication, sizes read on the host) and the fp32 grouped GEMM (torch 2.13 traces
+  ``torch._grouped_mm`` in bf16 only) run eagerly between compiled regions (docs/moe.md).
 * **KV-cache decoding runs eagerly**: each new position would be a new graph.
 * **A token layout** (:class:`~models.gpt.token_layout.TokenLayout`, issue 31) is an argument of the
   compiled forward: the per-token rotary angles compile with the layer, the document-masked or

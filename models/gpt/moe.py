@@ -189,7 +189,8 @@ class MoELayer(nn.Module):
         set_tp_attributes(self.router.weight, tensor_model_parallel=False, partition_dim=-1)
         self.experts = GroupedSwiGLUExperts(e // ep_size, h, config.moe_ffn_hidden_size, group,
                                             device=device, dtype=dtype)
-        self.dispatcher = (LocalDispatcher(e) if ep_size == 1 else
+        self.dispatcher = (LocalDispatcher(e, dropless=config.moe_expert_capacity_factor is None)
+                           if ep_size == 1 else
                            make_dispatcher(config.moe_token_dispatcher_type, e, ep))
         self.shared_expert = None
         self.shared_expert_gate = None

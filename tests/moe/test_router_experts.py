@@ -72,6 +72,7 @@ def test_local_dispatcher_groups_by_expert_and_combines_with_probs():
     probs = torch.rand(t, k) * (index >= 0)
     d = LocalDispatcher(e)
     tokens, counts = d.dispatch(hidden, index, probs)
+    counts = counts.tolist()
     assert counts == [3, 4, 4]
     experts = torch.cat([torch.full((c,), float(i + 1)) for i, c in enumerate(counts)])
     out = d.combine(tokens * experts[:, None])               # expert i multiplies by i + 1
@@ -170,3 +171,43 @@ def test_aux_and_z_losses_are_accepted_under_pipeline_parallelism():
                   ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"]):
         cfg, _ = parse_args(moe + extra)   # the schedule scales them on every stage
         assert cfg.parallel.pipeline_model_parallel_size == 2 and cfg.model.moe_aux_loss_coeff == 0.01
+
+
+def test_dropless_dispatch_is_static_and_counts_on_the_device():
+    """LocalDispatcher(dropless=True) (no capacity: static shapes, no host read) gives the rows,
+    counts and combine of the general path; count_routes equals torch.bincount."""
+    from hybrid.moe.router import count_routes
+    t, k, e, h = 7, 2, 4, 3
+    hidden = torch.randn(t, h)
+    index = torch.stack([torch.randperm(e)[:k] for _ in range(t)])        # distinct per token
+    index[0] = torch.tensor([3, 1])                                          # expert 2 may be idle
+    probs = torch.rand(t, k)
+    general, static = LocalDispatcher(e), LocalDispatcher(e, dropless=True)
+    rows, counts = general.dispatch(hidden, index, probs)
+    rows_s, counts_s = static.dispatch(hidden, index, probs)
+    assert counts_s.device == hidden.device and counts_s.dtype == torch.int64
+    assert torch.equal(counts_s, torch.bincount(index.reshape(-1), minlength=e))
+    assert torch.equal(count_routes(index, e), counts_s) and torch.equal(counts, counts_s)
+    assert torch.equal(rows_s, rows) and rows_s.shape == (t * k, h)
+    out = rows * 2
+    torch.testing.assert_close(static.combine(out), general.combine(out), rtol=0, atol=0)
+
+
+def test_fp32_grouped_gemm_traces_under_compile():
+    """torch 2.13's fake kernel of torch._grouped_mm takes bf16 only: dynamo failed on the fp32
+    experts ("Expected inputs of BF16 type"); the fp32 product now runs eagerly between compiled
+    regions. aot_eager traces with fake tensors as inductor does (no C++ build: fast)."""
+    torch._dynamo.reset()
+    group = ParallelState.single_process().tp
+    experts = GroupedSwiGLUExperts(4, 16, 8, group)
+    with torch.no_grad():
+        experts.fc1.weight.normal_()
+        experts.fc2.weight.normal_()
+    x = torch.randn(10, 16, requires_grad=True)
+    counts = torch.tensor([3, 0, 5, 2])
+    eager = experts(x, counts)
+    (gx,) = torch.autograd.grad(eager.square().sum(), x)
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=False)(x, counts)
+    (cgx,) = torch.autograd.grad(compiled.square().sum(), x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cgx, gx, rtol=1e-6, atol=1e-6)

@@ -109,9 +109,19 @@ def _check(results, name):
             assert c["skipped"] == 0 and all(x == x for x in c["losses"])
 
 
+def _default_cases(rank, world):
+    from tests.moe.test_moe_host_sync import reads
+    return _count(rank, world, ["fp16-zero2"]), reads(rank, world, ["ep2-alltoall-dropless"], 1)
+
+
 def test_no_host_reads_in_a_step_fp16_overflow():
-    """The default set's case: ZeRO stage 2 at DP 2, fp16 with an overflowed (skipped) step."""
-    _check(run_on_ranks(_count, 2, args=(["fp16-zero2"],), timeout=300), "fp16-zero2")
+    """The default set's case: ZeRO stage 2 at DP 2, fp16 with an overflowed (skipped) step; in
+    the same ranks, a MoE step at EP 2 (tests/moe/test_moe_host_sync.py: its one documented read
+    per MoE layer and micro-batch)."""
+    from tests.moe.test_moe_host_sync import check
+    results = run_on_ranks(_default_cases, 2, timeout=300)
+    _check([dense for dense, _ in results], "fp16-zero2")
+    check([moe for _, moe in results], ["ep2-alltoall-dropless"], 1)
 
 
 @pytest.fixture(scope="module")

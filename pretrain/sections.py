@@ -341,8 +341,8 @@ class OptimizerSection:
     on_nonfinite: str = _help("bf16/fp32: a NaN/Inf loss or gradient skips the step or stops "
                               "the run, before any update (fp16: the loss scaler skips)",
                               default="skip")
-    optimizer: str = _help("adamw | muon (Muon for the transformer layers' 2-D weights, AdamW for "
-                           "embeddings, output layer, norms and biases; Megatron's 'adam' is "
+    optimizer: str = _help("adamw | muon (Muon for the transformer layers' weight matrices, each "
+                           "expert's separately, AdamW for embeddings, output layer, norms and biases; Megatron's 'adam' is "
                            "adamw)", default="adamw")
     muon_momentum: float = _help("Muon: SGD momentum mu", default=MuonConfig.momentum)
     muon_use_nesterov: bool = _help("Muon: Nesterov momentum (Megatron's default: off)",

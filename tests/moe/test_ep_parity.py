@@ -11,7 +11,8 @@ an expert's gradient on its EP rank already sums every EP rank's tokens), divide
 torch.optim.AdamW on the local tensors (elementwise, so the shards step like the whole). The slow
 cases add the ZeRO engines (stage 1, one stage 3), which reduce and partition the expert
 parameters over the expert-DP group, with sequence parallelism at TP 2.
-EP 2 x TP 1 runs by default; EP 4 x TP 1/2 and EP 2 x TP 2 are marked slow.
+EP 2 x TP 1 runs by default (and tests/moe/test_moe_recompute.py's full-recompute check of both
+dispatchers, in the same ranks); EP 4 x TP 1/2 and EP 2 x TP 2 are marked slow.
 """
 
 import pytest
@@ -28,6 +29,7 @@ from models.gpt.sharding import expert_slice, gather_canonical, gather_experts, 
 from tests.moe.test_moe_parity import ADAMW, BASE, BATCH, SEED, VARIANTS, data, reference_run
 from tests.moe.test_moe_parity import _train as zero_train
 from tests.moe.test_ep_dispatch import check_on_state
+from tests.moe.test_moe_recompute import check_plans, config_of as recompute_config
 
 
 def _config(variant: str, dispatcher: str) -> GPTConfig:
@@ -114,6 +116,10 @@ def _cases(rank, world_size, cases, dispatchers=False):
                                          dp_transport="gloo")
         if dispatchers:   # tests/moe/test_ep_dispatch.py's EP checks, in these ranks
             check_on_state(state)
+            # tests/moe/test_moe_recompute.py's EP check (~0.6 s each): under full recompute
+            # both dispatchers train, count metrics and loads exactly as without, bit for bit
+            for dispatcher in ("alltoall", "allgather"):
+                assert len(check_plans(state, recompute_config(dispatcher), ["full"])) == 1
         for variant, _, _, dispatcher, zero in [c for c in cases if c[1:3] == (tp, ep)]:
             config = _config(variant, dispatcher)
             ref_losses, ref_norms, ref_params = reference_run(config, batches, state.dp_size)

@@ -13,8 +13,11 @@ recompute equal the run without recompute bit for bit: losses, gradient norms, e
 parameter, the logged MoE metrics of every step, the pending loads and the expert biases. (The bias
 alone would not catch a doubled load: sign(mean - 2 load) = sign(mean - load).) EP 1 by default, and
 full recompute at EP 2 with both dispatchers inside tests/moe/test_ep_parity.py's default worker;
-every plan at EP 2 is marked slow.
+every plan at EP 2 is marked slow, and so is a trainer run at PP 2 (both layers MoE) with
+Megatron's full-recompute flags against the same run without.
 """
+
+import json
 
 import pytest
 import torch
@@ -138,3 +141,29 @@ def _ep2(rank, world_size):
 def test_moe_recompute_matches_no_recompute_ep2():
     checked = run_on_ranks(_ep2, 2, timeout=600)
     assert checked[0] == checked[1] and len(checked[0]) == 2 * len(PLANS)
+
+
+def _trainer(rank, world_size, work, extra):
+    from tests.moe.test_moe_metrics import MOE
+    from tests.training_helpers import make_trainer, tiny_args
+    log = f"{work}/log.jsonl"
+    make_trainer(tiny_args(iters=3, extra=MOE + ["--moe-layer-freq", "1", "1", "--jsonl-log", log]
+                           + extra)).train()
+    rows = [json.loads(line) for line in open(log) if line.strip()] if rank == 0 else []
+    return [{k: v for k, v in r["metrics"].items()
+             if k.startswith("moe/") or k in ("lm loss", "grad-norm")}
+            for r in rows if "lm loss" in r.get("metrics", {})]
+
+
+@pytest.mark.slow
+def test_trainer_pp2_full_recompute_logs_the_same(tmp_path):
+    """The trainer at PP 2, both layers MoE (so the first stage's aux-loss scale comes from the
+    schedule), with Megatron's --recompute-granularity full --recompute-method uniform: the logged
+    losses, grad norms and MoE metrics of 3 steps equal those of the run without (~25 s)."""
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]
+    logs = [run_on_ranks(_trainer, 2, args=(str(tmp_path / name),
+                                            ["--pipeline-model-parallel-size", "2"] + extra),
+                         timeout=600)[0] for name, extra in (("none", []), ("full", full))]
+    assert len(logs[0]) == 3 and "moe/layer0/tokens-per-expert/0" in logs[0][0]
+    assert logs[1] == logs[0]

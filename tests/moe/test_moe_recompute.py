@@ -13,8 +13,8 @@ recompute equal the run without recompute bit for bit: losses, gradient norms, e
 parameter, the logged MoE metrics of every step, the pending loads and the expert biases. (The bias
 alone would not catch a doubled load: sign(mean - 2 load) = sign(mean - load).) EP 1 by default, and
 full recompute at EP 2 with both dispatchers inside tests/moe/test_ep_parity.py's default worker;
-every plan at EP 2 is marked slow, and so is a trainer run at PP 2 (both layers MoE) with
-Megatron's full-recompute flags against the same run without.
+every plan at EP 2 is marked slow, and so are CP 2 x EP 2 (ring and all-to-all attention) and a
+trainer run at PP 2 (both layers MoE) with Megatron's full-recompute flags against the run without.
 """
 
 import json
@@ -167,3 +167,51 @@ def test_trainer_pp2_full_recompute_logs_the_same(tmp_path):
                          timeout=600)[0] for name, extra in (("none", []), ("full", full))]
     assert len(logs[0]) == 3 and "moe/layer0/tokens-per-expert/0" in logs[0][0]
     assert logs[1] == logs[0]
+
+
+def _train_cp(state, config, plan, comm_type):
+    """tests/moe/test_ep_cp_parity.py's step (masked loss, the trainer's CP split, ZeRO 1) under
+    ``plan``: per step the loss, grad norm, MoE metrics and pending loads; the params."""
+    from hybrid.zero.config import ZeroConfig
+    from hybrid.zero.factory import build_zero_optimizer
+    from pretrain.token_split import model_loss, split_micro_batch
+    from tests.moe import test_ep_cp_parity as cp_test
+    model = GPTModel(config, state, recompute=plan)
+    model.init_weights(SEED)
+    opt = build_zero_optimizer(model, state, ZeroConfig(stage=1, bucket_size=300), cp_test.ADAMW)
+    steps = []
+    for batch in cp_test._data()[:STEPS]:
+        opt.zero_grad()
+        mine = {k: v[cp_test._rows(state.dp_size, state.dp_rank)] for k, v in batch.items()}
+        loss = model_loss(model, split_micro_batch(mine, state, comm_type))
+        opt.backward(loss)
+        norm = torch.tensor(opt.step().grad_norm)
+        pending = [m.router.pending_load.clone() for m in model.moe_layers()]
+        model.update_expert_biases(state.dp_cp)
+        steps.append(dict(loss=loss.detach(), norm=norm, metrics=model.pop_moe_metrics(),
+                          pending=pending, bias=model.expert_biases()))
+    return steps, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _cp2_ep2(rank, world_size):
+    from tests.moe.test_ep_cp_parity import _config
+    state = ParallelState.initialize(Topology(world_size, 1, gpus_per_node=world_size, cp=2,
+                                              expert_model_parallel_size=2))
+    checked = []
+    for variant in ("top2-sigmoid-bias-drop-shared-z", "top2-sigmoid-bias-seqaux"):
+        for comm_type in ("p2p", "a2a"):
+            ref = _train_cp(state, _config(variant), None, comm_type)
+            for name in ("full", "selective"):
+                what = f"{variant} CP 2 EP 2 {comm_type} {name}"
+                _same(_train_cp(state, _config(variant), PLANS[name], comm_type), ref, what)
+                checked.append(what)
+    return checked
+
+
+@pytest.mark.slow
+def test_moe_recompute_matches_no_recompute_cp2_ep2():
+    """CP 2 = EP 2 (the router's statistics and capacity all-reduced / all-gathered over CP, ring
+    and all-to-all attention), expert bias with drops and with seq-aux: full and selective
+    recompute equal the run without, bit for bit (~15 s)."""
+    checked = run_on_ranks(_cp2_ep2, 2, timeout=600)
+    assert checked[0] == checked[1] and len(checked[0]) == 8

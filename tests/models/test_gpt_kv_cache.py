@@ -60,6 +60,7 @@ def _tp2(rank, world_size):
     return full.numpy(), pieces.numpy(), [(a.numpy(), b.numpy()) for a, b in _generations(model)]
 
 
+@pytest.mark.slow   # CI budget: the TP 1 cases stay in the default set
 def test_tp2_cache_matches():
     for full, pieces, generations in run_on_ranks(_tp2, 2, timeout=300):
         torch.testing.assert_close(torch.from_numpy(pieces), torch.from_numpy(full), rtol=1e-5, atol=1e-5)

@@ -53,6 +53,7 @@ def _ranks(rank, world, ckpt):
     return out
 
 
+@pytest.mark.slow   # CI budget: resharding is in the default set (tests/checkpoint/test_resharding.py)
 def test_llama_checkpoint_reshards(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     results = run_on_ranks(_ranks, 4, args=(ckpt,), timeout=600)

@@ -63,7 +63,7 @@ def test_kill9_under_torchrun_restarts_and_resumes_exactly(corpus, tmp_path):
     assert read_latest(Path(ckpt)) == "iter_0000006"
 
 
-@pytest.mark.parametrize("where", ["rank-file", "before-latest"])
+@pytest.mark.parametrize("where", ["rank-file", pytest.param("before-latest", marks=pytest.mark.slow)])   # CI budget
 def test_crash_inside_save_keeps_previous_checkpoint(corpus, tmp_path, where):
     ckpt = tmp_path / "ckpt"
     args = tiny_cli(corpus, tmp_path / "cache", iters=4, extra=SAVE + ["--save", str(ckpt),

@@ -43,7 +43,7 @@ from hybrid.perf.moe_comm import cp_scale_bytes, cp_statistics_bytes
 from pretrain.metrics import moe_metrics
 from pretrain.token_split import model_loss, split_micro_batch
 from tests.moe.test_moe_parity import ADAMW as MOE_ADAMW
-from tests.moe.test_moe_parity import BASE, SEED, STEPS, VARIANTS
+from tests.moe.test_moe_parity import BASE, SEED, STEPS, VARIANTS, oracle_adamw
 
 BATCH, SEQ = 4, 8
 ADAMW = dataclasses.replace(MOE_ADAMW, eps=1e-3)   # module docstring
@@ -78,10 +78,7 @@ def _reference(config: GPTConfig, data: list[dict], dp: int):
     model = ReferenceGPT(config)
     model.init_weights(SEED)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps,
-                            weight_decay=ADAMW.weight_decay)
+    opt = oracle_adamw(model, ADAMW)
     losses, norms, metrics = [], [], []
     for batch in data:
         opt.zero_grad()

@@ -71,15 +71,21 @@ def data():
              torch.randint(0, 101, (BATCH, 8), generator=g)) for _ in range(STEPS)]
 
 
+def oracle_adamw(model: torch.nn.Module, adamw=ADAMW) -> torch.optim.AdamW:
+    """The oracle's torch.optim.AdamW with ``adamw``'s settings, no decay on ndim < 2."""
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=adamw.lr, betas=adamw.betas, eps=adamw.eps,
+                             weight_decay=adamw.weight_decay)
+
+
 def reference_run(config: GPTConfig, batches, dp: int):
     """The oracle with torch.optim.AdamW (no decay on ndim < 2): (lm losses, grad norms, params)."""
     model = ReferenceGPT(config)
     model.init_weights(SEED)
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps,
-                            weight_decay=ADAMW.weight_decay)
+    opt = oracle_adamw(model)
     losses, norms = [], []
     for tokens, labels in batches:
         opt.zero_grad()

@@ -52,7 +52,6 @@ class TrainConfig:
         except ConfigError as err:
             raise TrainConfigError(str(err)) from None
         self._check_pipeline_layers()
-        self._check_moe_pipeline()
         self._check_experts()
         self._check_context_parallel()
         self._check_operations()
@@ -80,13 +79,6 @@ class TrainConfig:
                 f"--sequence-parallel shards the sequence over the TP ranks, but --seq-length {seq} "
                 f"is not divisible by --tensor-model-parallel-size {tp}; use a sequence length that "
                 f"is a multiple of {tp} or drop --sequence-parallel")
-
-    def _check_moe_pipeline(self) -> None:
-        """MoE aux / z losses train under pipeline parallelism (issue 32): the schedule gives every
-        stage their gradient scale before each backward (models/gpt/moe.py,
-        hybrid/pipeline/runner.py), so no MoE option is refused with
-        --pipeline-model-parallel-size > 1; MoE x PP rules belong here."""
-        return
 
     def _check_experts(self) -> None:
         """Expert parallelism (issue 32): the experts split evenly over the EP ranks. EP composes

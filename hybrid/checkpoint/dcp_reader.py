@@ -1,7 +1,7 @@
 """Read the tensors of a torch.distributed.checkpoint (DCP) directory, whole, without DCP's loader.
 
-DCP's own ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load``, which imports and
-calls whatever the file names. Here nothing is unpickled: ``.metadata`` (a protocol-4 pickle that
+DCP's own ``FileSystemReader`` unpickles ``.metadata``, which imports and calls whatever the file
+names. Here nothing is unpickled: ``.metadata`` (a protocol-4 pickle that
 torch's weights-only unpickler cannot parse) is read as data by :func:`read_metadata` - its opcode
 stream, interpreted by :mod:`hybrid.checkpoint.pickle_opcodes`, with the names it may hold in the
 fixed table :data:`METADATA_GLOBALS` (DCP's metadata dataclasses become inert records, ``torch.Size``,

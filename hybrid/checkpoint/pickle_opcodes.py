@@ -1,9 +1,9 @@
 """Read a pickle as data, without unpickling it (security review: no unpickling of checkpoint files).
 
 A pickle is a program for a stack machine whose instructions can import any module and call any
-function the file names. This module never runs that program: :mod:`pickletools` splits the file
-into opcodes (it only decodes their arguments; it imports and calls nothing) and :func:`parse`
-interprets the few opcodes that plain data needs - numbers, strings, bytes, tuples, lists, dicts,
+function the file names. This module never runs that program: :func:`opcodes` splits the file
+into opcodes and decodes their arguments (bytes to ints, floats, strings; nothing else) and
+:func:`parse` interprets the few opcodes that plain data needs - numbers, strings, bytes, tuples, lists, dicts,
 sets, the memo - building Python values itself. The classes and functions a file names (``GLOBAL``
 / ``STACK_GLOBAL``) are looked up, by their qualified name, in a fixed table the caller passes
 (e.g. DCP's in :mod:`hybrid.checkpoint.dcp_reader`); each entry says what to build here:
@@ -24,8 +24,8 @@ malformed file with :class:`~hybrid.checkpoint.format.CheckpointError`.
 
 from __future__ import annotations
 
-import pickletools
 import reprlib
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -96,6 +96,95 @@ class RecordType:
         return record
 
 
+# The opcodes, by byte (the pickle format, protocols 0-5). Each handled one's argument is read by
+# the named reader below; an opcode without a reader is still named (so a refusal can name it)
+# and its argument is never read: :class:`_Machine` refuses it first.
+_OPCODES = {
+    b"(": ("MARK", None), b".": ("STOP", None), b"0": ("POP", None), b"1": ("POP_MARK", None),
+    b"2": ("DUP", None), b"F": ("FLOAT", "float_line"), b"I": ("INT", "int_line"),
+    b"J": ("BININT", "s4"), b"K": ("BININT1", "u1"), b"L": ("LONG", "long_line"),
+    b"M": ("BININT2", "u2"), b"N": ("NONE", None), b"P": ("PERSID", None),
+    b"Q": ("BINPERSID", None), b"R": ("REDUCE", None), b"S": ("STRING", None),
+    b"T": ("BINSTRING", None), b"U": ("SHORT_BINSTRING", None), b"V": ("UNICODE", "text_line"),
+    b"X": ("BINUNICODE", "text4"), b"a": ("APPEND", None), b"b": ("BUILD", None),
+    b"c": ("GLOBAL", "global_lines"), b"d": ("DICT", None), b"}": ("EMPTY_DICT", None),
+    b"e": ("APPENDS", None), b"g": ("GET", "int_line"), b"h": ("BINGET", "u1"),
+    b"i": ("INST", None), b"j": ("LONG_BINGET", "u4"), b"l": ("LIST", None),
+    b"]": ("EMPTY_LIST", None), b"o": ("OBJ", None), b"p": ("PUT", "int_line"),
+    b"q": ("BINPUT", "u1"), b"r": ("LONG_BINPUT", "u4"), b"s": ("SETITEM", None),
+    b"t": ("TUPLE", None), b")": ("EMPTY_TUPLE", None), b"u": ("SETITEMS", None),
+    b"G": ("BINFLOAT", "f8"), b"\x80": ("PROTO", "u1"), b"\x81": ("NEWOBJ", None),
+    b"\x82": ("EXT1", None), b"\x83": ("EXT2", None), b"\x84": ("EXT4", None),
+    b"\x85": ("TUPLE1", None), b"\x86": ("TUPLE2", None), b"\x87": ("TUPLE3", None),
+    b"\x88": ("NEWTRUE", None), b"\x89": ("NEWFALSE", None), b"\x8a": ("LONG1", "long1"),
+    b"\x8b": ("LONG4", "long4"), b"B": ("BINBYTES", "bytes4"), b"C": ("SHORT_BINBYTES", "bytes1"),
+    b"\x8c": ("SHORT_BINUNICODE", "text1"), b"\x8d": ("BINUNICODE8", "text8"),
+    b"\x8e": ("BINBYTES8", "bytes8"), b"\x8f": ("EMPTY_SET", None), b"\x90": ("ADDITEMS", None),
+    b"\x91": ("FROZENSET", None), b"\x92": ("NEWOBJ_EX", None), b"\x93": ("STACK_GLOBAL", None),
+    b"\x94": ("MEMOIZE", None), b"\x95": ("FRAME", "u8"), b"\x96": ("BYTEARRAY8", None),
+    b"\x97": ("NEXT_BUFFER", None), b"\x98": ("READONLY_BUFFER", None),
+}
+_FIXED = {"u1": "<B", "u2": "<H", "s4": "<i", "u4": "<I", "u8": "<Q", "f8": ">d"}
+_SIZED = {"text1": ("<B", "text"), "text4": ("<I", "text"), "text8": ("<Q", "text"),
+          "bytes1": ("<B", "bytes"), "bytes4": ("<I", "bytes"), "bytes8": ("<Q", "bytes"),
+          "long1": ("<B", "long"), "long4": ("<i", "long")}
+
+
+class _Reader:
+    """A cursor over the file's bytes; every read past the end is a ValueError."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise ValueError(f"an argument at byte {self.pos} is cut short")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def line(self) -> str:
+        end = self.data.find(b"\n", self.pos)
+        if end < 0:
+            raise ValueError(f"a text argument at byte {self.pos} has no end of line")
+        out = self.data[self.pos:end].decode("latin-1")
+        self.pos = end + 1
+        return out
+
+    def arg(self, kind: str):
+        if kind in _FIXED:
+            fmt = _FIXED[kind]
+            return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        if kind in _SIZED:
+            fmt, what = _SIZED[kind]
+            raw = self.take(struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0])
+            return {"text": lambda: raw.decode("utf-8", "surrogatepass"), "bytes": lambda: raw,
+                    "long": lambda: int.from_bytes(raw, "little", signed=True)}[what]()
+        text = self.line()
+        if kind == "int_line":   # protocol 0 writes True / False as I01 / I00
+            return text == "01" if text in ("00", "01") else int(text)
+        if kind == "long_line":
+            return int(text[:-1] if text.endswith("L") else text)
+        if kind == "float_line":
+            return float(text)
+        if kind == "text_line":
+            return text.encode("latin-1").decode("raw-unicode-escape")
+        return f"{text} {self.line()}"   # global_lines: "module name"
+
+
+def opcodes(data: bytes):
+    """(name, argument) of each opcode of ``data`` up to and including STOP."""
+    reader = _Reader(data)
+    while True:
+        byte = reader.take(1)
+        if byte not in _OPCODES:
+            raise ValueError(f"at position {reader.pos - 1}, opcode {byte!r} unknown")
+        name, kind = _OPCODES[byte]
+        yield name, reader.arg(kind) if kind is not None else None
+        if name == "STOP":
+            return
+
+
 Global = Constant | Function | EnumType | RecordType
 _MARK = object()       # the MARK opcode's entry on the stack
 _PUSH_ARG = {"BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4", "BINFLOAT", "FLOAT",
@@ -146,7 +235,7 @@ class _Machine:
         return entry
 
     def step(self, name: str, arg) -> None:
-        """Apply one opcode (``arg``: its argument as pickletools decoded it)."""
+        """Apply one opcode (``arg``: its argument as :func:`opcodes` decoded it)."""
         stack = self.stack
         if name in _PUSH_ARG:
             stack.append(arg)
@@ -256,20 +345,19 @@ def parse(data: bytes, table: Mapping[str, Global], label: str):
     ``label`` names the file in errors."""
     machine = _Machine(table, label)
     try:
-        for opcode, arg, pos in pickletools.genops(data):
-            if opcode.name == "STOP":
+        for name, arg in opcodes(data):
+            if name == "STOP":
                 if len(machine.stack) != 1:
                     raise ValueError(f"STOP with {len(machine.stack)} values on the stack, not 1")
                 return machine.stack[0]
-            if opcode.name == "PROTO" and not 2 <= arg <= HIGHEST_PROTOCOL:
+            if name == "PROTO" and not 2 <= arg <= HIGHEST_PROTOCOL:
                 raise ValueError(f"unsupported pickle protocol {arg}")
-            if opcode.name not in ("PROTO", "FRAME"):   # FRAME only groups opcodes for buffered reads
-                machine.step(opcode.name, arg)
+            if name not in ("PROTO", "FRAME"):   # FRAME only groups opcodes for buffered reads
+                machine.step(name, arg)
     except CheckpointError:
         raise
     except (ValueError, TypeError, IndexError, KeyError, UnicodeDecodeError) as err:
-        # genops: a byte that is no opcode, an argument cut short, no STOP; ours: stack misuse,
+        # opcodes(): a byte that is no opcode, an argument cut short; the machine: stack misuse,
         # unhashable keys, a Function's argument check
         raise CheckpointError(f"{label} is not a well-formed pickle ({err}); is it truncated or "
                               f"damaged?") from None
-    raise CheckpointError(f"{label} ends without a STOP opcode; is it truncated?")
